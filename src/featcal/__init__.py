@@ -1,0 +1,44 @@
+"""featcal: merge fine-tuned transformers, then calibrate the merge back toward its experts (FeatCal).
+
+Public API:
+    merge(base, experts, method=..., out=None, **params)        -> state dict / checkpoint
+    calibrate(merged, base=..., experts=..., calibration=..., config=FeatCalConfig())
+"""
+
+from __future__ import annotations
+
+from featcal.config import FeatCalConfig, MergeConfig
+from featcal.errors import (
+    CalibrationDataError,
+    CheckpointError,
+    ConfigError,
+    FeatCalError,
+    OutputExistsError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FeatCalConfig",
+    "MergeConfig",
+    "FeatCalError",
+    "CheckpointError",
+    "ConfigError",
+    "CalibrationDataError",
+    "OutputExistsError",
+    "merge",
+    "calibrate",
+]
+
+
+def __getattr__(name: str):
+    # Lazy: `import featcal` stays cheap, and each entry point lives in its own module.
+    if name == "merge":
+        from featcal.merging.api import merge
+
+        return merge
+    if name == "calibrate":
+        from featcal.calibration.api import calibrate
+
+        return calibrate
+    raise AttributeError(f"module 'featcal' has no attribute {name!r}")

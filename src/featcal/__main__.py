@@ -1,0 +1,5 @@
+import sys
+
+from featcal.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""The `featcal` command line: one sub-module per sub-command, each exposing `register(subparsers)`."""

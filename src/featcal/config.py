@@ -1,0 +1,123 @@
+"""One validated schema behind the Python API, the CLI flags and YAML run files.
+
+Every option featcal accepts is a field here, with its default and its valid range, so that a bad
+value is rejected with the same message whichever way it arrived, before any work starts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from featcal.errors import ConfigError
+
+MergeMethod = Literal["average", "task_arithmetic", "ties", "dare_ta", "dare_ties"]
+MERGE_METHODS: tuple[str, ...] = MergeMethod.__args__  # type: ignore[attr-defined]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+
+class MergeConfig(_Strict):
+    """How to merge: the method and its hyperparameters (unused ones are ignored by the method)."""
+
+    method: MergeMethod = "task_arithmetic"
+    scaling: float = Field(0.3, gt=0.0, le=10.0, description="s in θ0 + s·Σ(θt−θ0) (TA, TIES, DARE)")
+    density: float = Field(0.2, gt=0.0, le=1.0, description="TIES: fraction of each task vector kept")
+    drop_rate: float = Field(0.5, ge=0.0, lt=1.0, description="DARE: probability p of dropping an entry")
+    seed: int = Field(0, ge=0, description="DARE: random seed of the drop masks")
+
+
+class FeatCalConfig(_Strict):
+    """FeatCal hyperparameters (defaults: the authors' demo, ../shared/SPEC.md §2)."""
+
+    lambda_ratio: float = Field(0.05, ge=0.0, description="ridge λ toward the anchor")
+    anchor_blend_rho: float = Field(2.2, description="anchor Ā = ρ·θm + (1−ρ)·θ0")
+    teacher_interp_alpha: float = Field(0.25, ge=0.0, le=1.0, description="x~ = α·xe + (1−α)·xs")
+    covariance_eps: float = Field(1e-8, ge=0.0, description="ε added to the Gram diagonal")
+    calibrate_bias: bool = True
+    calibrate_layernorm: bool = True
+    num_calibration_examples: int = Field(256, ge=1, description="examples per task")
+    calibration_batch_size: int = Field(16, ge=1)
+    cls_token_weight: float = Field(0.01, ge=0.0, le=1.0, description="weight of non-class tokens, last CLIP/ViT block")
+    seed: int = Field(0, ge=0, description="which calibration examples are drawn")
+    chain_dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="dtype in which block-input chains are stored between blocks"
+    )
+    spill_dir: Path | None = Field(None, description="spill block-input chains to this directory instead of RAM")
+    device: str = Field("cpu", description="torch device for the block forwards and solves")
+
+    @field_validator("device")
+    @classmethod
+    def _device_known(cls, v: str) -> str:
+        if v not in ("cpu", "cuda", "auto") and not v.startswith("cuda:"):
+            raise ValueError(f"device must be cpu, cuda, cuda:N or auto, not {v!r}")
+        return v
+
+
+class MergeSpec(_Strict):
+    """The merge section of a run file: inputs plus how to merge them."""
+
+    base: str
+    experts: dict[str, str]
+    method: MergeMethod = "task_arithmetic"
+    params: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("experts")
+    @classmethod
+    def _non_empty(cls, v: dict[str, str]) -> dict[str, str]:
+        if not v:
+            raise ValueError("at least one expert is needed")
+        return v
+
+    def merge_config(self) -> MergeConfig:
+        return parse(MergeConfig, {"method": self.method, **self.params})
+
+
+class CalibrateSpec(_Strict):
+    """The calibration section of a run file: data per task plus FeatCal hyperparameters."""
+
+    calibration: dict[str, str]
+    config: dict[str, Any] = Field(default_factory=dict)
+
+    def featcal_config(self) -> FeatCalConfig:
+        return parse(FeatCalConfig, self.config)
+
+
+class RunConfig(_Strict):
+    """A whole `featcal run FILE.yaml`: merge, then optionally calibrate, into `out`."""
+
+    merge: MergeSpec
+    calibrate: CalibrateSpec | None = None
+    out: str
+    overwrite: bool = False
+    allow_pickle: bool = False
+
+
+def parse(model: type[BaseModel], data: dict[str, Any]):
+    """Validate `data` into `model`, turning pydantic's errors into one readable ConfigError."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            where = ".".join(str(p) for p in err["loc"]) or model.__name__
+            problems.append(f"{where}: {err['msg']}")
+        raise ConfigError(f"invalid {model.__name__}: " + "; ".join(problems)) from None
+
+
+def load_run_file(path: str | Path) -> RunConfig:
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"run file {p} does not exist")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{p} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p} must hold a mapping at the top level")
+    return parse(RunConfig, data)

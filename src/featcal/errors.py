@@ -1,0 +1,23 @@
+"""Exceptions featcal raises for input it refuses, so the CLI can print them without a traceback."""
+
+from __future__ import annotations
+
+
+class FeatCalError(Exception):
+    """Base class: a problem with the user's input or environment, reported as one clear message."""
+
+
+class CheckpointError(FeatCalError):
+    """A checkpoint is missing, unreadable, unsafe to load, or does not match the others."""
+
+
+class ConfigError(FeatCalError):
+    """An option, method name or parameter value is invalid."""
+
+
+class CalibrationDataError(FeatCalError):
+    """A calibration set is empty, too small, or does not fit the model."""
+
+
+class OutputExistsError(FeatCalError):
+    """The output directory exists and is not empty, and overwriting was not requested."""

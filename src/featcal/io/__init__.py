@@ -1,0 +1,1 @@
+"""Checkpoint reading, atomic output writing and run reports."""

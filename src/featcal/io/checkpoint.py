@@ -1,0 +1,162 @@
+"""Lazy, safe reading of Hugging Face checkpoints (local directories or hub ids).
+
+Tensors are read one at a time through `safetensors.safe_open` (memory-mapped), so code that walks a
+checkpoint holds at most the tensors it is using. Pickled weights (`*.bin`) are refused unless the
+caller opts in, and are then read with `torch.load(weights_only=True)`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from featcal.errors import CheckpointError
+
+SAFE_SINGLE = "model.safetensors"
+SAFE_INDEX = "model.safetensors.index.json"
+PICKLE_SINGLE = "pytorch_model.bin"
+PICKLE_INDEX = "pytorch_model.bin.index.json"
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"]
+
+
+def resolve_checkpoint(path_or_id: str | os.PathLike, *, allow_pickle: bool = False) -> Path:
+    """Return a local directory for a checkpoint: the path itself, or a hub snapshot.
+
+    The hub path honours HF_HOME and HF_HUB_OFFLINE; without network it fails with one clear message.
+    """
+    path = Path(path_or_id)
+    if path.exists():
+        if not path.is_dir():
+            raise CheckpointError(f"checkpoint {path} is a file; featcal expects a checkpoint directory")
+        return path
+    text = str(path_or_id)
+    if text.startswith((".", "/", "~")) or text.count("/") > 1:
+        raise CheckpointError(f"checkpoint directory {text} does not exist")
+    try:
+        from huggingface_hub import snapshot_download
+
+        patterns = HUB_PATTERNS + (["*.bin"] if allow_pickle else [])
+        return Path(snapshot_download(text, allow_patterns=patterns))
+    except Exception as exc:  # network, auth, missing repo: one message, no traceback
+        raise CheckpointError(
+            f"could not resolve checkpoint {text!r}: not a local directory and not reachable on the hub "
+            f"({type(exc).__name__}). Pass a local path, or set HF_HOME to a cache that holds it."
+        ) from None
+
+
+class CheckpointReader:
+    """Read-only view of one checkpoint's tensors, by name, without loading them all."""
+
+    def __init__(self, path_or_id: str | os.PathLike, *, allow_pickle: bool = False) -> None:
+        self.path = resolve_checkpoint(path_or_id, allow_pickle=allow_pickle)
+        self._files: dict[str, Path] = {}  # tensor name -> file
+        self._handles: dict[Path, object] = {}
+        self._pickled: dict[str, torch.Tensor] | None = None
+        index = self.path / SAFE_INDEX
+        single = self.path / SAFE_SINGLE
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self._files = {k: self.path / v for k, v in weight_map.items()}
+        elif single.exists():
+            self._files = {k: single for k in self._handle(single).keys()}
+        else:
+            others = sorted(p.name for p in self.path.glob("*.safetensors"))
+            if others:  # non-standard single-file name
+                for name in others:
+                    f = self.path / name
+                    self._files.update({k: f for k in self._handle(f).keys()})
+            elif (self.path / PICKLE_SINGLE).exists() or (self.path / PICKLE_INDEX).exists():
+                if not allow_pickle:
+                    raise CheckpointError(
+                        f"{self.path} holds only pickled weights (pytorch_model.bin); pickles can run code "
+                        "when loaded, so featcal refuses them. Convert to safetensors, or pass "
+                        "--allow-pickle (allow_pickle=True) to load them with torch.load(weights_only=True)."
+                    )
+                self._pickled = self._load_pickled()
+            else:
+                raise CheckpointError(f"no model weights (*.safetensors) found in {self.path}")
+        for f in set(self._files.values()):
+            if not f.exists():
+                raise CheckpointError(f"{self.path}: shard {f.name} named in the index is missing")
+
+    def _handle(self, file: Path):
+        if file not in self._handles:
+            try:
+                self._handles[file] = safe_open(str(file), framework="pt", device="cpu")
+            except Exception as exc:
+                raise CheckpointError(f"cannot read {file}: {exc} (truncated or not a safetensors file?)") from None
+        return self._handles[file]
+
+    def _load_pickled(self) -> dict[str, torch.Tensor]:
+        files = [self.path / PICKLE_SINGLE]
+        if (self.path / PICKLE_INDEX).exists():
+            wm = json.loads((self.path / PICKLE_INDEX).read_text())["weight_map"]
+            files = sorted({self.path / v for v in wm.values()})
+        out: dict[str, torch.Tensor] = {}
+        for f in files:
+            try:
+                out.update(torch.load(f, map_location="cpu", weights_only=True))
+            except Exception as exc:
+                raise CheckpointError(f"cannot load {f} with weights_only=True: {exc}") from None
+        return out
+
+    @property
+    def config(self) -> dict:
+        cfg = self.path / "config.json"
+        if not cfg.exists():
+            raise CheckpointError(f"{self.path} has no config.json")
+        return json.loads(cfg.read_text())
+
+    def keys(self) -> list[str]:
+        return sorted(self._pickled) if self._pickled is not None else sorted(self._files)
+
+    def __contains__(self, name: str) -> bool:
+        return name in (self._pickled if self._pickled is not None else self._files)
+
+    def get(self, name: str) -> torch.Tensor:
+        if self._pickled is not None:
+            return self._pickled[name]
+        if name not in self._files:
+            raise CheckpointError(f"{self.path}: tensor {name!r} is missing")
+        try:
+            return self._handle(self._files[name]).get_tensor(name)
+        except Exception as exc:
+            raise CheckpointError(f"{self.path}: cannot read tensor {name!r}: {exc}") from None
+
+    def meta(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
+        """Shape and dtype of a tensor without reading its data."""
+        if self._pickled is not None:
+            t = self._pickled[name]
+            return tuple(t.shape), t.dtype
+        sl = self._handle(self._files[name]).get_slice(name)
+        return tuple(sl.get_shape()), _DTYPES[sl.get_dtype()]
+
+    def items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for k in self.keys():
+            yield k, self.get(k)
+
+
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
+def copy_side_files(src: str | os.PathLike, dst: str | os.PathLike) -> list[str]:
+    """Copy a checkpoint's non-weight files (config, tokenizer, processor) into `dst`."""
+    copied = []
+    for p in Path(src).iterdir():
+        if p.is_file() and not p.name.endswith(WEIGHT_SUFFIXES) and not p.name.endswith(".index.json"):
+            if p.name in ("featcal.json",):
+                continue
+            shutil.copy2(p, Path(dst) / p.name)
+            copied.append(p.name)
+    return copied

@@ -1,0 +1,80 @@
+"""The JSON report (`featcal.json`) every command writes beside its output."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from featcal.io.atomic import atomic_write_text
+
+REPORT_NAME = "featcal.json"
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set size of this process so far, in MiB (Linux reports ru_maxrss in KiB)."""
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kib / 1024.0 if sys.platform != "darwin" else kib / 2**20
+
+
+def package_versions() -> dict[str, str]:
+    """Versions of the packages whose behaviour determines the output."""
+    out = {"python": platform.python_version()}
+    for name in ("featcal", "torch", "transformers", "safetensors", "numpy"):
+        try:
+            from importlib.metadata import version
+
+            out[name] = version(name)
+        except Exception:  # pragma: no cover - not installed
+            out[name] = "unknown"
+    return out
+
+
+def file_sha256(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def checkpoint_hashes(directory: str | os.PathLike) -> dict[str, str]:
+    """sha256 of each weight file and config of a checkpoint directory (what identifies an input)."""
+    d = Path(directory)
+    files = sorted(p for p in d.iterdir() if p.suffix in {".safetensors", ".json", ".bin"} and p.is_file())
+    return {p.name: file_sha256(p) for p in files}
+
+
+class Timer:
+    """Wall-clock timer used for the `seconds` field of reports."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+
+    @property
+    def seconds(self) -> float:
+        return time.perf_counter() - self.start
+
+
+def build_report(command: str, params: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    report: dict[str, Any] = {
+        "command": command,
+        "argv": sys.argv,
+        "params": params,
+        "versions": package_versions(),
+        "peak_rss_mb": round(peak_rss_mb(), 1),
+    }
+    report.update(extra)
+    return report
+
+
+def write_report(directory: str | os.PathLike, report: dict[str, Any], name: str = REPORT_NAME) -> Path:
+    path = Path(directory) / name
+    atomic_write_text(path, json.dumps(report, indent=2, sort_keys=False, default=str) + "\n")
+    return path

@@ -1,0 +1,90 @@
+"""Tiny random transformers and expert families for tests: built in temp dirs, seconds on CPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers as T
+
+KINDS = ("clip", "vit", "bert", "t5", "llama")
+
+
+def tiny_config(kind: str):
+    if kind == "clip":
+        return T.CLIPVisionConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            image_size=16, patch_size=4, num_channels=3,
+        )
+    if kind == "vit":
+        return T.ViTConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            image_size=16, patch_size=4, num_channels=3,
+        )
+    if kind == "bert":
+        return T.BertConfig(
+            vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            max_position_embeddings=64,
+        )
+    if kind == "t5":
+        return T.T5Config(
+            vocab_size=100, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+            decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+        )
+    if kind == "llama":
+        return T.LlamaConfig(
+            vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64,
+        )
+    raise ValueError(kind)
+
+
+def tiny_model(kind: str, seed: int = 0):
+    cls = {
+        "clip": T.CLIPVisionModel, "vit": T.ViTModel, "bert": T.BertModel,
+        "t5": T.T5ForConditionalGeneration, "llama": T.LlamaForCausalLM,
+    }[kind]
+    torch.manual_seed(seed)
+    model = cls(tiny_config(kind))
+    return model.eval()
+
+
+def perturbed(model, seed: int, scale: float = 0.05):
+    """A fake 'expert': the model with small random task-vector noise on every float parameter."""
+    import copy
+
+    out = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in out.parameters():
+            if p.is_floating_point():
+                p.add_(torch.randn(p.shape, generator=g) * scale * (p.std() if p.numel() > 1 else 1.0))
+    return out.eval()
+
+
+def save(model, directory: Path) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory)
+    return directory
+
+
+def make_family(kind: str, root: Path, n_experts: int = 3, scale: float = 0.05, seed: int = 0):
+    """Save a base and `n_experts` perturbed experts under `root`; return (base_dir, {name: dir})."""
+    base = tiny_model(kind, seed)
+    base_dir = save(base, root / "base")
+    experts = {f"task{i}": save(perturbed(base, seed + 100 + i, scale), root / f"expert{i}") for i in range(n_experts)}
+    return base_dir, experts
+
+
+def sample_inputs(kind: str, batch: int = 2, seq: int = 8, seed: int = 0):
+    """A batch that `tiny_model(kind)` accepts, as keyword inputs."""
+    g = torch.Generator().manual_seed(seed)
+    if kind in ("clip", "vit"):
+        return {"pixel_values": torch.randn(batch, 3, 16, 16, generator=g)}
+    ids = torch.randint(2, 100, (batch, seq), generator=g)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    mask[0, seq - 2 :] = 0  # some padding
+    if kind == "t5":
+        dec = torch.randint(2, 100, (batch, seq // 2), generator=g)
+        return {"input_ids": ids, "attention_mask": mask, "decoder_input_ids": dec}
+    return {"input_ids": ids, "attention_mask": mask}
