@@ -10,7 +10,7 @@ import sys
 from featcal.errors import FeatCalError
 
 # sub-command modules, each with register(subparsers) setting `func` on its parser
-COMMANDS = ("merge", "calibrate", "run", "zoo", "bench")
+COMMANDS = ("merge", "calibrate", "run", "zoo", "bench", "reproduce", "plan")
 
 
 def build_parser() -> argparse.ArgumentParser:
