@@ -1,0 +1,87 @@
+"""Load one task's calibration set as ready-to-run batches: open, check, sample, preprocess.
+
+Every check that can fail (missing path, empty set, too few examples, wrong modality, missing
+tokenizer) runs before any example is read, and the examples are drawn with a seeded permutation,
+so the same source, size and seed always give the same batches.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from featcal.data.preprocess import Batch, make_preprocessor, model_modality
+from featcal.data.sources import open_source
+from featcal.errors import CalibrationDataError, ConfigError
+
+log = logging.getLogger(__name__)
+
+_NOUN = {"image": "images", "text": "texts"}
+
+
+def sample_indices(count: int, num: int, seed: int) -> list[int]:
+    """`num` distinct indices out of `count`, drawn by a seeded permutation (prefix-stable in `num`)."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randperm(count, generator=generator)[:num].tolist()
+
+
+def load_model_config(model_dir: str | Path):
+    """The transformers config saved in `model_dir` (what decides modality and input sizes)."""
+    from transformers import AutoConfig
+
+    path = Path(model_dir)
+    if not (path / "config.json").is_file():
+        raise CalibrationDataError(f"model directory {path} has no config.json: cannot tell how to preprocess data")
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=False)
+    except Exception as exc:
+        raise CalibrationDataError(f"cannot read the model config in {path}: {exc}") from None
+
+
+def load_calibration_batches(
+    source: str | Path,
+    *,
+    model_dir: str | Path,
+    num_examples: int,
+    batch_size: int,
+    seed: int = 0,
+    max_length: int = 128,
+    allow_fewer: bool = False,
+    progress: bool = False,
+) -> list[Batch]:
+    """Draw `num_examples` examples from `source` and preprocess them for the model in `model_dir`.
+
+    Returns batches of at most `batch_size` examples, each a dict of keyword inputs
+    (pixel_values; or input_ids, attention_mask[, decoder_input_ids, ...]).
+    """
+    if num_examples < 1 or batch_size < 1 or max_length < 1:
+        raise ConfigError(
+            f"num_examples, batch_size and max_length must be >= 1 (got {num_examples}, {batch_size}, {max_length})"
+        )
+    config = load_model_config(model_dir)
+    wanted = model_modality(config)
+    src = open_source(source)
+    if len(src) == 0:
+        raise CalibrationDataError(f"calibration data {src.path} ({src.kind}) holds no examples")
+    if wanted not in src.modalities:
+        held = " and ".join(_NOUN[m] for m in src.modalities) or "no image or text column"
+        raise CalibrationDataError(
+            f"calibration data {src.path} ({src.kind}) holds {held}, but the model in {model_dir} "
+            f"({config.model_type}) takes {_NOUN[wanted]}"
+        )
+    available = len(src)
+    if available < num_examples:
+        message = f"calibration data {src.path} holds {available} examples, fewer than the {num_examples} asked for"
+        if not allow_fewer:
+            raise CalibrationDataError(message + " (allow fewer to use them all)")
+        log.warning("%s; using all %d", message, available)
+    preprocess = make_preprocessor(model_dir, config, max_length)
+    indices = sample_indices(available, min(num_examples, available), seed)
+    chunks = [indices[i : i + batch_size] for i in range(0, len(indices), batch_size)]
+    return [
+        preprocess(src.fetch(chunk, wanted))
+        for chunk in tqdm(chunks, desc=f"data {Path(source).name}", unit="batch", disable=not progress)
+    ]

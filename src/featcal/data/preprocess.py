@@ -1,0 +1,204 @@
+"""Turn raw calibration examples into the keyword inputs a model takes, using the model's own processor.
+
+Vision models get `pixel_values` from the image processor saved with the checkpoint (or, when none
+was saved, a resize + CLIP normalisation, with a warning). Text models get `input_ids` and
+`attention_mask` from the saved tokenizer; encoder-decoders also get teacher-forced
+`decoder_input_ids`. Only inputs the model's forward names are kept, so a BERT tokenizer's
+`token_type_ids` never reach a model that would reject them.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from featcal.data.sources import Modality, TextExample
+from featcal.errors import CalibrationDataError
+
+log = logging.getLogger(__name__)
+
+IMAGE_PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "spiece.model", "tokenizer.model",
+    "sentencepiece.bpe.model",
+)
+# CLIP's normalisation: the fallback for vision checkpoints saved without a processor.
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+Batch = dict[str, torch.Tensor]
+Preprocessor = Callable[[Sequence], Batch]
+
+
+def _vision_config(config):
+    return config if hasattr(config, "image_size") else getattr(config, "vision_config", None)
+
+
+def model_modality(config) -> Modality:
+    """"image" for vision models (CLIP, ViT: configs with an image size), "text" otherwise."""
+    return "image" if _vision_config(config) is not None else "text"
+
+
+def has_processor_files(model_dir: str | Path, modality: Modality) -> bool:
+    """Whether `model_dir` holds the preprocessing files a model of this modality needs."""
+    names = IMAGE_PROCESSOR_FILES if modality == "image" else TOKENIZER_FILES
+    return any((Path(model_dir) / n).is_file() for n in names)
+
+
+def accepted_inputs(config) -> set[str] | None:
+    """Keyword inputs the model's forward names explicitly (None: unknown, keep everything)."""
+    from featcal.io.models import model_class_for
+
+    cls = model_class_for(config)
+    if not hasattr(cls, "forward"):  # no architectures recorded: the base model class of this config
+        from transformers import AutoModel
+
+        try:
+            cls = AutoModel._model_mapping[type(config)]
+        except (KeyError, AttributeError):
+            return None
+    forward = cls.forward
+    params = inspect.signature(forward).parameters
+    named = {n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)} - {"self"}
+    return named or None
+
+
+class ImagePreprocessor:
+    """PIL images -> {"pixel_values"} at the size the model was configured for."""
+
+    def __init__(self, model_dir: Path, config) -> None:
+        vision = _vision_config(config)
+        self.image_size = int(vision.image_size)
+        self.channels = int(getattr(vision, "num_channels", 3))
+        self.model_dir = model_dir
+        self.processor = None
+        if has_processor_files(model_dir, "image"):
+            from transformers import AutoImageProcessor
+
+            try:
+                self.processor = AutoImageProcessor.from_pretrained(model_dir, trust_remote_code=False)
+            except Exception as exc:
+                raise CalibrationDataError(f"cannot load the image processor saved in {model_dir}: {exc}") from None
+        else:
+            log.warning(
+                "%s has no image processor (preprocessor_config.json); resizing calibration images to %dx%d "
+                "and normalising with CLIP's mean/std instead",
+                model_dir, self.image_size, self.image_size,
+            )
+
+    def __call__(self, images: Sequence) -> Batch:
+        if self.processor is None:
+            pixels = torch.stack([self._fallback(im) for im in images])
+        else:
+            mode = "L" if self.channels == 1 else "RGB"
+            pixels = self.processor(images=[im.convert(mode) for im in images], return_tensors="pt")["pixel_values"]
+        expected = (self.channels, self.image_size, self.image_size)
+        if tuple(pixels.shape[1:]) != expected:
+            raise CalibrationDataError(
+                f"the image processor in {self.model_dir} produces images of shape {tuple(pixels.shape[1:])}, "
+                f"but the model expects {expected} (config image_size / num_channels)"
+            )
+        return {"pixel_values": pixels.float()}
+
+    def _fallback(self, image) -> torch.Tensor:
+        import numpy as np
+        from PIL import Image
+
+        if self.channels not in (1, 3):
+            raise CalibrationDataError(
+                f"{self.model_dir}: no image processor saved and the model takes {self.channels} channels; "
+                "save the model's image processor beside it"
+            )
+        mode = "L" if self.channels == 1 else "RGB"
+        resized = image.convert(mode).resize((self.image_size, self.image_size), Image.BICUBIC)
+        array = torch.from_numpy(np.asarray(resized, dtype=np.float32) / 255.0)
+        array = array.unsqueeze(-1) if array.ndim == 2 else array
+        mean = torch.tensor(CLIP_MEAN if self.channels == 3 else (sum(CLIP_MEAN) / 3,))
+        std = torch.tensor(CLIP_STD if self.channels == 3 else (sum(CLIP_STD) / 3,))
+        return ((array - mean) / std).permute(2, 0, 1).contiguous()
+
+
+class TextPreprocessor:
+    """TextExamples -> padded, truncated token ids (+ teacher-forced decoder ids for encoder-decoders)."""
+
+    def __init__(self, model_dir: Path, config, max_length: int) -> None:
+        if not has_processor_files(model_dir, "text"):
+            raise CalibrationDataError(
+                f"{model_dir} has no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...); a text model needs "
+                "its tokenizer saved beside the checkpoint to tokenize calibration texts"
+            )
+        from transformers import AutoTokenizer
+
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
+        except Exception as exc:
+            raise CalibrationDataError(f"cannot load the tokenizer saved in {model_dir}: {exc}") from None
+        if self.tokenizer.pad_token is None:
+            if self.tokenizer.eos_token is None:
+                raise CalibrationDataError(f"the tokenizer in {model_dir} has neither a pad nor an eos token")
+            self.tokenizer.pad_token = self.tokenizer.eos_token  # padding is masked out anyway
+        self.model_dir = model_dir
+        self.vocab_size = getattr(config, "vocab_size", None)
+        positions = getattr(config, "max_position_embeddings", None)
+        self.max_length = min(max_length, positions) if positions else max_length
+        self.encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
+        self.accepted = accepted_inputs(config)
+        if self.encoder_decoder:
+            start = getattr(config, "decoder_start_token_id", None)
+            self.decoder_start = start if start is not None else getattr(config, "pad_token_id", None)
+            if self.decoder_start is None:
+                raise CalibrationDataError(
+                    f"{model_dir}: an encoder-decoder config needs decoder_start_token_id (or pad_token_id)"
+                )
+            self.pad_id = self.tokenizer.pad_token_id
+
+    def __call__(self, examples: Sequence[TextExample]) -> Batch:
+        enc = self.tokenizer(
+            [e.text for e in examples], padding=True, truncation=True, max_length=self.max_length,
+            return_tensors="pt",
+        )
+        batch = {k: v for k, v in enc.items() if self.accepted is None or k in self.accepted}
+        if self.encoder_decoder:
+            batch.update(self._decoder_inputs(examples))
+        self._check_vocab(batch)
+        return batch
+
+    def _decoder_inputs(self, examples: Sequence[TextExample]) -> Batch:
+        n = len(examples)
+        start = torch.full((n, 1), self.decoder_start, dtype=torch.long)
+        if all(e.target is None for e in examples):
+            ids, mask = start, torch.ones(n, 1, dtype=torch.long)
+        else:
+            lab = self.tokenizer(
+                text_target=[e.target or "" for e in examples], padding=True, truncation=True,
+                max_length=self.max_length, return_tensors="pt",
+            )
+            # teacher forcing: the decoder reads [start] + target shifted right by one; a row keeps as many
+            # positions as its target has tokens (the ones that predict a real target token)
+            mask = lab["attention_mask"]
+            ids = torch.cat([start, lab["input_ids"][:, :-1]], dim=1).masked_fill(mask == 0, self.pad_id)
+        out = {"decoder_input_ids": ids}
+        if self.accepted is None or "decoder_attention_mask" in self.accepted:
+            out["decoder_attention_mask"] = mask
+        return out
+
+    def _check_vocab(self, batch: Batch) -> None:
+        if self.vocab_size is None:
+            return
+        for key in ("input_ids", "decoder_input_ids"):
+            if key in batch and int(batch[key].max()) >= self.vocab_size:
+                raise CalibrationDataError(
+                    f"the tokenizer in {self.model_dir} produced token id {int(batch[key].max())}, but the model's "
+                    f"vocabulary has {self.vocab_size} entries: tokenizer and checkpoint do not match"
+                )
+
+
+def make_preprocessor(model_dir: str | Path, config, max_length: int = 128) -> Preprocessor:
+    """The preprocessor for the model whose config (and processor files) live in `model_dir`."""
+    if model_modality(config) == "image":
+        return ImagePreprocessor(Path(model_dir), config)
+    return TextPreprocessor(Path(model_dir), config, max_length)
