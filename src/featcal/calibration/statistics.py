@@ -1,0 +1,233 @@
+"""Streaming, mergeable statistics for one block (SPEC §2.4), and their per-task normalised sums.
+
+Two levels, both plain sums so that batches, tasks and ranks can be added in any order:
+
+- `TaskSums`: raw token-weighted sums for ONE task, accumulated batch by batch in float32 (what an
+  all-reduce across ranks would add). Inputs are never stored beyond the batch that produced them.
+- `NormalisedSums`: Σt over tasks of the per-task moments divided by st = ‖Ct‖_F (SPEC §2.6), held in
+  float64. A task's `TaskSums` is folded in as soon as the task is finished, then dropped.
+
+The teacher input x~ = α·xe + (1−α)·xs is never formed. Its only uses are X_t W_tᵀ and W_t μ~t, and
+    X_t W_tᵀ = E[xs (x~)ᵀ] W_tᵀ = α·E[xs (W_t xe)ᵀ] + (1−α)·C_t W_tᵀ,
+where W_t xe = ye − b_t is the expert module's own output (already computed by the expert forward)
+minus its bias. So a Linear needs only Σ w·xs, Σ w·xs xsᵀ (shared by modules reading the same input:
+q/k/v, gate/up), Σ w·xs yeᵀ and Σ w·ye — no in×in cross Gram, no second copy of the inputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from featcal.errors import CalibrationDataError
+
+_F32 = torch.float32
+_F64 = torch.float64
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1]).to(_F32)
+
+
+def _select(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drop zero-weight tokens (padding) before the matmuls: they contribute nothing."""
+    keep = w > 0
+    if bool(keep.all()):
+        return x, w
+    return x[keep], w[keep]
+
+
+@dataclass
+class GramSums:
+    """Σw, Σ w·x and Σ w·x xᵀ of one module input (shared by every module that reads it)."""
+
+    sw: torch.Tensor
+    sx: torch.Tensor
+    sxx: torch.Tensor
+
+    @classmethod
+    def zeros(cls, d: int, device: torch.device) -> GramSums:
+        z = torch.zeros((), dtype=_F32, device=device)
+        return cls(z, torch.zeros(d, dtype=_F32, device=device), torch.zeros(d, d, dtype=_F32, device=device))
+
+    def merge_(self, other: GramSums) -> None:
+        self.sw += other.sw
+        self.sx += other.sx
+        self.sxx += other.sxx
+
+
+@dataclass
+class LinearSums:
+    """Σ w·xs yeᵀ and Σ w·ye of one Linear; `group` names its input's GramSums."""
+
+    group: str
+    sxy: torch.Tensor
+    sy: torch.Tensor
+
+    def merge_(self, other: LinearSums) -> None:
+        self.sxy += other.sxy
+        self.sy += other.sy
+
+
+@dataclass
+class NormSums:
+    """Σw, Σ w·z and Σ w·z² per channel of a norm's normalised (pre-affine) input z."""
+
+    sw: torch.Tensor
+    sz: torch.Tensor
+    szz: torch.Tensor
+
+    def merge_(self, other: NormSums) -> None:
+        self.sw += other.sw
+        self.sz += other.sz
+        self.szz += other.szz
+
+
+@dataclass
+class TaskSums:
+    """Raw weighted sums of one task over one block, accumulated batch by batch (float32)."""
+
+    grams: dict[str, GramSums] = field(default_factory=dict)
+    linears: dict[str, LinearSums] = field(default_factory=dict)
+    norms: dict[str, NormSums] = field(default_factory=dict)
+
+    def add_gram(self, group: str, x: torch.Tensor, w: torch.Tensor) -> None:
+        """Accumulate the input moments of `group` from x (..., d) with token weights w (...)."""
+        x, w = _select(_flat(x), w.reshape(-1).to(_F32))
+        g = self.grams.get(group)
+        if g is None:
+            g = self.grams[group] = GramSums.zeros(x.shape[1], x.device)
+        xw = x * w[:, None]
+        g.sw += w.sum()
+        g.sx += xw.sum(0)
+        g.sxx += xw.T @ x
+
+    def add_linear(self, name: str, group: str, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> None:
+        """Accumulate Σ w·x yᵀ and Σ w·y for Linear `name`: x its merged input, y the expert's output."""
+        wf = w.reshape(-1).to(_F32)
+        xf, yf = _flat(x), _flat(y)
+        keep = wf > 0
+        if not bool(keep.all()):
+            xf, yf, wf = xf[keep], yf[keep], wf[keep]
+        yw = yf * wf[:, None]
+        s = self.linears.get(name)
+        if s is None:
+            s = self.linears[name] = LinearSums(group, xf.new_zeros(xf.shape[1], yf.shape[1]), yf.new_zeros(yf.shape[1]))
+        s.sxy += xf.T @ yw
+        s.sy += yw.sum(0)
+
+    def add_norm(self, name: str, z: torch.Tensor, w: torch.Tensor) -> None:
+        """Accumulate the per-channel moments of a norm's normalised input z."""
+        z, w = _select(_flat(z), w.reshape(-1).to(_F32))
+        s = self.norms.get(name)
+        if s is None:
+            d = z.shape[1]
+            s = self.norms[name] = NormSums(z.new_zeros(()), z.new_zeros(d), z.new_zeros(d))
+        zw = z * w[:, None]
+        s.sw += w.sum()
+        s.sz += zw.sum(0)
+        s.szz += (zw * z).sum(0)
+
+    def merge_(self, other: TaskSums) -> None:
+        """Add another shard's sums (other batches, another rank) of the same task into these."""
+        for kind in ("grams", "linears", "norms"):
+            mine, theirs = getattr(self, kind), getattr(other, kind)
+            for k, v in theirs.items():
+                if k in mine:
+                    mine[k].merge_(v)
+                else:
+                    mine[k] = v
+
+
+@dataclass
+class LinearNormalised:
+    """Σt over tasks, each divided by st = ‖Ct‖_F: the right-hand sides of the Linear solves."""
+
+    gram: torch.Tensor  # Σ Ct/st               (in×in)
+    target: torch.Tensor  # Σ (Xt Wtᵀ)/st       (in×out)
+    inv_scale: torch.Tensor  # Σ 1/st
+    bias_target: torch.Tensor  # Σ (bt + Wt μ~t)/st (out)
+    mean: torch.Tensor  # Σ μs,t/st             (in)
+
+
+@dataclass
+class NormNormalised:
+    """Σt of a norm's moments and targets (NOT normalised per task, SPEC §2.6)."""
+
+    e: torch.Tensor  # Σ et
+    m: torch.Tensor  # Σ mt
+    gamma_target: torch.Tensor  # Σ (et γt + mt βt)   (RMS: Σ et γt)
+    beta_target: torch.Tensor  # Σ (mt γt + βt)
+    n_tasks: int = 0
+
+
+class NormalisedSums:
+    """Running cross-task sums for one block; one `add_task` per finished task, then solve."""
+
+    def __init__(self, alpha: float) -> None:
+        self.alpha = float(alpha)
+        self.linears: dict[str, LinearNormalised] = {}
+        self.norms: dict[str, NormNormalised] = {}
+
+    def add_task(
+        self,
+        task: str,
+        sums: TaskSums,
+        expert_params: dict[str, dict[str, torch.Tensor | None]],
+        rms: set[str],
+    ) -> None:
+        """Fold task `task`'s raw sums in, using expert t's parameters {module: {"weight", "bias"}}.
+
+        `rms` names the weight-only RMS norms (no centring, no β).
+        """
+        a = self.alpha
+        for name, lin in sums.linears.items():
+            g = sums.grams[lin.group]
+            sw = g.sw.to(_F64)
+            if float(sw) <= 0:
+                raise CalibrationDataError(f"task {task!r}: module {name} saw no weighted token")
+            c = g.sxx.to(_F64) / sw
+            mu_s = g.sx.to(_F64) / sw
+            s_t = torch.linalg.matrix_norm(c)
+            if float(s_t) <= 0:
+                raise CalibrationDataError(f"task {task!r}: module {name} has an all-zero input (‖C‖_F = 0)")
+            wt = expert_params[name]["weight"].to(_F64)
+            bt = expert_params[name].get("bias")
+            bt = torch.zeros(wt.shape[0], dtype=_F64, device=wt.device) if bt is None else bt.to(_F64)
+            mean_y = lin.sy.to(_F64) / sw  # E[ye] = E[Wt xe] + bt
+            p = lin.sxy.to(_F64) / sw - torch.outer(mu_s, bt)  # E[xs (Wt xe)ᵀ]
+            target = a * p + (1 - a) * (c @ wt.T)
+            bias_target = a * mean_y + (1 - a) * (wt @ mu_s + bt)  # bt + Wt μ~t
+            inv = 1.0 / s_t
+            acc = self.linears.get(name)
+            if acc is None:
+                self.linears[name] = LinearNormalised(c * inv, target * inv, inv, bias_target * inv, mu_s * inv)
+            else:
+                acc.gram += c * inv
+                acc.target += target * inv
+                acc.inv_scale = acc.inv_scale + inv
+                acc.bias_target += bias_target * inv
+                acc.mean += mu_s * inv
+        for name, ns in sums.norms.items():
+            sw = ns.sw.to(_F64)
+            if float(sw) <= 0:
+                raise CalibrationDataError(f"task {task!r}: norm {name} saw no weighted token")
+            m = ns.sz.to(_F64) / sw
+            e = ns.szz.to(_F64) / sw
+            gamma = expert_params[name]["weight"].to(_F64)
+            beta = expert_params[name].get("bias")
+            if name in rms or beta is None:
+                gt, bt_ = e * gamma, torch.zeros_like(e)
+            else:
+                beta = beta.to(_F64)
+                gt, bt_ = e * gamma + m * beta, m * gamma + beta
+            acc = self.norms.get(name)
+            if acc is None:
+                self.norms[name] = NormNormalised(e, m, gt, bt_, 1)
+            else:
+                acc.e += e
+                acc.m += m
+                acc.gamma_target += gt
+                acc.beta_target += bt_
+                acc.n_tasks += 1
