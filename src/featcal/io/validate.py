@@ -1,0 +1,172 @@
+"""Checks that a base and its experts form one family that can be merged and calibrated.
+
+Everything here runs BEFORE any merging or calibration work, and every failure names the expert and
+the first offending tensor (in sorted name order), so that the user knows which file to fix. The cheap
+checks (config identity, names, shapes, dtypes) use only headers (`reader.meta`); the finite scan
+reads tensors one at a time, so it needs memory for a single tensor whatever the model size.
+
+The functions accept anything that looks like a `CheckpointReader` (see `TensorSource`): in-memory
+models are wrapped by `featcal.merging.sources` with the same interface.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any, Protocol
+
+import torch
+from tqdm.auto import tqdm
+
+from featcal.errors import CheckpointError, ConfigError
+
+# config.json fields that decide which class loads the weights; they must agree across the family.
+IDENTITY_FIELDS = ("model_type", "architectures")
+
+
+class TensorSource(Protocol):
+    """What validation needs from a checkpoint: names, headers, tensors and the config dict."""
+
+    path: Any
+
+    @property
+    def config(self) -> dict: ...
+
+    def keys(self) -> list[str]: ...
+
+    def meta(self, name: str) -> tuple[tuple[int, ...], torch.dtype]: ...
+
+    def get(self, name: str) -> torch.Tensor: ...
+
+
+def validate_expert_names(names: Iterable[str]) -> list[str]:
+    """At least one expert, each name a non-empty string without '=' or surrounding spaces, all unique.
+
+    Names become task keys (calibration data, reports, CLI `NAME=PATH`), hence the restrictions.
+    """
+    out = list(names)
+    if not out:
+        raise ConfigError("at least one expert is needed")
+    seen: set[str] = set()
+    for n in out:
+        if not isinstance(n, str) or not n.strip():
+            raise ConfigError(f"expert names must be non-empty strings, got {n!r}")
+        if n != n.strip() or "=" in n:
+            raise ConfigError(f"expert name {n!r} must not contain '=' or leading/trailing spaces")
+        if n in seen:
+            raise ConfigError(f"expert name {n!r} is given twice; names must be unique")
+        seen.add(n)
+    return out
+
+
+def dtype_class(dtype: torch.dtype) -> str:
+    """floating / complex / bool / integer: mixing classes is an error, mixing widths is not."""
+    if dtype.is_floating_point:
+        return "floating"
+    if dtype.is_complex:
+        return "complex"
+    if dtype == torch.bool:
+        return "bool"
+    return "integer"
+
+
+def _where(source: TensorSource) -> str:
+    p = source.path
+    return str(p) if isinstance(p, (str, os.PathLike)) else repr(p)
+
+
+def check_same_config(base: TensorSource, name: str, expert: TensorSource) -> None:
+    """model_type and architectures of `expert` must equal the base's (when both declare them).
+
+    model_type is what picks the config class in transformers, so it stands for the config class too.
+    """
+    bcfg, ecfg = base.config, expert.config
+    for field in IDENTITY_FIELDS:
+        b, e = bcfg.get(field), ecfg.get(field)
+        if b is None or e is None:
+            continue  # an undeclared field cannot disagree; names and shapes still have to match
+        if b != e:
+            raise CheckpointError(
+                f"expert {name!r} ({_where(expert)}): config {field} is {e!r} but the base has {b!r}; "
+                "experts must be fine-tunes of the base architecture"
+            )
+
+
+def _prefix_hint(missing: str, present: Iterable[str]) -> str:
+    for other in present:
+        if other.endswith("." + missing) or missing.endswith("." + other):
+            return (
+                f" (it has {other!r}: the names differ by a prefix, as between checkpoints saved by different "
+                "transformers versions; re-save both with the same version)"
+            )
+    return ""
+
+
+def check_same_tensors(base: TensorSource, name: str, expert: TensorSource) -> None:
+    """Same parameter names, shapes and dtype classes as the base, from headers only."""
+    bkeys, ekeys = base.keys(), expert.keys()
+    bset, eset = set(bkeys), set(ekeys)
+    missing = sorted(bset - eset)
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise CheckpointError(
+            f"expert {name!r} ({_where(expert)}) is missing tensor {missing[0]!r}{more} that the base has"
+            + _prefix_hint(missing[0], sorted(eset - bset))
+        )
+    extra = sorted(eset - bset)
+    if extra:
+        more = f" and {len(extra) - 1} more" if len(extra) > 1 else ""
+        raise CheckpointError(
+            f"expert {name!r} ({_where(expert)}) has tensor {extra[0]!r}{more} that the base does not have"
+        )
+    for key in sorted(bkeys):
+        bshape, bdtype = base.meta(key)
+        eshape, edtype = expert.meta(key)
+        if tuple(bshape) != tuple(eshape):
+            raise CheckpointError(
+                f"expert {name!r}: tensor {key!r} has shape {tuple(eshape)} but the base has {tuple(bshape)}"
+            )
+        if dtype_class(bdtype) != dtype_class(edtype):
+            raise CheckpointError(
+                f"expert {name!r}: tensor {key!r} is {edtype} ({dtype_class(edtype)}) but the base has "
+                f"{bdtype} ({dtype_class(bdtype)})"
+            )
+
+
+def scan_finite(label: str, source: TensorSource, *, progress: bool = False) -> None:
+    """Stream every floating tensor of `source` and fail on the first one holding NaN or Inf."""
+    keys = [k for k in sorted(source.keys()) if source.meta(k)[1].is_floating_point]
+    for key in tqdm(keys, desc=f"scanning {label}", unit="tensor", disable=not progress, leave=False):
+        t = source.get(key)
+        if t.element_size() == 1:  # float8 kernels are sparse on CPU; check in float32
+            t = t.float()
+        if not bool(torch.isfinite(t).all()):
+            n_nan = int(torch.isnan(t).sum())
+            n_inf = int(torch.isinf(t).sum())
+            raise CheckpointError(
+                f"{label} ({_where(source)}): tensor {key!r} contains {n_nan} NaN and {n_inf} Inf values"
+            )
+        del t
+
+
+def validate_family(
+    base: TensorSource,
+    experts: Mapping[str, TensorSource],
+    *,
+    check_finite: bool = True,
+    progress: bool = False,
+) -> None:
+    """Raise CheckpointError (or ConfigError for bad names) unless base + experts can be merged.
+
+    Order: names, then per expert config identity, tensor names, shapes and dtype classes (headers
+    only, cheap), then the finite scan of the base and of each expert (one tensor in memory at a time).
+    A bf16 expert of an fp32 base is accepted: merging computes in float32 and casts back.
+    """
+    validate_expert_names(experts.keys())
+    for name, expert in experts.items():
+        check_same_config(base, name, expert)
+        check_same_tensors(base, name, expert)
+    if check_finite:
+        scan_finite("base", base, progress=progress)
+        for name, expert in experts.items():
+            scan_finite(f"expert {name!r}", expert, progress=progress)
