@@ -1,0 +1,61 @@
+"""The options of `featcal reproduce`, validated in one place (CLI flags and Python calls alike)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from featcal.config import FeatCalConfig
+
+
+class ReproduceOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    setting: str
+    out: Path
+    tasks: list[str] | None = Field(None, description="run only these tasks of the setting")
+    num_calibration_examples: int = Field(256, ge=1, description="calibration examples per task")
+    calibration_batch_size: int = Field(16, ge=1)
+    seed: int = Field(42, ge=0, description="draws the calibration examples and any eval subset")
+    max_eval_samples: int | None = Field(None, ge=1, description="evaluate on a seeded subset of this size")
+    device: str = "auto"
+    batch_size: int = Field(64, ge=1, description="evaluation batch size")
+    model_dir: Path | None = None
+    data_dir: Path | None = None
+    scaling: float | None = Field(None, gt=0.0, le=10.0, description="TA scaling; default: the setting's (0.3)")
+    max_length: int = Field(512, ge=8, description="token limit of text calibration / evaluation inputs")
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        if v not in ("auto", "cpu", "cuda") and not v.startswith("cuda:"):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, not {v!r}")
+        return v
+
+    def torch_device(self) -> str:
+        import torch
+
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device
+
+    def featcal_config(self) -> FeatCalConfig:
+        return FeatCalConfig(
+            num_calibration_examples=self.num_calibration_examples,
+            calibration_batch_size=self.calibration_batch_size,
+            seed=self.seed,
+            device=self.torch_device(),
+        )
+
+    def identity(self) -> dict:
+        """The options that determine the checkpoints: a resumed run must agree on all of them."""
+        return {
+            "setting": self.setting,
+            "tasks": self.tasks,
+            "num_calibration_examples": self.num_calibration_examples,
+            "calibration_batch_size": self.calibration_batch_size,
+            "seed": self.seed,
+            "scaling": self.scaling,
+            "max_length": self.max_length,
+        }
