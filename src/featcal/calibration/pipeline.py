@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,13 @@ import torch
 
 from featcal.config import FeatCalConfig
 from featcal.data.calibration import load_calibration_batches, load_model_config
-from featcal.data.preprocess import Batch, has_processor_files, model_modality
+from featcal.data.preprocess import (
+    IMAGE_PROCESSOR_FILES,
+    TOKENIZER_FILES,
+    Batch,
+    has_processor_files,
+    model_modality,
+)
 from featcal.errors import CalibrationDataError, CheckpointError, ConfigError
 from featcal.io.atomic import atomic_output_dir, check_output_dir
 from featcal.io.checkpoint import CheckpointReader, copy_side_files, resolve_checkpoint
@@ -77,6 +84,12 @@ def processor_dir(merged: Path, base: Path) -> Path:
         if has_processor_files(candidate, modality):
             return candidate
     return merged  # the loader then falls back (vision) or explains what is missing (text)
+
+
+def _copy_processor_files(src: Path, dst: Path) -> None:
+    for name in IMAGE_PROCESSOR_FILES + TOKENIZER_FILES + ("special_tokens_map.json", "merges.txt"):
+        if (src / name).is_file() and not (dst / name).exists():
+            shutil.copy2(src / name, dst / name)
 
 
 def batches_sha256(batches: list[Batch]) -> str:
@@ -156,6 +169,8 @@ def calibrate_to_dir(
     save = Timer()
     with atomic_output_dir(out_path, overwrite) as tmp:
         copy_side_files(merged_dir, tmp)  # tokenizer / processor files first: save_pretrained's config wins
+        if data_dir != merged_dir:
+            _copy_processor_files(data_dir, tmp)  # the output preprocesses like the data it was calibrated on
         calibrated.save_pretrained(tmp)
         report = build_report(
             "calibrate",

@@ -1,0 +1,143 @@
+"""`featcal.calibrate`: the public entry point. Validates everything, then runs the block engine."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from featcal.calibration.adapters import adapter_for
+from featcal.calibration.engine import FeatCalEngine
+from featcal.calibration.sources import CheckpointSource, ModelSource, ParamSource, validate_source
+from featcal.config import FeatCalConfig
+from featcal.errors import CalibrationDataError, ConfigError
+
+log = logging.getLogger("featcal.calibration")
+
+ModelLike = nn.Module | str | os.PathLike
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device {name!r} requested but CUDA is not available")
+    return torch.device(name)
+
+
+def _as_model(m: ModelLike, what: str, allow_pickle: bool) -> nn.Module:
+    if isinstance(m, nn.Module):
+        return m
+    from featcal.io.models import load_model
+
+    log.info("loading %s from %s", what, m)
+    return load_model(m, allow_pickle=allow_pickle)
+
+
+def _normalise_batches(task: str, batches: Iterable[Any], main_input: str) -> list[dict[str, torch.Tensor]]:
+    """Tensors become {main_input: tensor}; dicts are kept. Refuses empty sets and foreign objects."""
+    if isinstance(batches, (torch.Tensor, Mapping)):
+        batches = [batches]
+    out = []
+    for i, b in enumerate(batches):
+        if isinstance(b, torch.Tensor):
+            out.append({main_input: b})
+        elif isinstance(b, Mapping):
+            bad = [k for k, v in b.items() if not isinstance(v, torch.Tensor)]
+            if bad:
+                raise CalibrationDataError(f"task {task!r}, batch {i}: entries {bad} are not tensors")
+            out.append(dict(b))
+        else:
+            raise CalibrationDataError(
+                f"task {task!r}, batch {i}: a batch must be a tensor or a dict of tensors, not {type(b).__name__}"
+            )
+    if not out:
+        raise CalibrationDataError(f"the calibration set of task {task!r} is empty")
+    return out
+
+
+def _check_tasks(experts: Mapping[str, Any], calibration: Mapping[str, Any]) -> None:
+    if not experts:
+        raise CalibrationDataError("no experts given: FeatCal calibrates toward at least one expert")
+    no_data = [t for t in experts if t not in calibration]
+    no_expert = [t for t in calibration if t not in experts]
+    if no_data:
+        raise CalibrationDataError(f"expert(s) {no_data} have no calibration data (calibration has {list(calibration)})")
+    if no_expert:
+        raise CalibrationDataError(f"calibration task(s) {no_expert} have no expert (experts are {list(experts)})")
+
+
+def calibrate(
+    merged: ModelLike,
+    *,
+    base: ModelLike | None = None,
+    experts: Mapping[str, ModelLike],
+    calibration: Mapping[str, Iterable[Any]],
+    config: FeatCalConfig | None = None,
+    progress: bool = True,
+    inplace: bool = False,
+    allow_pickle: bool = False,
+) -> nn.Module:
+    """Calibrate a merged model toward its experts with FeatCal (SPEC §2); returns the calibrated model.
+
+    merged, base, experts: transformers models, or checkpoint paths / hub ids. Experts and base given as
+    paths are read block by block from their safetensors and never loaded whole. calibration: per task,
+    a list of batches (a tensor for the model's main input, or a dict of keyword inputs). The result
+    is the merged model's class, with `featcal_drift = [{"block", "stack", "layer", "before", "after"}]`.
+    A model passed as `merged` is copied unless `inplace=True`.
+    """
+    config = config if config is not None else FeatCalConfig()
+    if not isinstance(config, FeatCalConfig):
+        raise ConfigError(f"config must be a FeatCalConfig, not {type(config).__name__}")
+    _check_tasks(experts, calibration)
+    device = resolve_device(config.device)
+    if base is None and config.anchor_blend_rho != 1.0:
+        raise ConfigError(
+            f"anchor_blend_rho={config.anchor_blend_rho} extrapolates from the base model: pass base=, or set rho to 1"
+        )
+
+    model = _as_model(merged, "merged model", allow_pickle)
+    if isinstance(merged, nn.Module) and not inplace:
+        model = copy.deepcopy(model)
+    adapter = adapter_for(model)  # unsupported architectures fail here, before any work
+    stacks = adapter.stacks(model)
+    main = adapter.main_input(model, stacks[0])
+    data = {t: _normalise_batches(t, calibration[t], main) for t in experts}
+
+    template = copy.deepcopy(model)  # expert t's weights are loaded into this, block by block
+    sources: dict[str, ParamSource] = {}
+    for t, e in experts.items():
+        if isinstance(e, nn.Module):
+            sources[t] = ModelSource(e, f"expert {t!r}")
+        else:
+            sources[t] = CheckpointSource(e, template, f"expert {t!r}", allow_pickle=allow_pickle)
+    base_src: ParamSource | None = None
+    if base is not None:
+        base_src = ModelSource(base, "base") if isinstance(base, nn.Module) else CheckpointSource(
+            base, template, "base", allow_pickle=allow_pickle
+        )
+
+    origin = next(model.parameters()).device
+    model.to(device).eval()
+    template.to(device).eval()
+    engine = FeatCalEngine(model, template, adapter, sources, base_src, data, config, device, progress)
+    needed = engine.all_needed_names()
+    for src in sources.values():
+        validate_source(src, model, needed)
+    if base_src is not None:
+        block_names = [n for n in needed if n not in set(engine.stem_param_names())]
+        validate_source(base_src, model, block_names)
+    log.info(
+        "featcal: %s (%s adapter), %d task(s), %d batch(es), device %s",
+        type(model).__name__, adapter.name, len(data), sum(len(v) for v in data.values()), device,
+    )
+    drift = engine.run()
+    del template
+    model.to(origin)
+    model.featcal_drift = drift
+    return model

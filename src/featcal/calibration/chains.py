@@ -1,0 +1,111 @@
+"""Where the block-input chains live between blocks: RAM (optionally in bf16/fp16) or spilled to disk.
+
+A chain entry is one batch's hidden states for one side (the merged model, or expert t) plus the
+context its blocks are called with (attention masks, position ids, rotary cos/sin, T5 position bias).
+Hidden states are stored in `chain_dtype` and handed back in the compute dtype. With `spill_dir`,
+every tensor goes to a safetensors file per entry (written atomically over the previous one); only
+the non-tensor skeleton of the context stays in RAM.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _flatten(obj: Any, prefix: str, out: dict[str, torch.Tensor]) -> Any:
+    """Replace tensors in a nested dict/tuple/list by placeholders; collect them in `out`."""
+    if isinstance(obj, torch.Tensor):
+        out[prefix] = obj
+        return _Slot(prefix)
+    if isinstance(obj, dict):
+        return {k: _flatten(v, f"{prefix}.{k}", out) for k, v in obj.items()}
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_flatten(v, f"{prefix}.{i}", out) for i, v in enumerate(obj))
+    return obj
+
+
+def _unflatten(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(obj, _Slot):
+        return tensors[obj.key]
+    if isinstance(obj, dict):
+        return {k: _unflatten(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_unflatten(v, tensors) for v in obj)
+    return obj
+
+
+class _Slot:
+    __slots__ = ("key",)
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+
+class ChainStore:
+    """Per (side, task, batch): hidden states and block context, in RAM or on disk."""
+
+    def __init__(self, chain_dtype: str = "float32", spill_dir: str | os.PathLike | None = None,
+                 compute_dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        self.store_dtype = DTYPES[chain_dtype]
+        self.compute_dtype = compute_dtype
+        self.device = torch.device(device)
+        self._ram: dict[tuple, torch.Tensor] = {}
+        self._ctx: dict[tuple, Any] = {}
+        self._tmp: tempfile.TemporaryDirectory | None = None
+        self.dir: Path | None = None
+        if spill_dir is not None:
+            Path(spill_dir).mkdir(parents=True, exist_ok=True)
+            self._tmp = tempfile.TemporaryDirectory(prefix="featcal-chains-", dir=spill_dir)
+            self.dir = Path(self._tmp.name)
+
+    def _file(self, kind: str, key: tuple) -> Path:
+        assert self.dir is not None
+        return self.dir / (kind + "-" + "-".join(str(k) for k in key) + ".safetensors")
+
+    def _write(self, path: Path, tensors: dict[str, torch.Tensor]) -> None:
+        tmp = path.with_suffix(".tmp")
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp))
+        os.replace(tmp, path)
+
+    def put_hidden(self, key: tuple, hidden: torch.Tensor) -> None:
+        h = hidden.detach().to(self.store_dtype)
+        if self.dir is None:
+            self._ram[key] = h
+        else:
+            self._write(self._file("h", key), {"h": h})
+
+    def hidden(self, key: tuple) -> torch.Tensor:
+        if self.dir is None:
+            h = self._ram[key]
+        else:
+            h = load_file(str(self._file("h", key)))["h"]
+        return h.to(device=self.device, dtype=self.compute_dtype)
+
+    def put_context(self, key: tuple, ctx: dict[str, Any]) -> None:
+        if self.dir is None:
+            self._ctx[key] = ctx
+            return
+        tensors: dict[str, torch.Tensor] = {}
+        self._ctx[key] = _flatten(ctx, "c", tensors)
+        self._write(self._file("c", key), tensors)
+
+    def context(self, key: tuple) -> dict[str, Any]:
+        if self.dir is None:
+            return self._ctx[key]
+        tensors = load_file(str(self._file("c", key)), device=str(self.device))
+        return _unflatten(self._ctx[key], tensors)
+
+    def close(self) -> None:
+        self._ram.clear()
+        self._ctx.clear()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None

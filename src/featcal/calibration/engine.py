@@ -1,0 +1,412 @@
+"""The block driver (SPEC §2): capture block-0 inputs, then per block gather statistics, solve, propagate.
+
+For each stack (one for encoders and decoders, two for T5) the engine
+
+1. captures what block 0 is called with, on the merged side and on each expert side: a forward
+   pre-hook (with_kwargs) records the positional and keyword arguments and stops the forward;
+2. for block l, task by task: loads expert t's block-l weights into an expert "template" model, runs
+   it on he(t) batch by batch (forward hooks keep each calibrated Linear's output ye for that batch),
+   then runs the merged block l AS MERGED on hm(t) (hooks fold xs, ye and the normalised inputs of
+   the norms into float32 sums; nothing is kept past the batch), and advances he(t);
+3. folds each finished task into per-task-normalised float64 sums, solves every Linear / LayerNorm /
+   RMSNorm of the block in closed form, loads the solution, and propagates hm(t) through the
+   CALIBRATED block.
+
+Drift record per block: mean over valid tokens of ‖hm − he‖² / ‖he‖² (token weights 1, padding 0),
+averaged over tasks, where he is expert t's block output and hm the merged block's output on the
+merged chain (which is already calibrated upstream) — "before" with the block as merged, "after"
+with the block calibrated. Both come from forwards the method runs anyway.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm.auto import tqdm
+
+from featcal.calibration import solver
+from featcal.calibration.adapters import Adapter, Stack
+from featcal.calibration.chains import ChainStore
+from featcal.calibration.sources import ParamSource, load_into
+from featcal.calibration.statistics import NormalisedSums, TaskSums
+from featcal.config import FeatCalConfig
+from featcal.errors import CalibrationDataError, FeatCalError
+
+log = logging.getLogger("featcal.calibration")
+
+Batch = dict[str, torch.Tensor]
+
+
+class _StopForward(Exception):
+    """Raised by the block-0 pre-hook: the rest of the model's forward is not needed."""
+
+
+@dataclass(frozen=True)
+class Calibrated:
+    """One calibrated module of a block: its name inside the block and its kind."""
+
+    name: str
+    kind: str  # "linear" | "layernorm" | "rmsnorm"
+    module: nn.Module
+
+
+def calibrated_modules(block: nn.Module, adapter: Adapter) -> list[Calibrated]:
+    """Every Linear, LayerNorm and (adapter-declared) RMS norm inside `block`, in module order."""
+    out = []
+    for name, mod in block.named_modules():
+        if isinstance(mod, nn.Linear):
+            out.append(Calibrated(name, "linear", mod))
+        elif isinstance(mod, nn.LayerNorm) and mod.elementwise_affine:
+            out.append(Calibrated(name, "layernorm", mod))
+        elif adapter.is_rms(mod):
+            out.append(Calibrated(name, "rmsnorm", mod))
+    return out
+
+
+def _hidden(output: Any) -> torch.Tensor:
+    """Blocks return a tensor (CLIP, Llama in transformers 5) or a tuple whose first item is it (T5)."""
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+def _to_device(batch: Batch, device: torch.device) -> Batch:
+    return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+
+
+def capture_block_input(module: nn.Module, block: nn.Module, kwargs: dict[str, Any]) -> tuple[torch.Tensor, dict]:
+    """Run `module(**kwargs)` until `block` is called; return (hidden_states, other arguments by name)."""
+    seen: dict[str, Any] = {}
+
+    def hook(_mod, args, kw):
+        seen["args"], seen["kwargs"] = args, kw
+        raise _StopForward
+
+    handle = block.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        module(**kwargs)
+    except _StopForward:
+        pass
+    finally:
+        handle.remove()
+    if "args" not in seen:
+        raise FeatCalError(f"{type(module).__name__}: the forward never reached {type(block).__name__} 0")
+    bound = inspect.signature(block.forward).bind(*seen["args"], **seen["kwargs"])
+    params = inspect.signature(block.forward).parameters
+    ctx: dict[str, Any] = {}
+    hidden_name = next(iter(params))
+    for name, value in bound.arguments.items():
+        kind = params[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            ctx.update(value)
+        elif kind is inspect.Parameter.VAR_POSITIONAL:
+            if value:
+                raise FeatCalError(f"{type(block).__name__} is called with extra positional arguments")
+        elif name != hidden_name:
+            ctx[name] = value
+    return bound.arguments[hidden_name], ctx
+
+
+class _Drift:
+    """Σ over tokens of ‖hm−he‖²/‖he‖² and token counts per task, for one block."""
+
+    def __init__(self) -> None:
+        self.sum: dict[str, float] = {}
+        self.count: dict[str, float] = {}
+
+    def add(self, task: str, hm: torch.Tensor, he: torch.Tensor, mask: torch.Tensor | None) -> None:
+        hm, he = hm.float(), he.float()
+        rel = (hm - he).pow(2).sum(-1) / he.pow(2).sum(-1).clamp_min(1e-12)
+        m = torch.ones_like(rel) if mask is None else mask.to(rel.dtype)
+        self.sum[task] = self.sum.get(task, 0.0) + float((rel * m).sum())
+        self.count[task] = self.count.get(task, 0.0) + float(m.sum())
+
+    def mean(self) -> float:
+        vals = [self.sum[t] / max(self.count[t], 1.0) for t in self.sum]
+        return sum(vals) / max(len(vals), 1)
+
+
+class FeatCalEngine:
+    """Calibrates `merged` in place toward the experts, block by block (see the module docstring)."""
+
+    def __init__(
+        self,
+        merged: nn.Module,
+        template: nn.Module,
+        adapter: Adapter,
+        experts: dict[str, ParamSource],
+        base: ParamSource | None,
+        calibration: dict[str, list[Batch]],
+        config: FeatCalConfig,
+        device: torch.device,
+        progress: bool = True,
+    ) -> None:
+        self.merged, self.template, self.adapter = merged, template, adapter
+        self.experts, self.base, self.cfg = experts, base, config
+        self.calibration = calibration
+        self.device = device
+        self.progress = progress
+        self.tasks = list(calibration)
+        self.stacks = adapter.stacks(merged)
+        dtype = next(merged.parameters()).dtype
+        self.chains = ChainStore(config.chain_dtype, config.spill_dir, compute_dtype=dtype, device=device)
+        self.drift: list[dict[str, Any]] = []
+        self._block_counter = 0
+
+    # --- parameter bookkeeping -----------------------------------------------------------------
+    def block_param_names(self, stack: Stack, layer: int) -> list[str]:
+        block = stack.blocks(self.merged)[layer]
+        prefix = f"{stack.blocks_path}.{layer}."
+        return [prefix + n for n, _ in block.named_parameters(remove_duplicate=False)]
+
+    def stem_param_names(self) -> list[str]:
+        """Parameters outside every block but under a stack entry: what a forward to block 0 reads."""
+        entries = [s.entry_path for s in self.stacks]
+        blocks = [s.blocks_path + "." for s in self.stacks]
+        names = []
+        for n, _ in self.merged.named_parameters(remove_duplicate=False):
+            under_entry = any(e == "" or n.startswith(e + ".") for e in entries)
+            if under_entry and not any(n.startswith(b) for b in blocks):
+                names.append(n)
+        return names
+
+    def all_needed_names(self) -> list[str]:
+        names = self.stem_param_names()
+        for s in self.stacks:
+            for layer in range(len(s.blocks(self.merged))):
+                names += self.block_param_names(s, layer)
+        return names
+
+    # --- the pass ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def run(self) -> list[dict[str, Any]]:
+        try:
+            upstream_m: dict[tuple, torch.Tensor] | None = None
+            upstream_e: dict[tuple, torch.Tensor] | None = None
+            for si, stack in enumerate(self.stacks):
+                self._capture(stack, upstream_m, upstream_e)
+                n_blocks = len(stack.blocks(self.merged))
+                for layer in range(n_blocks):
+                    self._calibrate_block(stack, layer, n_blocks)
+                if si + 1 < len(self.stacks):
+                    upstream_m, upstream_e = self._stack_outputs(stack)
+            return self.drift
+        finally:
+            self.chains.close()
+
+    def _batches(self, task: str) -> list[Batch]:
+        return self.calibration[task]
+
+    def _capture(self, stack: Stack, upstream_m, upstream_e) -> None:
+        """Block-0 inputs of `stack` for the merged side and every expert side."""
+        block0_m = stack.blocks(self.merged)[0]
+        block0_e = stack.blocks(self.template)[0]
+        stem = self.stem_param_names()
+        for t in self.tasks:
+            load_into(self.template, stem, self.experts[t])
+            for b, batch in enumerate(self._batches(t)):
+                batch = _to_device(batch, self.device)
+                up = None if upstream_m is None else upstream_m[(t, b)]
+                mod, kw = self.adapter.stack_call(self.merged, stack, batch, up)
+                h, ctx = capture_block_input(mod, block0_m, kw)
+                self.chains.put_hidden(("m", t, b), h)
+                self.chains.put_context(("m", t, b), ctx)
+                up = None if upstream_e is None else upstream_e[(t, b)]
+                mod, kw = self.adapter.stack_call(self.template, stack, batch, up)
+                h, ctx = capture_block_input(mod, block0_e, kw)
+                self.chains.put_hidden(("e", t, b), h)
+                self.chains.put_context(("e", t, b), ctx)
+
+    def _stack_outputs(self, stack: Stack) -> tuple[dict, dict]:
+        """Each side's stack output (e.g. after T5's encoder final norm), feeding the next stack."""
+        out_m, out_e = {}, {}
+        stem = self.stem_param_names()
+        for t in self.tasks:
+            load_into(self.template, stem, self.experts[t])
+            for b in range(len(self._batches(t))):
+                out_m[(t, b)] = self.adapter.stack_output(self.merged, stack, self.chains.hidden(("m", t, b)))
+                out_e[(t, b)] = self.adapter.stack_output(self.template, stack, self.chains.hidden(("e", t, b)))
+        return out_m, out_e
+
+    def _weights(self, stack: Stack, layer: int, n_blocks: int, name: str, x: torch.Tensor, batch: Batch):
+        """Token weights (B, S) for module `name`'s input x (B, S, d) — SPEC §2.3."""
+        cross = self.adapter.is_cross_module(stack, name)
+        mask = self.adapter.token_mask(stack, batch, x, cross=cross)
+        lead = x.shape[:-1]
+        w = torch.ones(lead, dtype=torch.float32, device=x.device) if mask is None else mask.to(x.device)
+        if tuple(w.shape) != tuple(lead):
+            raise CalibrationDataError(
+                f"token mask of shape {tuple(w.shape)} does not match the input of {name} ({tuple(lead)})"
+            )
+        if stack.class_token_head and layer == n_blocks - 1 and not self.adapter.is_kv(name):
+            scale = torch.full_like(w, self.cfg.cls_token_weight)
+            scale[..., 0] = 1.0
+            w = w * scale
+        return w
+
+    def _calibrate_block(self, stack: Stack, layer: int, n_blocks: int) -> None:
+        cfg = self.cfg
+        block_m = stack.blocks(self.merged)[layer]
+        block_e = stack.blocks(self.template)[layer]
+        mods_m = calibrated_modules(block_m, self.adapter)
+        mods_e = {c.name: c for c in calibrated_modules(block_e, self.adapter)}
+        names = self.block_param_names(stack, layer)
+        sums = NormalisedSums(cfg.teacher_interp_alpha)
+        before, after = _Drift(), _Drift()
+        total = sum(len(self._batches(t)) for t in self.tasks) * 2
+        bar = tqdm(total=total, desc=f"featcal {stack.name} block {layer}", disable=not self.progress, leave=False)
+
+        for t in self.tasks:
+            load_into(self.template, names, self.experts[t])
+            task_sums = TaskSums()
+            for b, batch in enumerate(self._batches(t)):
+                batch = _to_device(batch, self.device)
+                # expert side: its block output and every calibrated Linear's output ye
+                ye: dict[str, torch.Tensor] = {}
+                hooks = [
+                    c.module.register_forward_hook(lambda _m, _i, out, n=c.name, d=ye: d.__setitem__(n, out))
+                    for c in mods_e.values() if c.kind == "linear"
+                ]
+                try:
+                    ctx_e = self.chains.context(("e", t, b))
+                    raw_e = block_e(self.chains.hidden(("e", t, b)), **ctx_e)
+                finally:
+                    for h in hooks:
+                        h.remove()
+                he_next = _hidden(raw_e)
+                # merged side, block as merged: fold statistics
+                hooks = self._stat_hooks(mods_m, task_sums, ye, stack, layer, n_blocks, batch)
+                try:
+                    hm_out = _hidden(block_m(self.chains.hidden(("m", t, b)), **self.chains.context(("m", t, b))))
+                finally:
+                    for h in hooks:
+                        h.remove()
+                del ye
+                mask = self.adapter.token_mask(stack, batch, he_next)
+                before.add(t, hm_out, he_next, mask)
+                self.chains.put_hidden(("e", t, b), he_next)
+                new_ctx = self.adapter.next_context(stack, layer, ctx_e, raw_e)
+                if new_ctx is not ctx_e:
+                    self.chains.put_context(("e", t, b), new_ctx)
+                bar.update(1)
+            expert_params = {
+                c.name: {"weight": c.module.weight, "bias": getattr(c.module, "bias", None)} for c in mods_e.values()
+            }
+            rms = {c.name for c in mods_e.values() if c.kind == "rmsnorm"}
+            sums.add_task(t, task_sums, expert_params, rms)
+            del task_sums
+
+        self._solve_and_load(stack, layer, mods_m, sums)
+
+        for t in self.tasks:
+            for b, batch in enumerate(self._batches(t)):
+                ctx_m = self.chains.context(("m", t, b))
+                raw = block_m(self.chains.hidden(("m", t, b)), **ctx_m)
+                hm = _hidden(raw)
+                he = self.chains.hidden(("e", t, b))
+                after.add(t, hm, he, self.adapter.token_mask(stack, _to_device(batch, self.device), he))
+                self.chains.put_hidden(("m", t, b), hm)
+                new_ctx = self.adapter.next_context(stack, layer, ctx_m, raw)
+                if new_ctx is not ctx_m:
+                    self.chains.put_context(("m", t, b), new_ctx)
+                bar.update(1)
+        bar.close()
+        record = {
+            "block": self._block_counter, "stack": stack.name, "layer": layer,
+            "before": before.mean(), "after": after.mean(),
+        }
+        self._block_counter += 1
+        self.drift.append(record)
+        log.info(
+            "featcal %s block %d: drift %.6g -> %.6g (mean ||hm-he||^2/||he||^2 over tokens and tasks)",
+            stack.name, layer, record["before"], record["after"],
+        )
+
+    def _stat_hooks(self, mods, task_sums: TaskSums, ye, stack, layer, n_blocks, batch) -> list:
+        """Forward hooks on the merged block's calibrated modules that fold one batch into `task_sums`."""
+        groups: dict[tuple, str] = {}  # (id(input), weight kind) -> the Gram group name
+        held: list[torch.Tensor] = []  # keeps inputs alive so that ids stay unique during the forward
+
+        def linear_hook(mod, inputs, _out, name):
+            x = inputs[0]
+            w = self._weights(stack, layer, n_blocks, name, x, batch)
+            kind = (self.adapter.is_cross_module(stack, name), self.adapter.is_kv(name))
+            key = (id(x), kind)
+            group = groups.get(key)
+            if group is None:
+                group = groups[key] = name
+                held.append(x)
+                task_sums.add_gram(group, x, w)
+            if name not in ye:
+                raise FeatCalError(f"expert block did not run module {name}")
+            task_sums.add_linear(name, group, x, ye[name], w)
+
+        def norm_hook(mod, inputs, _out, name, rms):
+            x = inputs[0]
+            w = self._weights(stack, layer, n_blocks, name, x, batch)
+            xf = x.float()
+            if rms:
+                eps = getattr(mod, "variance_epsilon", getattr(mod, "eps", 1e-6))
+                z = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+            else:
+                z = F.layer_norm(xf, mod.normalized_shape, eps=mod.eps)
+            task_sums.add_norm(name, z, w)
+
+        hooks = []
+        for c in mods:
+            if c.kind == "linear":
+                hooks.append(c.module.register_forward_hook(lambda m, i, o, n=c.name: linear_hook(m, i, o, n)))
+            else:
+                rms = c.kind == "rmsnorm"
+                hooks.append(c.module.register_forward_hook(lambda m, i, o, n=c.name, r=rms: norm_hook(m, i, o, n, r)))
+        return hooks
+
+    def _base(self, name: str) -> torch.Tensor | None:
+        return None if self.base is None else self.base.get(name).to(self.device)
+
+    def _solve_and_load(self, stack: Stack, layer: int, mods, sums: NormalisedSums) -> None:
+        cfg = self.cfg
+        lam, eps, rho = cfg.lambda_ratio, cfg.covariance_eps, cfg.anchor_blend_rho
+        prefix = f"{stack.blocks_path}.{layer}."
+        solved: dict[nn.Parameter, torch.Tensor] = {}
+        for c in mods:
+            full = prefix + c.name
+            if c.kind == "linear":
+                acc = sums.linears.get(c.name)
+                if acc is None:
+                    log.debug("%s was not called: keeps its merged value", full)
+                    continue
+                w = solver.linear_weight(
+                    acc.gram, acc.target, solver.anchor(c.module.weight, self._base(full + ".weight"), rho), lam, eps,
+                    what=full,
+                )
+                solver.check_finite(full + ".weight", w)
+                solved[c.module.weight] = w
+                if c.module.bias is not None and cfg.calibrate_bias:
+                    bias_anchor = solver.anchor(c.module.bias, self._base(full + ".bias"), rho)
+                    b = solver.linear_bias(w, acc.inv_scale, acc.bias_target, acc.mean, bias_anchor, lam)
+                    solver.check_finite(full + ".bias", b)
+                    solved[c.module.bias] = b
+            elif cfg.calibrate_layernorm:
+                acc = sums.norms.get(c.name)
+                if acc is None:
+                    continue
+                g_anchor = solver.anchor(c.module.weight, self._base(full + ".weight"), rho)
+                if c.kind == "rmsnorm" or getattr(c.module, "bias", None) is None:
+                    g = solver.rmsnorm_weight(acc.e, acc.gamma_target, g_anchor, lam)
+                    solver.check_finite(full + ".weight", g)
+                    solved[c.module.weight] = g
+                else:
+                    b_anchor = solver.anchor(c.module.bias, self._base(full + ".bias"), rho)
+                    g, b = solver.layernorm_affine(
+                        acc.e, acc.m, acc.n_tasks, acc.gamma_target, acc.beta_target, g_anchor, b_anchor, lam
+                    )
+                    solver.check_finite(full + ".weight", g)
+                    solver.check_finite(full + ".bias", b)
+                    solved[c.module.weight], solved[c.module.bias] = g, b
+        for p, value in solved.items():  # all solves read merged values first, then load
+            p.copy_(value.to(dtype=p.dtype, device=p.device))
