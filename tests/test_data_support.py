@@ -13,11 +13,13 @@ import numpy as np
 WORDS = [f"w{i}" for i in range(40)]
 
 
-def write_png_folder(root: Path, n_per_class: int = 3, classes: tuple[str, ...] = ("cat", "dog"), size: int = 20):
+def write_png_folder(
+    root: Path, n_per_class: int = 3, classes: tuple[str, ...] = ("cat", "dog"), size: int = 20, seed: int = 0
+) -> Path:
     """Class sub-folders of small random RGB PNGs; returns the root."""
     from PIL import Image
 
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     for c in classes:
         (root / c).mkdir(parents=True, exist_ok=True)
         for i in range(n_per_class):

@@ -162,7 +162,7 @@ def calibrate_to_dir(
     with torch.no_grad():
         calibrated = calibrate(
             merged_model, base=str(base_dir), experts={t: str(d) for t, d in expert_dirs.items()},
-            calibration=calibration, config=config, progress=progress,
+            calibration=calibration, config=config, progress=progress, inplace=True, allow_pickle=allow_pickle,
         )
     calibrate_seconds = work.seconds
 

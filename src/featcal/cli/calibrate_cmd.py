@@ -77,11 +77,13 @@ def drift_table(drift: list[dict] | None) -> str:
     """A short plain-text table of per-block feature drift before and after calibration."""
     if not drift:
         return "(no per-block drift recorded)"
-    lines = [f"{'block':>8}  {'drift before':>12}  {'drift after':>12}  {'change':>8}"]
-    for row in drift:
+    labels = [f"{r['stack']}.{r['layer']}" if "stack" in r and "layer" in r else str(r["block"]) for r in drift]
+    width = max(5, *(len(label) for label in labels))
+    lines = [f"{'block':>{width}}  {'drift before':>12}  {'drift after':>12}  {'change':>8}"]
+    for label, row in zip(labels, drift, strict=True):
         before, after = float(row["before"]), float(row["after"])
         change = f"{100.0 * (after - before) / before:+.1f}%" if before else "n/a"
-        lines.append(f"{row['block']!s:>8}  {before:12.4g}  {after:12.4g}  {change:>8}")
+        lines.append(f"{label:>{width}}  {before:12.4g}  {after:12.4g}  {change:>8}")
     return "\n".join(lines)
 
 

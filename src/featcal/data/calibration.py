@@ -76,7 +76,7 @@ def load_calibration_batches(
     if available < num_examples:
         message = f"calibration data {src.path} holds {available} examples, fewer than the {num_examples} asked for"
         if not allow_fewer:
-            raise CalibrationDataError(message + " (allow fewer to use them all)")
+            raise CalibrationDataError(message + " (pass --allow-fewer, allow_fewer=True, to use them all)")
         log.warning("%s; using all %d", message, available)
     preprocess = make_preprocessor(model_dir, config, max_length)
     indices = sample_indices(available, min(num_examples, available), seed)

@@ -1,0 +1,310 @@
+#!/usr/bin/env python
+"""How close FeatCal's cost comes to its floor: one forward of the merged model and of each expert.
+
+The floor (SPEC §4) is what any method that reads the merged model's and the experts' features on
+the calibration data must pay: one forward of the merged model over every task's data plus one
+forward of each expert over its own task's data. This command measures that floor and a full
+`featcal.calibrate()` on the same family and data, in fresh subprocesses (so each peak RSS belongs
+to one measurement), and reports medians over repeats and the ratio calibrate / floor.
+
+    python benchmarks/calibration_speed.py --help
+    python benchmarks/calibration_speed.py --tasks 4 --examples 64 --repeats 3 --out runs/bench-calib.json
+
+By default it builds a random CLIPVisionModel family (base + perturbed experts, Task Arithmetic
+merge at 0.3) of the size given; --base/--merged/--expert take an existing family instead.
+Calibration inputs are random tensors of the model's input shape unless --calib gives real data:
+the cost does not depend on the pixel values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+PRESETS = {  # CLIPVisionConfig sizes
+    "small": dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
+                  image_size=64, patch_size=8),
+    "vit-b32": dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+                    image_size=224, patch_size=32),
+}
+
+
+# ---- building the family and the data (parent process) --------------------------------------------------
+
+
+def build_family(root: Path, args: argparse.Namespace) -> dict:
+    """A random CLIPVisionModel base, `tasks` perturbed experts and their Task Arithmetic merge."""
+    from transformers import CLIPVisionConfig, CLIPVisionModel
+
+    sizes = dict(PRESETS[args.preset])
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "image_size",
+                "patch_size"):
+        if getattr(args, key) is not None:
+            sizes[key] = getattr(args, key)
+    torch.manual_seed(args.seed)
+    base = CLIPVisionModel(CLIPVisionConfig(**sizes)).eval()
+    base.save_pretrained(root / "base")
+    theta0 = {k: v.clone() for k, v in base.state_dict().items()}
+    merged = {k: v.clone() for k, v in theta0.items()}
+    experts = {}
+    g = torch.Generator().manual_seed(args.seed + 1)
+    for t in range(args.tasks):
+        state = {}
+        for k, v in theta0.items():
+            if v.is_floating_point():
+                scale = args.perturbation * (v.std() if v.numel() > 1 and v.std() > 0 else 0.02)
+                state[k] = v + torch.randn(v.shape, generator=g) * scale
+                merged[k] += args.merge_scale * (state[k] - v)
+            else:
+                state[k] = v
+        base.load_state_dict(state)
+        name = f"task{t}"
+        base.save_pretrained(root / name)
+        experts[name] = str(root / name)
+    base.load_state_dict(merged)
+    base.save_pretrained(root / "merged")
+    return {"base": str(root / "base"), "merged": str(root / "merged"), "experts": experts}
+
+
+def random_batches(model_dir: str, examples: int, batch_size: int, seed: int) -> list[dict[str, torch.Tensor]]:
+    """Inputs of the model's shape: pixels for vision models, token ids (no padding) for text models."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    g = torch.Generator().manual_seed(seed)
+    sizes = [min(batch_size, examples - i) for i in range(0, examples, batch_size)]
+    vision = cfg if hasattr(cfg, "image_size") else getattr(cfg, "vision_config", None)
+    if vision is not None:
+        s, c = vision.image_size, getattr(vision, "num_channels", 3)
+        return [{"pixel_values": torch.randn(n, c, s, s, generator=g)} for n in sizes]
+    out = []
+    for n in sizes:
+        ids = torch.randint(4, cfg.vocab_size, (n, 64), generator=g)
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        if getattr(cfg, "is_encoder_decoder", False):
+            batch["decoder_input_ids"] = ids[:, :16]
+            batch["decoder_attention_mask"] = torch.ones_like(ids[:, :16])
+        out.append(batch)
+    return out
+
+
+def task_batches(family: dict, args: argparse.Namespace) -> dict[str, list[dict[str, torch.Tensor]]]:
+    sources = dict(p.split("=", 1) for p in args.calib or [])
+    out = {}
+    for i, t in enumerate(family["experts"]):
+        if t in sources:
+            from featcal.data import load_calibration_batches
+
+            out[t] = load_calibration_batches(
+                sources[t], model_dir=family["merged"], num_examples=args.examples, batch_size=args.batch_size,
+                seed=args.seed,
+            )
+        else:
+            out[t] = random_batches(family["merged"], args.examples, args.batch_size, args.seed + i)
+    return out
+
+
+# ---- the measurements (worker subprocesses) ------------------------------------------------------------
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _peak_rss_mb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def _to(batch: dict, device: str) -> dict:
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def measure_floor(spec: dict, data: dict) -> dict:
+    """One forward of the merged model over all tasks' data + one of each expert over its own data."""
+    from featcal.io.models import load_model
+
+    device = spec["device"]
+    merged = load_model(spec["merged"]).to(device)
+    experts = {t: load_model(p).to(device) for t, p in spec["experts"].items()}
+    rss_loaded = _peak_rss_mb()
+    _sync(device)
+    start = time.perf_counter()
+    with torch.no_grad():
+        for t, batches in data.items():
+            for b in batches:
+                merged(**_to(b, device))
+                experts[t](**_to(b, device))
+    _sync(device)
+    return {"seconds": time.perf_counter() - start, "peak_rss_mb": _peak_rss_mb(), "rss_after_load_mb": rss_loaded}
+
+
+def measure_calibrate(spec: dict, data: dict) -> dict:
+    """A full calibrate(): merged model in memory; base and experts as paths (streamed) or loaded."""
+    from featcal import FeatCalConfig, calibrate
+    from featcal.io.models import load_model
+
+    merged = load_model(spec["merged"])
+    base: object = spec["base"]
+    experts: dict = dict(spec["experts"])
+    if spec["expert_source"] == "memory":
+        base = load_model(spec["base"])
+        experts = {t: load_model(p) for t, p in experts.items()}
+    config = FeatCalConfig(**spec["config"])
+    rss_loaded = _peak_rss_mb()
+    _sync(spec["device"])
+    start = time.perf_counter()
+    calibrate(merged, base=base, experts=experts, calibration=data, config=config, progress=False)
+    _sync(spec["device"])
+    return {"seconds": time.perf_counter() - start, "peak_rss_mb": _peak_rss_mb(), "rss_after_load_mb": rss_loaded}
+
+
+def worker(mode: str, spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    torch.set_num_threads(spec["threads"])
+    data = torch.load(spec["data"], weights_only=True)
+    result = (measure_floor if mode == "floor" else measure_calibrate)(spec, data)
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def run_worker(mode: str, spec_path: Path) -> dict:
+    proc = subprocess.run(
+        [sys.executable, __file__, "--worker", mode, "--spec", str(spec_path)],
+        capture_output=True, text=True, env={**os.environ, "TQDM_DISABLE": "1"},
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        sys.stderr.write(proc.stderr[-4000:])
+        raise SystemExit(f"the {mode} measurement failed (exit {proc.returncode})")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+# ---- reporting ---------------------------------------------------------------------------------------
+
+
+def summarise(runs: list[dict]) -> dict:
+    return {
+        "seconds_median": statistics.median(r["seconds"] for r in runs),
+        "seconds_all": [round(r["seconds"], 4) for r in runs],
+        "peak_rss_mb_median": statistics.median(r["peak_rss_mb"] for r in runs),
+        "rss_after_load_mb_median": statistics.median(r["rss_after_load_mb"] for r in runs),
+    }
+
+
+def markdown(result: dict) -> str:
+    f, c = result["floor"], result["calibrate"]
+    m = result["model"]
+    return "\n".join([
+        f"`{result['command']}`",
+        "",
+        f"model: {m['model_type']}, {m['parameters'] / 1e6:.2f} M parameters, {m['blocks']} blocks; "
+        f"{result['tasks']} tasks x {result['examples_per_task']} examples, batch {result['batch_size']}; "
+        f"{result['threads']} thread(s), device {result['device']}; experts as {result['expert_source']}; "
+        f"medians of {result['repeats']}",
+        "",
+        "| measurement | wall time (s) | peak RSS (MiB) | RSS after loading (MiB) |",
+        "|---|---|---|---|",
+        f"| floor: merged fwd (all tasks) + each expert fwd (own task) | {f['seconds_median']:.3f} | "
+        f"{f['peak_rss_mb_median']:.0f} | {f['rss_after_load_mb_median']:.0f} |",
+        f"| featcal calibrate() | {c['seconds_median']:.3f} | {c['peak_rss_mb_median']:.0f} | "
+        f"{c['rss_after_load_mb_median']:.0f} |",
+        f"| ratio calibrate / floor | {result['ratio']:.2f} | | |",
+    ])
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    fam = p.add_argument_group("built family (default)")
+    fam.add_argument("--preset", choices=sorted(PRESETS), default="small", help="CLIPVisionModel size (default: small)")
+    for flag in ("hidden-size", "intermediate-size", "num-hidden-layers", "num-attention-heads", "image-size",
+                 "patch-size"):
+        fam.add_argument(f"--{flag}", type=int, help="override the preset's value")
+    fam.add_argument("--tasks", type=int, default=4, help="number of experts / tasks (default: 4)")
+    fam.add_argument("--perturbation", type=float, default=0.05, help="expert noise relative to each tensor's std")
+    fam.add_argument("--merge-scale", type=float, default=0.3, help="Task Arithmetic scaling of the merge")
+    given = p.add_argument_group("existing family (instead of building one)")
+    given.add_argument("--base")
+    given.add_argument("--merged")
+    given.add_argument("--expert", action="append", metavar="NAME=PATH")
+    given.add_argument("--calib", action="append", metavar="NAME=DATA", help="real data for a task (else random)")
+    p.add_argument("--examples", type=int, default=64, help="calibration examples per task (default: 64)")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=3, help="measurements per mode; medians are reported")
+    p.add_argument("--threads", type=int, default=1, help="torch threads in each measurement (default: 1)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--chain-dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--expert-source", choices=("path", "memory"), default="path",
+                   help="give calibrate() the experts as paths (streamed, as the CLI does) or loaded models")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workdir", help="where the family and data are written (default: a temporary directory)")
+    p.add_argument("--out", help="write the result JSON here")
+    p.add_argument("--worker", choices=("floor", "calibrate"), help=argparse.SUPPRESS)
+    p.add_argument("--spec", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        worker(args.worker, args.spec)
+        return 0
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory(prefix="featcal-bench-calib-") as tmp:
+        root = Path(args.workdir or tmp)
+        root.mkdir(parents=True, exist_ok=True)
+        if args.base or args.merged or args.expert:
+            if not (args.base and args.merged and args.expert):
+                raise SystemExit("an existing family needs --base, --merged and at least one --expert NAME=PATH")
+            family = {"base": args.base, "merged": args.merged, "experts": dict(e.split("=", 1) for e in args.expert)}
+        else:
+            family = build_family(root, args)
+        data = task_batches(family, args)
+        torch.save(data, root / "batches.pt")
+        config = {"num_calibration_examples": args.examples, "calibration_batch_size": args.batch_size,
+                  "seed": args.seed, "device": args.device, "chain_dtype": args.chain_dtype}
+        spec = {**family, "data": str(root / "batches.pt"), "threads": args.threads, "device": args.device,
+                "expert_source": args.expert_source, "config": config}
+        spec_path = root / "spec.json"
+        spec_path.write_text(json.dumps(spec))
+        runs: dict[str, list[dict]] = {"floor": [], "calibrate": []}
+        for r in range(args.repeats):  # interleaved, so slow drifts of the machine hit both alike
+            for mode in runs:
+                runs[mode].append(run_worker(mode, spec_path))
+                print(f"repeat {r + 1}/{args.repeats} {mode}: {runs[mode][-1]['seconds']:.3f} s", file=sys.stderr)
+        from transformers import AutoConfig, AutoModel
+
+        cfg = AutoConfig.from_pretrained(family["merged"])
+        with torch.device("meta"):
+            n_params = sum(p.numel() for p in AutoModel.from_config(cfg).parameters())
+    floor, calib = summarise(runs["floor"]), summarise(runs["calibrate"])
+    result = {
+        "command": shlex.join([Path(sys.executable).name, *sys.argv]),
+        "model": {"model_type": cfg.model_type, "parameters": n_params,
+                  "blocks": getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "num_layers", None)},
+        "tasks": len(family["experts"]), "examples_per_task": args.examples, "batch_size": args.batch_size,
+        "threads": args.threads, "device": args.device, "expert_source": args.expert_source,
+        "chain_dtype": args.chain_dtype, "repeats": args.repeats,
+        "floor": floor, "calibrate": calib, "ratio": calib["seconds_median"] / floor["seconds_median"],
+    }
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
