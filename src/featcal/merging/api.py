@@ -1,0 +1,126 @@
+"""`featcal.merge`: validate the inputs, stream the merge, optionally write a checkpoint + featcal.json.
+
+Order matters for big models: the configuration, the expert names, the output directory and the
+whole family (configs, names, shapes, dtypes, finite values) are checked before any merging, and the
+output is written through a temporary directory that only replaces `out` once complete.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor
+
+from featcal.config import MergeConfig, parse
+from featcal.errors import ConfigError
+from featcal.io.atomic import atomic_output_dir, check_output_dir
+from featcal.io.checkpoint import CheckpointReader, copy_side_files
+from featcal.io.report import Timer, build_report, checkpoint_hashes, peak_rss_mb, write_report
+from featcal.io.validate import validate_expert_names, validate_family
+from featcal.merging.family import Family
+from featcal.merging.registry import check_method, make_merger
+from featcal.merging.sources import MergeInput, ModuleSource, open_source
+from featcal.merging.streaming import merge_family
+from featcal.merging.writer import save_state_dict
+
+log = logging.getLogger(__name__)
+DEFAULT_METHOD = "task_arithmetic"
+
+
+def resolve_config(method: str, config: MergeConfig | None, params: Mapping[str, Any]) -> MergeConfig:
+    """One validated MergeConfig from `method`, an optional `config` and keyword overrides.
+
+    `config` is the starting point; keyword parameters override its fields; `method` overrides its
+    method unless left at the default. A method contradicting `config.method` is an error.
+    """
+    check_method(method)
+    if config is None:
+        return parse(MergeConfig, {"method": method, **params})
+    if not isinstance(config, MergeConfig):
+        raise ConfigError(f"config must be a MergeConfig, got {type(config).__name__}")
+    check_method(config.method)
+    if method != DEFAULT_METHOD and method != config.method:
+        raise ConfigError(f"method={method!r} contradicts config.method={config.method!r}; give one of them")
+    return parse(MergeConfig, {**config.model_dump(), **params})
+
+
+def _describe(source) -> dict[str, Any]:
+    if isinstance(source, CheckpointReader):
+        return {"path": str(source.path), "sha256": checkpoint_hashes(source.path)}
+    return {"path": str(source.path), "in_memory": True}
+
+
+def _refuse_input_as_output(out: Path, inputs: Mapping[str, Any]) -> None:
+    target = out.resolve()
+    for label, item in inputs.items():
+        if isinstance(item, (str, os.PathLike)) and Path(item).exists() and Path(item).resolve() == target:
+            raise ConfigError(f"the output directory {out} is an input ({label}); choose another output")
+
+
+def merge(
+    base: MergeInput,
+    experts: Mapping[str, MergeInput],
+    method: str = DEFAULT_METHOD,
+    *,
+    out: str | os.PathLike | None = None,
+    overwrite: bool = False,
+    allow_pickle: bool = False,
+    config: MergeConfig | None = None,
+    progress: bool = True,
+    **params: Any,
+) -> dict[str, Tensor]:
+    """Merge `experts` (name -> checkpoint dir, hub id or nn.Module) into `base` with `method`.
+
+    Returns the merged state dict, keyed like the base checkpoint, in the base's dtypes. With `out`,
+    also writes an ordinary HF checkpoint there (model.safetensors, the base's config and
+    tokenizer/processor files, featcal.json), atomically; an existing non-empty `out` is refused
+    unless `overwrite`. Hyperparameters (`scaling`, `density`, `drop_rate`, `seed`) come as keywords
+    or in `config`; they are validated by MergeConfig, and unknown ones are refused.
+    """
+    total = Timer()
+    cfg = resolve_config(method, config, params)
+    validate_expert_names(experts.keys())
+    if out is not None:
+        check_output_dir(out, overwrite)
+        _refuse_input_as_output(Path(out), {"base": base, **{f"expert {n!r}": e for n, e in experts.items()}})
+
+    base_src = open_source(base, label="base", allow_pickle=allow_pickle)
+    expert_srcs = {n: open_source(e, label=f"expert {n!r}", allow_pickle=allow_pickle) for n, e in experts.items()}
+    validate_family(base_src, expert_srcs, progress=progress)
+    validate_seconds = total.seconds
+
+    merger = make_merger(cfg)
+    family = Family(base_src, expert_srcs)
+    work = Timer()
+    merged = merge_family(merger, family, progress=progress)
+    merge_seconds = work.seconds
+    log.info("merged %d experts with %s in %.2f s", len(expert_srcs), cfg.method, merge_seconds)
+
+    if out is not None:
+        save = Timer()
+        with atomic_output_dir(out, overwrite) as tmp:
+            if isinstance(base_src, ModuleSource):
+                base_src.save_config(tmp)
+            else:
+                copy_side_files(base_src.path, tmp)
+            files = save_state_dict(merged, tmp)
+            copied = [n for n in family.names if not family.is_floating(n)]
+            report = build_report(
+                "merge",
+                merger.params(),
+                inputs={"base": _describe(base_src), "experts": {n: _describe(s) for n, s in expert_srcs.items()}},
+                output={"path": str(Path(out)), "files": files, "sha256": checkpoint_hashes(tmp)},
+                tensors={"total": len(family.names), "merged": len(family.names) - len(copied), "copied_from_base": copied},
+            )
+            report["seconds"] = {
+                "validate": round(validate_seconds, 3), "merge": round(merge_seconds, 3),
+                "save": round(save.seconds, 3), "total": round(total.seconds, 3),
+            }
+            report["peak_rss_mb"] = round(peak_rss_mb(), 1)
+            write_report(tmp, report)
+        log.info("merged checkpoint written to %s", out)
+    return merged

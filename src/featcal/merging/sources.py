@@ -1,0 +1,106 @@
+"""Where merge inputs come from: checkpoint directories, hub ids, or models already in memory.
+
+Every input is turned into an object with CheckpointReader's interface (`keys`, `meta`, `get`,
+`config`, `path`), so validation and the streaming driver never care which kind they were given.
+In-memory models are viewed with the names and tied-weight de-duplication that `save_pretrained`
+would write, so that a module and its saved checkpoint are interchangeable inputs.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Union
+
+import torch
+from torch import nn
+
+from featcal.errors import CheckpointError
+from featcal.io.checkpoint import CheckpointReader
+
+MergeInput = Union[str, os.PathLike, nn.Module, CheckpointReader]
+
+
+def checkpoint_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors `module.save_pretrained` would write: tied duplicates removed, names as on disk.
+
+    Plain torch modules (not transformers models) give their state dict unchanged.
+    """
+    state = {k: v.detach() for k, v in module.state_dict().items()}
+    try:
+        from transformers import PreTrainedModel
+        from transformers.modeling_utils import remove_tied_weights_from_state_dict, revert_weight_conversion
+    except ImportError:  # pragma: no cover - transformers is a dependency; an older one lacks these helpers
+        return state
+    if isinstance(module, PreTrainedModel):
+        state = remove_tied_weights_from_state_dict(state, module)
+        state = revert_weight_conversion(module, state)
+    return {k: v.detach().cpu() for k, v in state.items()}
+
+
+def module_config(module: nn.Module) -> dict:
+    """config.json-like dict of a module: its config, with `architectures` set as save_pretrained sets it."""
+    config = getattr(module, "config", None)
+    if config is None or not hasattr(config, "to_dict"):
+        return {}
+    data = config.to_dict()
+    data["architectures"] = [type(module).__name__]
+    return data
+
+
+class ModuleSource:
+    """CheckpointReader's read interface over an in-memory model (no copy of its weights)."""
+
+    def __init__(self, module: nn.Module, label: str | None = None) -> None:
+        self.module = module
+        self.path = label or f"<in-memory {type(module).__name__}>"
+        self._state = checkpoint_state_dict(module)
+        self._config = module_config(module)
+
+    @property
+    def config(self) -> dict:
+        return dict(self._config)
+
+    def keys(self) -> list[str]:
+        return sorted(self._state)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._state
+
+    def meta(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
+        t = self._state[name]
+        return tuple(t.shape), t.dtype
+
+    def get(self, name: str) -> torch.Tensor:
+        """The module's own tensor (callers must not modify it in place)."""
+        if name not in self._state:
+            raise CheckpointError(f"{self.path}: tensor {name!r} is missing")
+        return self._state[name]
+
+    def save_config(self, directory: Path) -> None:
+        """Write config.json (and generation_config.json for generative models) into `directory`."""
+        config = getattr(self.module, "config", None)
+        if config is None or not hasattr(config, "save_pretrained"):
+            raise CheckpointError(f"{self.path} has no transformers config; cannot write a checkpoint from it")
+        config.architectures = [type(self.module).__name__]
+        config.save_pretrained(directory)
+        gen = getattr(self.module, "generation_config", None)
+        can_generate = getattr(self.module, "can_generate", lambda: False)
+        if gen is not None and can_generate():
+            gen.save_pretrained(directory)
+
+
+def open_source(item: MergeInput, *, label: str, allow_pickle: bool = False) -> CheckpointReader | ModuleSource:
+    """A reader for one merge input; errors name the input (`label`, e.g. "expert 'mnist'")."""
+    if isinstance(item, (CheckpointReader, ModuleSource)):
+        return item
+    if isinstance(item, nn.Module):
+        return ModuleSource(item, label=f"<in-memory {type(item).__name__} ({label})>")
+    if isinstance(item, (str, os.PathLike)):
+        try:
+            return CheckpointReader(item, allow_pickle=allow_pickle)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{label}: {exc}") from None
+    raise CheckpointError(
+        f"{label}: expected a checkpoint path, hub id or torch.nn.Module, got {type(item).__name__}"
+    )
