@@ -1,0 +1,77 @@
+"""run_baseline: one predictor interface for post-merge modules and merges, inputs checked first."""
+
+import json
+
+import pytest
+import torch
+
+from featcal.baselines import BASELINES, run_baseline
+from featcal.errors import CalibrationDataError, ConfigError
+from tiny import perturbed, sample_inputs, tiny_model
+
+FAST = {"surgery": {"steps": 5}, "probsurgery": {"steps": 5}, "wudi": {"steps": 5}}
+
+
+@pytest.fixture(scope="module")
+def clip_family():
+    base = tiny_model("clip")
+    experts = {f"t{i}": perturbed(base, 100 + i, 0.2) for i in range(2)}
+    merged = perturbed(base, 7, 0.1)
+    calib = {t: [sample_inputs("clip", batch=4, seed=i)] for i, t in enumerate(experts)}
+    return base, experts, merged, calib
+
+
+@pytest.mark.parametrize("name", list(BASELINES))
+def test_every_baseline_gives_task_features_the_same_way(name, clip_family):
+    base, experts, merged, calib = clip_family
+    res = run_baseline(name, merged=merged, base=base, experts=experts, calibration=calib, **FAST.get(name, {}))
+    batch = sample_inputs("clip", batch=3, seed=99)
+    f = res.features("t0", batch)
+    assert f.shape == (3, 32)
+    assert res.wall_time_s > 0
+    json.dumps(res.summary())
+    if res.needs_task_id:
+        assert res.model is merged
+        # the surgery correction is applied on the merged model's pooled features
+        pooled = merged(**batch).pooler_output
+        assert torch.allclose(f, res.surgery.apply("t0", pooled))
+    else:
+        assert torch.allclose(f, res.model(**batch).pooler_output)
+
+
+def test_surgery_predictor_is_deterministic(clip_family):
+    base, experts, merged, calib = clip_family
+    batch = sample_inputs("clip", batch=3, seed=5)
+    a = run_baseline("probsurgery", merged=merged, experts=experts, calibration=calib, steps=10, seed=1)
+    b = run_baseline("probsurgery", merged=merged, experts=experts, calibration=calib, steps=10, seed=1)
+    assert torch.equal(a.features("t1", batch), b.features("t1", batch))
+
+
+def test_custom_feature_fn_is_used(clip_family):
+    base, experts, merged, calib = clip_family
+
+    def cls_token(model, batch):
+        return model(**batch).last_hidden_state[:, 0]
+
+    res = run_baseline("surgery", merged=merged, experts=experts, calibration=calib, feature_fn=cls_token, steps=3)
+    batch = sample_inputs("clip", batch=2)
+    assert torch.allclose(res.features("t0", batch), res.surgery.apply("t0", cls_token(merged, batch)))
+
+
+def test_bad_requests_fail_before_any_work(clip_family):
+    base, experts, merged, calib = clip_family
+    with pytest.raises(ConfigError, match="unknown baseline 'surgeon'"):
+        run_baseline("surgeon", merged=merged, experts=experts, calibration=calib)
+    with pytest.raises(ConfigError, match="needs merged"):
+        run_baseline("surgery", base=base, experts=experts, calibration=calib)
+    with pytest.raises(ConfigError, match="needs base and calibration"):
+        run_baseline("regmean", merged=merged, experts=experts)
+    with pytest.raises(ConfigError, match="rnak"):
+        run_baseline("surgery", merged=merged, experts=experts, calibration=calib, rnak=4)
+    with pytest.raises(ConfigError, match="regmean\\+\\+"):
+        run_baseline("regmean", base=base, experts=experts, calibration=calib, plus_plus=True)
+    with pytest.raises(CalibrationDataError, match="'t1'"):
+        run_baseline("surgery", merged=merged, experts=experts, calibration={"t0": calib["t0"]})
+    with pytest.raises(CalibrationDataError, match="pooler_output"):
+        llama = tiny_model("llama")
+        run_baseline("surgery", merged=llama, experts={"a": llama}, calibration={"a": sample_inputs("llama")})
