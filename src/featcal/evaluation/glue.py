@@ -141,18 +141,20 @@ def calibration_batches(
     return batches
 
 
-def _generate(model: Any, tokenizer: Any, texts: list[str], device: Any, max_new_tokens: int) -> list[str]:
-    enc = tokenizer(texts, padding=True, truncation=True, max_length=512, return_tensors="pt").to(device)
+def _generate(model: Any, tokenizer: Any, texts: list[str], device: Any, max_new_tokens: int, max_length: int) -> list[str]:
+    enc = tokenizer(texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt").to(device)
     out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, num_beams=1)
     return tokenizer.batch_decode(out, skip_special_tokens=True)
 
 
 def generations(
     model: Any, tokenizer: Any, texts: Sequence[str], *, batch_size: int, device: Any, max_new_tokens: int = 10,
-    desc: str = "generate",
+    desc: str = "generate", max_length: int = 512,
 ) -> Iterator[str]:
+    """Greedy generations, batch by batch (max_new_tokens=10 covers every GLUE answer word or score)."""
     for start in tqdm(range(0, len(texts), batch_size), desc=desc):
-        yield from _generate(model, tokenizer, list(texts[start : start + batch_size]), device, max_new_tokens)
+        yield from _generate(model, tokenizer, list(texts[start : start + batch_size]), device, max_new_tokens,
+                             max_length)
 
 
 @torch.no_grad()
@@ -163,15 +165,16 @@ def evaluate_glue(
     dataset: Any,
     *,
     batch_size: int = 32,
-    max_samples: int | None = None,
     device: str | torch.device = "cpu",
     desc: str | None = None,
+    max_length: int = 512,
 ) -> dict[str, float | int]:
-    """Greedy-generate an answer for the first `max_samples` validation rows and score them."""
-    n = len(dataset) if max_samples is None else min(len(dataset), max_samples)
+    """Greedy-generate an answer for every row of a GLUE split and score it."""
+    n = len(dataset)
     if n == 0:
         raise CalibrationDataError(f"GLUE {task}: the evaluation split is empty")
     texts, labels = text_pairs(task, dataset, range(n))
     model = model.to(device).eval()
-    gens = list(generations(model, tokenizer, texts, batch_size=batch_size, device=device, desc=desc or task))
+    gens = list(generations(model, tokenizer, texts, batch_size=batch_size, device=device, desc=desc or task,
+                            max_length=max_length))
     return score(task, gens, labels)

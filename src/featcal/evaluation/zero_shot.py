@@ -105,11 +105,6 @@ def image_batches(
         yield pixels, labels
 
 
-def eval_indices(n_rows: int, max_samples: int | None) -> list[int]:
-    """The first `max_samples` rows (all if None): deterministic, and comparable across models."""
-    return list(range(n_rows if max_samples is None else min(n_rows, max_samples)))
-
-
 @torch.no_grad()
 def evaluate_zero_shot(
     classifier: nn.Module,
@@ -117,12 +112,11 @@ def evaluate_zero_shot(
     image_processor: Any,
     *,
     batch_size: int = 64,
-    max_samples: int | None = None,
     device: str | torch.device = "cpu",
     desc: str = "eval",
 ) -> dict[str, float | int]:
-    """Top-1 accuracy (in %) of `classifier` over a labelled image dataset."""
-    indices = eval_indices(len(dataset), max_samples)
+    """Top-1 accuracy (in %) of `classifier` over every row of a labelled image dataset."""
+    indices = list(range(len(dataset)))
     if not indices:
         raise CalibrationDataError(f"{desc}: the evaluation split is empty")
     classifier = classifier.to(device).eval()

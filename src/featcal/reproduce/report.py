@@ -11,7 +11,7 @@ STAGES = (("merged", "merge"), ("featcal", "+FeatCal"))
 
 
 def _avg(values: list[float]) -> float | None:
-    return sum(values) / len(values) if values else None
+    return round(sum(values) / len(values), 4) if values else None
 
 
 def build_metrics(setting: Setting, evals: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> dict[str, Any]:
@@ -60,8 +60,11 @@ def _score(ev: Mapping[str, Any] | None) -> float | None:
     return None
 
 
+CELL = 10
+
+
 def _cell(v: float | None) -> str:
-    return f"{v:8.1f}" if v is not None else f"{'-':>8}"
+    return f"{v:{CELL}.1f}" if v is not None else f"{'-':>{CELL}}"
 
 
 def format_table(metrics: Mapping[str, Any]) -> str:
@@ -69,7 +72,7 @@ def format_table(metrics: Mapping[str, Any]) -> str:
     res, ref = metrics["results"], metrics["reference"]
     width = max([len("average")] + [len(t) for t in metrics["tasks"]])
     header = f"{'task':<{width}} " + "".join(
-        f"{label:>8}{'paper':>8}" for _, label in STAGES
+        f"{label:>{CELL}}{'paper':>{CELL}}" for _, label in STAGES
     )
     lines = [f"{metrics['setting']}: {metrics['metric']}", header, "-" * len(header)]
     for task in metrics["tasks"]:

@@ -35,8 +35,8 @@ class RunDir:
         self.path = Path(path)
 
     # ------------------------------------------------------------------ identity
-    def claim(self, identity: dict[str, Any], record: dict[str, Any]) -> bool:
-        """Write run_config.json, or check an existing one agrees; True when resuming."""
+    def check(self, identity: dict[str, Any]) -> bool:
+        """Refuse a DIR that is not this run's (other parameters, or not a reproduce run); True: resuming."""
         if self.path.exists() and not self.path.is_dir():
             raise OutputExistsError(f"--out {self.path} exists and is not a directory")
         cfg = self.path / RUN_CONFIG
@@ -58,6 +58,11 @@ class RunDir:
                 f"{self.path} exists, is not empty and holds no {RUN_CONFIG}: not a featcal reproduce run; "
                 "choose another --out"
             )
+        return resuming
+
+    def claim(self, identity: dict[str, Any], record: dict[str, Any]) -> bool:
+        """Check DIR (see check), then write run_config.json; True when resuming."""
+        resuming = self.check(identity)
         self.write_json(RUN_CONFIG, {"identity": identity, **record})
         return resuming
 
