@@ -75,3 +75,20 @@ def test_bad_requests_fail_before_any_work(clip_family):
     with pytest.raises(CalibrationDataError, match="pooler_output"):
         llama = tiny_model("llama")
         run_baseline("surgery", merged=llama, experts={"a": llama}, calibration={"a": sample_inputs("llama")})
+
+
+def test_task_accuracy_scores_both_kinds_like_the_benchmark(clip_family):
+    from featcal.baselines.evaluate import task_accuracy
+    from featcal.evaluation.classification import LinearHead, accuracy
+
+    base, experts, merged, calib = clip_family
+    torch.manual_seed(0)
+    head = LinearHead(32, 3).eval()
+    x = sample_inputs("clip", batch=10, seed=3)["pixel_values"]
+    rm = run_baseline("regmean", base=base, experts=experts, calibration=calib)
+    y = head(rm.model(pixel_values=x).pooler_output).argmax(-1)
+    y[:3] = (y[:3] + 1) % 3  # three wrong labels: accuracy 0.7 for the model that made the rest
+    assert task_accuracy(rm, "t0", head, x, y, batch_size=4) == pytest.approx(accuracy(rm.model, head, x, y)) == pytest.approx(0.7)
+    sg = run_baseline("surgery", merged=merged, experts=experts, calibration=calib, steps=3)
+    expected = (head(sg.surgery.apply("t1", merged(pixel_values=x).pooler_output)).argmax(-1) == y).float().mean()
+    assert task_accuracy(sg, "t1", head, x, y, batch_size=4) == pytest.approx(float(expected))
