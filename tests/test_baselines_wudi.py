@@ -61,3 +61,13 @@ def test_bad_inputs_are_refused():
         wudi(base, {"a": perturbed(base, 1)}, lr=0.0)
     with pytest.raises(CheckpointError, match="expert 'a'"):
         wudi(base, {"a": tiny_model("vit")})
+
+
+@pytest.mark.parametrize("shape", [(12, 5), (5, 12), (7, 7)])
+def testfast_objective_equals_the_definition(shape):
+    from featcal.baselines.wudi import fast_objective
+
+    g = torch.Generator().manual_seed(1)
+    tvs = torch.randn(3, *shape, generator=g, dtype=torch.float64)
+    merged = torch.randn(*shape, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(fast_objective(tvs)(merged), wudi_objective(merged, tvs))
