@@ -11,7 +11,7 @@ import transformers as T
 from featcal import FeatCalConfig
 from featcal.calibration.pipeline import calibrate_to_dir
 from featcal.errors import CalibrationDataError, CheckpointError, ConfigError, OutputExistsError
-from test_pipeline_support import bert_family, clip_family
+from test_pipeline_support import bert_family, clip_family, t5_family
 
 CFG = FeatCalConfig(num_calibration_examples=4, calibration_batch_size=2)
 
@@ -84,6 +84,18 @@ def test_bert_jsonl_end_to_end(bert, tmp_path):
     assert T.AutoTokenizer.from_pretrained(out)("w1 w2")["input_ids"] == [2, 5, 6, 3]  # tokenizer copied
     assert report["inputs"]["calibration"]["task1"]["examples"] == 4
     assert len(report["drift"]) == 2
+
+
+def test_t5_with_targets_calibrates_encoder_and_decoder(tmp_path):
+    fam = t5_family(tmp_path / "fam")
+    out = tmp_path / "calibrated"
+    report = _run(fam, out)
+    assert [(d["stack"], d["layer"]) for d in report["drift"]] == [
+        ("encoder", 0), ("encoder", 1), ("decoder", 0), ("decoder", 1)
+    ]
+    changed = _changed(_state(T.T5ForConditionalGeneration, fam["merged"]), _state(T.T5ForConditionalGeneration, out))
+    assert any(k.startswith("decoder.block.1.layer.1.EncDecAttention.q") for k in changed)
+    assert any(k.startswith("encoder.block.0.") for k in changed)
 
 
 def test_task_name_mismatch_is_named_before_work(clip, tmp_path):

@@ -43,3 +43,18 @@ def bert_family(root: Path, n_experts: int = 2, n_texts: int = 6) -> dict:
         for i, t in enumerate(experts)
     }
     return {"base": base, "experts": experts, "merged": merged, "data": data}
+
+
+def t5_family(root: Path, n_experts: int = 2, n_texts: int = 6) -> dict:
+    """A T5ForConditionalGeneration family with a tokenizer, plus JSONL texts with targets per task."""
+    base, experts = make_family("t5", root, n_experts)
+    merged = task_arithmetic("t5", base, experts, root / "merged")
+    save_tokenizer(merged, "t5")
+    data = {
+        t: write_jsonl(
+            root / f"{t}.jsonl",
+            [{"text": s, "target": g} for s, g in zip(sentences(n_texts, seed=i), sentences(n_texts, seed=50 + i), strict=True)],
+        )
+        for i, t in enumerate(experts)
+    }
+    return {"base": base, "experts": experts, "merged": merged, "data": data}
