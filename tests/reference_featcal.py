@@ -1,0 +1,218 @@
+"""A dense, literal FeatCal (SPEC §2) for tests: every activation kept, x~ formed explicitly, float64.
+
+Deliberately naive and independent of featcal's engine/statistics/solver: it shares only the adapters'
+model knowledge (where the blocks are, how to reach block 0, masks). Experts are in-memory models.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from featcal.calibration.adapters import adapter_for
+
+D = torch.float64
+
+
+class _Stop(Exception):
+    pass
+
+
+def _capture(module, block, kwargs):
+    seen = {}
+
+    def hook(_m, args, kw):
+        seen["a"], seen["k"] = args, kw
+        raise _Stop
+
+    h = block.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        module(**kwargs)
+    except _Stop:
+        pass
+    finally:
+        h.remove()
+    sig = inspect.signature(block.forward)
+    bound = sig.bind(*seen["a"], **seen["k"]).arguments
+    first = next(iter(sig.parameters))
+    ctx = {}
+    for k, v in bound.items():
+        if sig.parameters[k].kind is inspect.Parameter.VAR_KEYWORD:
+            ctx.update(v)
+        elif k != first:
+            ctx[k] = v
+    return bound[first], ctx
+
+
+def _modules(block, adapter):
+    out = {}
+    for name, m in block.named_modules():
+        if isinstance(m, nn.Linear):
+            out[name] = ("linear", m)
+        elif isinstance(m, nn.LayerNorm):
+            out[name] = ("layernorm", m)
+        elif adapter.is_rms(m):
+            out[name] = ("rmsnorm", m)
+    return out
+
+
+def _record(block, mods):
+    """Hooks that append each calibrated module's input (flattened to tokens × d) to a list."""
+    store = {n: [] for n in mods}
+    hooks = [m.register_forward_hook(lambda _m, i, _o, n=n: store[n].append(i[0].detach())) for n, (_, m) in mods.items()]
+    return store, hooks
+
+
+def reference_calibrate(merged, base, experts: dict, calibration: dict, cfg):
+    """Return a calibrated deep copy of `merged` (experts: {task: model}; calibration: {task: [dict]})."""
+    model = copy.deepcopy(merged).eval()
+    adapter = adapter_for(model)
+    alpha, lam, eps, rho = cfg.teacher_interp_alpha, cfg.lambda_ratio, cfg.covariance_eps, cfg.anchor_blend_rho
+    tasks = list(experts)
+    base_params = dict(base.named_parameters())
+    up_m = up_e = None
+    with torch.no_grad():
+        for stack in adapter.stacks(model):
+            hm, he, cm, ce = {}, {}, {}, {}
+            for t in tasks:
+                for b, batch in enumerate(calibration[t]):
+                    mod, kw = adapter.stack_call(model, stack, batch, None if up_m is None else up_m[t, b])
+                    hm[t, b], cm[t, b] = _capture(mod, stack.blocks(model)[0], kw)
+                    mod, kw = adapter.stack_call(experts[t], stack, batch, None if up_e is None else up_e[t, b])
+                    he[t, b], ce[t, b] = _capture(mod, stack.blocks(experts[t])[0], kw)
+            n_blocks = len(stack.blocks(model))
+            for layer in range(n_blocks):
+                block_m = stack.blocks(model)[layer]
+                mods = _modules(block_m, adapter)
+                per_task = {}
+                for t in tasks:
+                    block_e = stack.blocks(experts[t])[layer]
+                    mods_e = _modules(block_e, adapter)
+                    xs_all, xe_all, w_all = {n: [] for n in mods}, {n: [] for n in mods}, {n: [] for n in mods}
+                    for b, batch in enumerate(calibration[t]):
+                        store_e, hooks = _record(block_e, mods_e)
+                        out_e = block_e(he[t, b], **ce[t, b])
+                        for h in hooks:
+                            h.remove()
+                        store_m, hooks = _record(block_m, mods)
+                        block_m(hm[t, b], **cm[t, b])
+                        for h in hooks:
+                            h.remove()
+                        for n in mods:
+                            xs, xe = store_m[n][0], store_e[n][0]
+                            mask = adapter.token_mask(stack, batch, xs, cross=adapter.is_cross_module(stack, n))
+                            w = torch.ones(xs.shape[:-1]) if mask is None else mask.clone()
+                            if stack.class_token_head and layer == n_blocks - 1 and not adapter.is_kv(n):
+                                w[:, 1:] *= cfg.cls_token_weight
+                            xs_all[n].append(xs.reshape(-1, xs.shape[-1]).to(D))
+                            xe_all[n].append(xe.reshape(-1, xe.shape[-1]).to(D))
+                            w_all[n].append(w.reshape(-1).to(D))
+                        he[t, b] = out_e[0] if isinstance(out_e, tuple) else out_e
+                        ce[t, b] = adapter.next_context(stack, layer, ce[t, b], out_e)
+                    per_task[t] = {
+                        n: (torch.cat(xs_all[n]), torch.cat(xe_all[n]), torch.cat(w_all[n]), mods_e[n][1]) for n in mods
+                    }
+                new = {}
+                for n, (kind, m) in mods.items():
+                    full = f"{stack.blocks_path}.{layer}.{n}"
+                    anc_w = rho * m.weight.to(D) + (1 - rho) * base_params[full + ".weight"].to(D)
+                    if kind == "linear":
+                        a = (lam + eps) * torch.eye(m.in_features, dtype=D)
+                        rhs = lam * anc_w.T
+                        stats = []
+                        for t in tasks:
+                            xs, xe, w, me = per_task[t][n]
+                            xt = alpha * xe + (1 - alpha) * xs
+                            p = w / w.sum()
+                            c = (xs * p[:, None]).T @ xs
+                            x = (xs * p[:, None]).T @ xt
+                            s = torch.linalg.matrix_norm(c)
+                            a = a + c / s
+                            rhs = rhs + (x / s) @ me.weight.to(D).T
+                            stats.append((s, (p[:, None] * xs).sum(0), (p[:, None] * xt).sum(0), me))
+                        wsol = torch.linalg.solve(a, rhs).T
+                        new[m.weight] = wsol
+                        if m.bias is not None and cfg.calibrate_bias:
+                            anc_b = rho * m.bias.to(D) + (1 - rho) * base_params[full + ".bias"].to(D)
+                            num, den = lam * anc_b, lam
+                            for s, mu_s, mu_t, me in stats:
+                                num = num + (me.bias.to(D) + me.weight.to(D) @ mu_t - wsol @ mu_s) / s
+                                den = den + 1 / s
+                            new[m.bias] = num / den
+                    elif cfg.calibrate_layernorm:
+                        zs = {}
+                        for t in tasks:
+                            xs, _, w, me = per_task[t][n]
+                            if kind == "rmsnorm":
+                                z = xs * torch.rsqrt(xs.pow(2).mean(-1, keepdim=True) + m.variance_epsilon)
+                            else:
+                                z = F.layer_norm(xs, m.normalized_shape, eps=m.eps)
+                            p = w / w.sum()
+                            zs[t] = ((p[:, None] * z).sum(0), (p[:, None] * z * z).sum(0), me)
+                        if kind == "rmsnorm":
+                            num = lam * anc_w + sum(e * me.weight.to(D) for _, e, me in zs.values())
+                            new[m.weight] = num / (lam + sum(e for _, e, _ in zs.values()))
+                        else:
+                            anc_b = rho * m.bias.to(D) + (1 - rho) * base_params[full + ".bias"].to(D)
+                            gam, bet = torch.empty_like(anc_w), torch.empty_like(anc_w)
+                            for ch in range(anc_w.shape[0]):
+                                mat = torch.tensor([[lam, 0.0], [0.0, lam + len(tasks)]], dtype=D)
+                                r = torch.stack([lam * anc_w[ch], lam * anc_b[ch]])
+                                for mm, e, me in zs.values():
+                                    g_t, b_t = me.weight[ch].to(D), me.bias[ch].to(D)
+                                    mat = mat + torch.stack([torch.stack([e[ch], mm[ch]]), torch.stack([mm[ch], torch.zeros((), dtype=D)])])
+                                    r = r + torch.stack([e[ch] * g_t + mm[ch] * b_t, mm[ch] * g_t + b_t])
+                                sol = torch.linalg.solve(mat, r)
+                                gam[ch], bet[ch] = sol[0], sol[1]
+                            new[m.weight], new[m.bias] = gam, bet
+                for p, v in new.items():
+                    p.copy_(v.to(p.dtype))
+                for t in tasks:
+                    for b in range(len(calibration[t])):
+                        out = block_m(hm[t, b], **cm[t, b])
+                        hm[t, b] = out[0] if isinstance(out, tuple) else out
+                        cm[t, b] = adapter.next_context(stack, layer, cm[t, b], out)
+            up_m = {k: adapter.stack_output(model, stack, v) for k, v in hm.items()}
+            up_e = {(t, b): adapter.stack_output(experts[t], stack, v) for (t, b), v in he.items()}
+    return model
+
+
+def noisy_family(kind: str, n_experts: int = 2, scale: float = 0.2, seed: int = 0):
+    """A base, experts with task-vector noise on EVERY parameter (norms included), and their TA merge.
+
+    tests/tiny.py's `perturbed` scales noise by each tensor's std, so all-ones norm weights stay put;
+    here they move too, so the LayerNorm/RMSNorm solves are exercised.
+    """
+    import tiny
+
+    base = tiny.tiny_model(kind, seed)
+    experts = {}
+    for i in range(n_experts):
+        e = tiny.perturbed(base, seed + 100 + i, scale)
+        g = torch.Generator().manual_seed(seed + 200 + i)
+        with torch.no_grad():
+            for p in e.parameters():
+                if p.dim() == 1:
+                    p.add_(torch.randn(p.shape, generator=g) * scale)
+        experts[f"task{i}"] = e
+    merged = copy.deepcopy(base)
+    with torch.no_grad():
+        mp = dict(merged.named_parameters())
+        for name, p0 in base.named_parameters():
+            mp[name].copy_(p0 + 0.3 * sum(dict(e.named_parameters())[name] - p0 for e in experts.values()))
+    return base, experts, merged
+
+
+def family_data(kind: str, tasks, n_batches: int = 2, seed: int = 0):
+    import tiny
+
+    return {t: [tiny.sample_inputs(kind, seed=seed + 10 * i + b) for b in range(n_batches)] for i, t in enumerate(tasks)}
+
+
+def max_abs_diff(a: nn.Module, b: nn.Module) -> tuple[float, str]:
+    sa, sb = a.state_dict(), b.state_dict()
+    return max(((sa[k].double() - sb[k].double()).abs().max().item(), k) for k in sa if sa[k].is_floating_point())
