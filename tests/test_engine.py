@@ -6,10 +6,10 @@ import logging
 
 import pytest
 import torch
-from reference_featcal import family_data, max_abs_diff, noisy_family, reference_calibrate
 
 from featcal import FeatCalConfig, calibrate
 from featcal.errors import CalibrationDataError, CheckpointError, ConfigError
+from reference_featcal import family_data, max_abs_diff, noisy_family, reference_calibrate
 
 KINDS = ["clip", "vit", "bert", "t5", "llama"]
 
