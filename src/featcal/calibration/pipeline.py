@@ -166,6 +166,20 @@ def calibrate_to_dir(
         )
     calibrate_seconds = work.seconds
 
+    hashing = Timer()
+    inputs_report = {
+        "merged": {"path": str(merged_dir), "sha256": checkpoint_hashes(merged_dir)},
+        "base": {"path": str(base_dir), "sha256": checkpoint_hashes(base_dir)},
+        "experts": {t: {"path": str(d), "sha256": checkpoint_hashes(d)} for t, d in expert_dirs.items()},
+        "calibration": {
+            t: {"source": str(calibration_sources[t]), "examples": _count(b), "batches": len(b),
+                "tensors_sha256": batches_sha256(b)}
+            for t, b in calibration.items()
+        },
+        "processor_dir": str(data_dir),
+    }
+    hash_seconds = hashing.seconds
+
     save = Timer()
     with atomic_output_dir(out_path, overwrite) as tmp:
         copy_side_files(merged_dir, tmp)  # tokenizer / processor files first: save_pretrained's config wins
@@ -175,23 +189,13 @@ def calibrate_to_dir(
         report = build_report(
             "calibrate",
             {**config.model_dump(mode="json"), "max_length": max_length, "allow_fewer": allow_fewer},
-            inputs={
-                "merged": {"path": str(merged_dir), "sha256": checkpoint_hashes(merged_dir)},
-                "base": {"path": str(base_dir), "sha256": checkpoint_hashes(base_dir)},
-                "experts": {t: {"path": str(d), "sha256": checkpoint_hashes(d)} for t, d in expert_dirs.items()},
-                "calibration": {
-                    t: {"source": str(calibration_sources[t]), "examples": _count(b), "batches": len(b),
-                        "tensors_sha256": batches_sha256(b)}
-                    for t, b in calibration.items()
-                },
-                "processor_dir": str(data_dir),
-            },
+            inputs=inputs_report,
             drift=getattr(calibrated, "featcal_drift", None),
             output={"path": str(out_path), "sha256": checkpoint_hashes(tmp)},
         )
-        report["seconds"] = {
+        report["seconds"] = {  # load includes load_data; save excludes the final fsync and rename
             "load": round(load_seconds, 3), "load_data": round(data_seconds, 3), "calibrate": round(calibrate_seconds, 3),
-            "save": round(save.seconds, 3), "total": round(total.seconds, 3),
+            "hash_inputs": round(hash_seconds, 3), "save": round(save.seconds, 3), "total": round(total.seconds, 3),
         }
         report["peak_rss_mb"] = round(peak_rss_mb(), 1)
         write_report(tmp, report)
