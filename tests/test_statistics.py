@@ -1,0 +1,99 @@
+"""Streaming statistics: batch/rank mergeability, and the exactness of the no-cross-Gram identity."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from featcal.calibration.statistics import NormalisedSums, TaskSums
+from featcal.errors import CalibrationDataError
+
+F64 = torch.float64
+
+
+def _data(n=64, d_in=6, d_out=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    xs = torch.randn(2, n // 2, d_in, generator=g)
+    xe = xs + 0.2 * torch.randn(xs.shape, generator=g)
+    wt = torch.randn(d_out, d_in, generator=g)
+    bt = torch.randn(d_out, generator=g)
+    w = torch.rand(2, n // 2, generator=g)
+    w[0, -3:] = 0.0  # padding
+    return xs, xe, wt, bt, w
+
+
+def _fill(sums: TaskSums, xs, xe, wt, bt, w, sl=slice(None)):
+    sums.add_gram("q", xs[sl], w[sl])
+    sums.add_linear("q", "q", xs[sl], xe[sl] @ wt.T + bt, w[sl])
+    sums.add_linear("k", "q", xs[sl], xe[sl] @ wt.T + bt, w[sl])  # shares q's Gram
+    sums.add_norm("ln", xs[sl], w[sl])
+
+
+def test_batches_merged_equal_one_pass():
+    xs, xe, wt, bt, w = _data()
+    whole, a, b = TaskSums(), TaskSums(), TaskSums()
+    _fill(whole, xs, xe, wt, bt, w)
+    _fill(a, xs, xe, wt, bt, w, slice(0, 1))
+    _fill(b, xs, xe, wt, bt, w, slice(1, 2))
+    a.merge_(b)
+    assert set(a.grams) == {"q"} and set(a.linears) == {"q", "k"}
+    for kind in ("grams", "linears", "norms"):
+        for name, s in getattr(whole, kind).items():
+            other = getattr(a, kind)[name]
+            for field in s.__dataclass_fields__:
+                v = getattr(s, field)
+                if isinstance(v, torch.Tensor):
+                    torch.testing.assert_close(getattr(other, field), v, rtol=1e-5, atol=1e-5)
+
+
+def test_normalised_sums_equal_explicit_teacher_formulas():
+    alpha = 0.25
+    xs, xe, wt, bt, w = _data()
+    sums = TaskSums()
+    _fill(sums, xs, xe, wt, bt, w)
+    norm = NormalisedSums(alpha)
+    gamma, beta = torch.randn(6), torch.randn(6)
+    params = {"q": {"weight": wt, "bias": bt}, "k": {"weight": wt, "bias": bt}, "ln": {"weight": gamma, "bias": beta}}
+    norm.add_task("t", sums, params, rms=set())
+
+    # dense: x~ formed explicitly, weighted means, float64
+    x, xe_, wd = xs.reshape(-1, 6).to(F64), xe.reshape(-1, 6).to(F64), w.reshape(-1).to(F64)
+    p = wd / wd.sum()
+    xt = alpha * xe_ + (1 - alpha) * x
+    c = (x * p[:, None]).T @ x
+    cross = (x * p[:, None]).T @ xt
+    s = torch.linalg.matrix_norm(c)
+    mu_t = (p[:, None] * xt).sum(0)
+    got = norm.linears["q"]
+    torch.testing.assert_close(got.gram, c / s, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got.target, cross @ wt.T.to(F64) / s, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.bias_target, (bt.to(F64) + wt.to(F64) @ mu_t) / s, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.mean, (p[:, None] * x).sum(0) / s, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got.inv_scale, 1 / s)
+    ln = norm.norms["ln"]
+    e, m = (p[:, None] * x * x).sum(0), (p[:, None] * x).sum(0)
+    torch.testing.assert_close(ln.e, e, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ln.gamma_target, e * gamma.to(F64) + m * beta.to(F64), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ln.beta_target, m * gamma.to(F64) + beta.to(F64), rtol=1e-5, atol=1e-5)
+
+
+def test_tasks_add_up_with_their_own_scale():
+    xs, xe, wt, bt, w = _data()
+    one, two = TaskSums(), TaskSums()
+    _fill(one, xs, xe, wt, bt, w)
+    _fill(two, 3 * xs, 3 * xe, wt, bt, w)  # ‖C‖ nine times larger: normalised, it weighs the same
+    params = {"q": {"weight": wt, "bias": bt}, "k": {"weight": wt, "bias": bt}, "ln": {"weight": wt[0], "bias": wt[1]}}
+    norm = NormalisedSums(0.25)
+    norm.add_task("a", one, params, rms=set())
+    single = norm.linears["q"].gram.clone()
+    norm.add_task("b", two, params, rms=set())
+    torch.testing.assert_close(norm.linears["q"].gram, 2 * single, rtol=1e-5, atol=1e-6)
+    assert norm.norms["ln"].n_tasks == 2
+
+
+def test_a_task_with_no_weighted_token_is_refused():
+    xs, xe, wt, bt, w = _data()
+    sums = TaskSums()
+    _fill(sums, xs, xe, wt, bt, torch.zeros_like(w))
+    with pytest.raises(CalibrationDataError, match="task 'empty'"):
+        NormalisedSums(0.25).add_task("empty", sums, {"q": {"weight": wt, "bias": bt}, "k": {"weight": wt}}, rms=set())
