@@ -1,0 +1,187 @@
+"""Adapters: every supported class is found and calibrated where it should be; 4.x checkpoints map."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+import transformers as T
+from safetensors.torch import save_file
+from torch import nn
+
+import tiny
+from featcal import FeatCalConfig, calibrate
+from featcal.calibration.adapters import adapter_for
+from featcal.errors import FeatCalError
+from reference_featcal import max_abs_diff, reference_calibrate
+
+
+def _family(model, n=2, scale=0.2):
+    """base = model, experts with noise on every parameter, TA merge; all in memory."""
+    experts = {}
+    for i in range(n):
+        e = copy.deepcopy(model)
+        g = torch.Generator().manual_seed(100 + i)
+        with torch.no_grad():
+            for p in e.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * scale * (p.std() if p.dim() > 1 else 1.0))
+        experts[f"task{i}"] = e.eval()
+    merged = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, p in merged.named_parameters():
+            p.add_(0.3 * sum(dict(e.named_parameters())[name] - p for e in experts.values()))
+    return model.eval(), experts, merged.eval()
+
+
+def _ids(batch=2, seq=8, seed=0, vocab=100):
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    mask[1, -3:] = 0
+    return {"input_ids": torch.randint(2, vocab, (batch, seq), generator=g), "attention_mask": mask}
+
+
+def _changed(a: nn.Module, b: nn.Module) -> set[str]:
+    sa, sb = a.state_dict(), b.state_dict()
+    return {k for k in sa if sa[k].is_floating_point() and not torch.equal(sa[k], sb[k])}
+
+
+@pytest.mark.parametrize("kind,name", [("clip", "clip"), ("vit", "vit"), ("bert", "bert"), ("t5", "t5"), ("llama", "llama")])
+def test_adapter_is_chosen_by_model_type(kind, name):
+    assert adapter_for(tiny.tiny_model(kind)).name == name
+
+
+def test_unsupported_architecture_is_named():
+    model = T.GPT2Model(T.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50))
+    with pytest.raises(FeatCalError, match="GPT2Model"):
+        calibrate(model, base=model, experts={"a": model}, calibration={"a": [_ids(vocab=50)]}, progress=False)
+
+
+def test_clipmodel_calibrates_only_the_vision_tower():
+    cfg = T.CLIPConfig(
+        text_config=dict(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2),
+        vision_config=tiny.tiny_config("clip").to_dict(), projection_dim=8,
+    )
+    torch.manual_seed(0)
+    base, experts, merged = _family(T.CLIPModel(cfg))
+    data = {t: [{"pixel_values": torch.randn(2, 3, 16, 16)}] for t in experts}
+    out = calibrate(merged, base=base, experts=experts, calibration=data, progress=False)
+    changed = _changed(out, merged)
+    assert changed and all(k.startswith("vision_model.encoder.layers.") for k in changed)
+    assert max_abs_diff(out, reference_calibrate(merged, base, experts, data, FeatCalConfig()))[0] < 1e-5
+
+
+@pytest.mark.parametrize("cls,prefix", [(T.ViTForImageClassification, "vit.layers."), (T.BertForSequenceClassification, "bert.encoder.layer.")])
+def test_heads_keep_their_merged_weights(cls, prefix):
+    kind = "vit" if "ViT" in cls.__name__ else "bert"
+    torch.manual_seed(0)
+    base, experts, merged = _family(cls(tiny.tiny_config(kind)))
+    data = {t: [tiny.sample_inputs(kind, seed=i)] for i, t in enumerate(experts)}
+    out = calibrate(merged, base=base, experts=experts, calibration=data, progress=False)
+    changed = _changed(out, merged)
+    assert changed and all(k.startswith(prefix) for k in changed)
+
+
+def test_t5_without_decoder_inputs_starts_from_decoder_start_token():
+    torch.manual_seed(0)
+    base, experts, merged = _family(T.T5Model(tiny.tiny_config("t5")))
+    data = {t: [_ids(seed=i)] for i, t in enumerate(experts)}
+    out = calibrate(merged, base=base, experts=experts, calibration=data, progress=False)
+    assert [d["stack"] for d in out.featcal_drift] == ["encoder", "encoder", "decoder", "decoder"]
+    assert any(k.startswith("decoder.block.1.layer.1.EncDecAttention") for k in _changed(out, merged))
+    assert max_abs_diff(out, reference_calibrate(merged, base, experts, data, FeatCalConfig()))[0] < 1e-5
+
+
+def test_t5_decoder_cross_attention_sees_calibrated_encoder():
+    """Decoder block 0's drift "before" is measured with the merged decoder reading the CALIBRATED encoder."""
+    base, experts, merged = _family(tiny.tiny_model("t5"))
+    data = {t: [tiny.sample_inputs("t5", seed=i)] for i, t in enumerate(experts)}
+    out = calibrate(merged, base=base, experts=experts, calibration=data, progress=False)
+    hybrid = copy.deepcopy(merged)  # calibrated encoder, decoder as merged
+    hybrid.encoder.load_state_dict(out.encoder.state_dict())
+    per_task = []
+    with torch.no_grad():
+        for t, e in experts.items():
+            batch = data[t][0]
+            hm = hybrid(**batch, output_hidden_states=True).decoder_hidden_states[1]
+            he = e(**batch, output_hidden_states=True).decoder_hidden_states[1]
+            per_task.append(float(((hm - he).pow(2).sum(-1) / he.pow(2).sum(-1)).mean()))
+    decoder0 = next(d for d in out.featcal_drift if d["stack"] == "decoder" and d["layer"] == 0)
+    assert decoder0["before"] == pytest.approx(sum(per_task) / len(per_task), rel=1e-4)
+
+
+@pytest.mark.parametrize("cls,cfg_cls", [(T.MistralForCausalLM, T.MistralConfig), (T.Qwen2ForCausalLM, T.Qwen2Config)])
+def test_llama_family_decoders(cls, cfg_cls):
+    cfg = cfg_cls(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    base, experts, merged = _family(cls(cfg))
+    data = {t: [_ids(seed=i)] for i, t in enumerate(experts)}
+    out = calibrate(merged, base=base, experts=experts, calibration=data, progress=False)
+    changed = _changed(out, merged)
+    assert any(k.endswith("input_layernorm.weight") for k in changed)
+    if cls is T.Qwen2ForCausalLM:  # q/k/v carry biases in Qwen2
+        assert "model.layers.0.self_attn.q_proj.bias" in changed
+    assert max_abs_diff(out, reference_calibrate(merged, base, experts, data, FeatCalConfig()))[0] < 1e-5
+
+
+def test_padding_tokens_do_not_count():
+    """Changing what sits under attention_mask == 0 leaves the calibration unchanged."""
+    base, experts, merged = _family(tiny.tiny_model("bert"))
+    data = {t: [_ids(seed=i)] for i, t in enumerate(experts)}
+    other = copy.deepcopy(data)
+    for batches in other.values():
+        batches[0]["input_ids"][1, -3:] = 7
+    a = calibrate(merged, base=base, experts=experts, calibration=data, progress=False)
+    b = calibrate(merged, base=base, experts=experts, calibration=other, progress=False)
+    assert max_abs_diff(a, b)[0] < 1e-6
+
+
+# --- checkpoints saved with transformers-4 names ------------------------------------------------
+
+_VIT4 = [("layers.", "encoder.layer."), ("attention.q_proj", "attention.attention.query"),
+         ("attention.k_proj", "attention.attention.key"), ("attention.v_proj", "attention.attention.value"),
+         ("attention.o_proj", "attention.output.dense"), ("mlp.fc1", "intermediate.dense"), ("mlp.fc2", "output.dense")]
+
+
+def _save_as_v4(model: nn.Module, directory, rename) -> None:
+    directory.mkdir(parents=True)
+    tensors = {rename(k): v.contiguous() for k, v in model.state_dict().items()}
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(model.config.to_dict()))
+
+
+def _vit4(key: str) -> str:
+    for new, old in _VIT4:
+        key = key.replace(new, old, 1) if new in key else key
+    return key
+
+
+@pytest.mark.parametrize("kind,rename", [("clip", lambda k: "vision_model." + k), ("vit", _vit4)])
+def test_transformers4_checkpoints_stream_like_models(kind, rename, tmp_path):
+    base, experts, merged = _family(tiny.tiny_model(kind))
+    data = {t: [tiny.sample_inputs(kind, seed=i)] for i, t in enumerate(experts)}
+    paths = {}
+    for t, e in experts.items():
+        _save_as_v4(e, tmp_path / t, rename)
+        paths[t] = tmp_path / t
+    _save_as_v4(base, tmp_path / "base", rename)
+    with open(tmp_path / "task0" / "model.safetensors", "rb") as f:
+        assert (b"vision_model." if kind == "clip" else b"attention.attention.query") in f.read(4096)
+    a = calibrate(merged, base=base, experts=experts, calibration=data, progress=False)
+    b = calibrate(merged, base=tmp_path / "base", experts=paths, calibration=data, progress=False)
+    assert max_abs_diff(a, b)[0] == 0.0
+
+
+def test_block_lists_are_found_in_the_4x_module_layout():
+    class Old(nn.Module):  # ViT 4.x: vit.encoder.layer
+        def __init__(self):
+            super().__init__()
+            self.config = T.ViTConfig()
+            self.vit = nn.Module()
+            self.vit.encoder = nn.Module()
+            self.vit.encoder.layer = nn.ModuleList([nn.Linear(2, 2)])
+
+    stacks = adapter_for(Old()).stacks(Old())
+    assert stacks[0].blocks_path == "vit.encoder.layer" and stacks[0].entry_path == "vit"
