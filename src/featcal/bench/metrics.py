@@ -1,0 +1,24 @@
+"""The benchmark's summary numbers, as pure functions of accuracies (fractions in [0, 1])."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+
+def mean(values: Mapping[str, float]) -> float:
+    if not values:
+        raise ValueError("mean of no accuracies")
+    return sum(values.values()) / len(values)
+
+
+def normalised_accuracy(per_task: Mapping[str, float], experts: Mapping[str, float]) -> float:
+    """Mean over tasks of accuracy / the task's expert accuracy (1.0 = as good as every expert)."""
+    return sum(per_task[t] / experts[t] for t in per_task if experts[t] > 0) / len(per_task)
+
+
+def gap_closed(model: float, merge: float, experts: float) -> float | None:
+    """Share of the merge -> experts gap that `model` closes; None when there is no gap to close."""
+    gap = experts - merge
+    if abs(gap) < 1e-12:
+        return None
+    return (model - merge) / gap

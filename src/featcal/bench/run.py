@@ -1,0 +1,238 @@
+"""`featcal bench`: experts, base, and each merge alone and + FeatCal, on the offline zoo.
+
+Every merged model comes from featcal's own `merge`, every calibrated one from featcal's own
+`calibrate`; the zoo only supplies checkpoints, frozen heads and fixed data splits. Calibration draws
+from the zoo's calibration split (never the test split). The cost of calibration is compared, in the
+same run, with its floor: one forward of the merged model and of every expert over the same data.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import shlex
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from featcal.bench.memory import PeakRSS
+from featcal.bench.metrics import gap_closed, mean, normalised_accuracy
+from featcal.config import MERGE_METHODS, FeatCalConfig
+from featcal.errors import ConfigError
+from featcal.evaluation.classification import LinearHead, accuracy
+from featcal.io.report import Timer, build_report
+from featcal.zoo.presets import get_preset
+
+log = logging.getLogger(__name__)
+
+DEFAULT_METHODS = ("average", "task_arithmetic", "ties")
+MERGE_PARAMS: dict[str, dict[str, Any]] = {  # the paper's / demo's settings
+    "average": {},
+    "task_arithmetic": {"scaling": 0.3},
+    "ties": {"density": 0.2, "scaling": 1.0},
+    "dare_ta": {"drop_rate": 0.5, "scaling": 0.3, "seed": 0},
+    "dare_ties": {"drop_rate": 0.5, "density": 0.2, "scaling": 1.0, "seed": 0},
+}
+
+
+@dataclass
+class BenchSettings:
+    preset: str = "default"
+    seed: int = 0
+    calib_sizes: tuple[int, ...] = (256,)
+    methods: tuple[str, ...] = DEFAULT_METHODS
+    zoo_dir: Path | None = None  # default: zoo-cache/<preset>-seed<seed>
+    featcal: FeatCalConfig = field(default_factory=FeatCalConfig)
+    eval_batch_size: int = 256
+
+    def resolved_zoo_dir(self) -> Path:
+        return self.zoo_dir or Path("zoo-cache") / f"{self.preset}-seed{self.seed}"
+
+
+def validate(settings: BenchSettings) -> None:
+    """Reject bad settings before any model is built or loaded."""
+    preset = get_preset(settings.preset)
+    if not settings.calib_sizes:
+        raise ConfigError("--calib-sizes needs at least one size")
+    for n in settings.calib_sizes:
+        if n < 1 or n > preset.calibration:
+            raise ConfigError(
+                f"calibration size {n} is out of range: the {preset.name} zoo holds {preset.calibration} "
+                "calibration examples per task (test data is never used for calibration)"
+            )
+    bad = [m for m in settings.methods if m not in MERGE_METHODS]
+    if bad or not settings.methods:
+        raise ConfigError(f"unknown merge methods {bad}; choose from {', '.join(MERGE_METHODS)}")
+
+
+def _evaluate(model, heads: Mapping[str, LinearHead], tests: Mapping[str, tuple], batch: int) -> dict[str, float]:
+    return {t: accuracy(model, heads[t], x, y, batch) for t, (x, y) in tests.items()}
+
+
+def _batches(x: torch.Tensor, size: int) -> list[dict[str, torch.Tensor]]:
+    return [{"pixel_values": x[i : i + size]} for i in range(0, len(x), size)]
+
+
+@torch.no_grad()
+def forward_floor_seconds(merged, experts: Mapping[str, Any], calibration: Mapping[str, Sequence[dict]]) -> float:
+    """Wall time of one forward of the merged model over all calibration data and of each expert over
+    its own task's data: the least any calibration that looks at both sides' features can cost."""
+    timer = Timer()
+    for task, batches in calibration.items():
+        for b in batches:
+            merged(**b)
+            experts[task](**b)
+    return timer.seconds
+
+
+def _json_record(d: Mapping[str, Any]) -> dict[str, Any]:
+    """A drift record with tensors and numpy scalars turned into plain numbers."""
+    return {k: (v if isinstance(v, str | int) else float(v)) for k, v in d.items()}
+
+
+def _row(method: str, calibrated: bool, per_task: dict[str, float], seconds: float, rss: float, **extra) -> dict:
+    return {"method": method, "calibrated": calibrated, "average_accuracy": mean(per_task), "per_task": per_task,
+            "seconds": round(seconds, 3), "peak_rss_mb": round(rss, 1), **extra}
+
+
+def run_bench(settings: BenchSettings, progress: bool = True) -> dict[str, Any]:
+    """Run the whole benchmark in memory and return its report (see `write_bench` for the files)."""
+    from featcal.calibration.api import calibrate
+    from featcal.io.models import load_model
+    from featcal.merging.api import merge
+    from featcal.zoo.build import build_zoo
+
+    validate(settings)
+    load_before = os.getloadavg()
+    total = Timer()
+    zoo_timer = Timer()
+    zoo = build_zoo(settings.resolved_zoo_dir(), settings.preset, settings.seed, progress=progress)
+    zoo_seconds = zoo_timer.seconds
+    tasks = zoo.tasks
+    heads = {t: zoo.head(t) for t in tasks}
+    tests = {t: zoo.split(t, "test") for t in tasks}
+    bs = settings.eval_batch_size
+    rows: list[dict] = []
+
+    experts = {}
+    for t in tasks:
+        with PeakRSS() as rss:
+            timer = Timer()
+            experts[t] = load_model(zoo.expert_dir(t))
+            acc = accuracy(experts[t], heads[t], *tests[t], bs)
+        rows.append(_row("expert", False, {t: acc}, timer.seconds, rss.mb, task=t))
+        log.info("expert %s: %.4f", t, acc)
+    expert_acc = {r["task"]: r["average_accuracy"] for r in rows}
+    experts_average = mean(expert_acc)
+
+    with PeakRSS() as rss:
+        timer = Timer()
+        base = load_model(zoo.base_dir)
+        per_task = _evaluate(base, heads, tests, bs)
+    rows.append(_row("base", False, per_task, timer.seconds, rss.mb))
+
+    pools = {t: zoo.split(t, "calibration")[0] for t in tasks}
+    drift_curves: dict[str, list[dict]] = {}
+    for method in settings.methods:
+        params = MERGE_PARAMS[method]
+        with PeakRSS() as rss:
+            timer = Timer()
+            state = merge(zoo.base_dir, zoo.expert_dirs, method, **params)
+            merged = copy.deepcopy(base)
+            merged.load_state_dict(state)
+            merge_seconds = timer.seconds
+            per_task = _evaluate(merged, heads, tests, bs)
+        merge_avg = mean(per_task)
+        rows.append(_row(method, False, per_task, merge_seconds, rss.mb, params=params,
+                         normalised_accuracy=normalised_accuracy(per_task, expert_acc),
+                         gap_closed=0.0))
+        log.info("%s: %.4f", method, merge_avg)
+        for n in settings.calib_sizes:
+            cfg = settings.featcal.model_copy(update={"num_calibration_examples": n})
+            calibration = {t: _batches(pools[t][:n], cfg.calibration_batch_size) for t in tasks}
+            floor = forward_floor_seconds(merged, experts, calibration)
+            with PeakRSS() as rss:
+                timer = Timer()
+                calibrated = calibrate(merged, base=zoo.base_dir, experts=experts, calibration=calibration,
+                                       config=cfg, progress=progress)
+                calib_seconds = timer.seconds
+            per_task = _evaluate(calibrated, heads, tests, bs)
+            drift = [_json_record(d) for d in getattr(calibrated, "featcal_drift", [])]
+            if n == max(settings.calib_sizes):
+                drift_curves[method] = drift
+            avg = mean(per_task)
+            rows.append(_row(method, True, per_task, merge_seconds + calib_seconds, rss.mb, params=params,
+                             calibration_examples=n, calibration_seconds=round(calib_seconds, 3),
+                             forward_floor_seconds=round(floor, 3), cost_ratio=calib_seconds / floor,
+                             normalised_accuracy=normalised_accuracy(per_task, expert_acc),
+                             gap_closed=gap_closed(avg, merge_avg, experts_average), drift=drift))
+            log.info("%s + FeatCal (%d/task): %.4f (%.1fs, floor %.1fs)", method, n, avg, calib_seconds, floor)
+            del calibrated
+
+    base_row = next(r for r in rows if r["method"] == "base")
+    base_row["normalised_accuracy"] = normalised_accuracy(base_row["per_task"], expert_acc)
+    return build_report(
+        "bench",
+        {"preset": settings.preset, "seed": settings.seed, "calib_sizes": list(settings.calib_sizes),
+         "methods": list(settings.methods), "merge_params": {m: MERGE_PARAMS[m] for m in settings.methods},
+         "featcal": settings.featcal.model_dump(mode="json"), "zoo_dir": str(settings.resolved_zoo_dir())},
+        command_line=shlex.join(["featcal", *sys.argv[1:]]) if Path(sys.argv[0]).name == "featcal" else shlex.join(sys.argv),
+        seed=settings.seed,
+        tasks=tasks,
+        experts_average=experts_average,
+        rows=rows,
+        summary=summarise(rows, experts_average, settings),
+        drift=drift_curves,
+        zoo={"root": str(zoo.root), "fingerprint": zoo.manifest["fingerprint"], "regime_at_build": zoo.manifest["regime"],
+             "seconds_to_ready": round(zoo_seconds, 2)},
+        load_average={"start": load_before, "end": os.getloadavg()},
+        threads=torch.get_num_threads(),
+        total_seconds=round(total.seconds, 2),
+    )
+
+
+def summarise(rows: list[dict], experts_average: float, settings: BenchSettings) -> dict[str, Any]:
+    """Headline numbers: per merge, accuracy alone and calibrated, gap closed and cost ratio, per size."""
+    out: dict[str, Any] = {"experts_average": experts_average}
+    base = next(r for r in rows if r["method"] == "base")
+    out["base_average"] = base["average_accuracy"]
+    for method in settings.methods:
+        alone = next(r for r in rows if r["method"] == method and not r["calibrated"])
+        cal = {r["calibration_examples"]: r for r in rows if r["method"] == method and r["calibrated"]}
+        out[method] = {
+            "merge_average": alone["average_accuracy"],
+            "calibrated_average": {n: r["average_accuracy"] for n, r in cal.items()},
+            "gap_closed": {n: r["gap_closed"] for n, r in cal.items()},
+            "cost_ratio": {n: r["cost_ratio"] for n, r in cal.items()},
+        }
+    return out
+
+
+def write_bench(report: dict[str, Any], out: str | os.PathLike, overwrite: bool = False) -> Path:
+    """Write bench.json, table.md, drift.png (and calib_sizes.png for a sweep) atomically into `out`."""
+    import json
+
+    from featcal.bench.plot import drift_plot, sample_efficiency_plot
+    from featcal.bench.table import bench_table
+    from featcal.io.atomic import atomic_output_dir
+
+    with atomic_output_dir(out, overwrite) as tmp:
+        (tmp / "bench.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+        (tmp / "table.md").write_text(bench_table(report))
+        if report["drift"] and all(report["drift"].values()):
+            n = max(report["params"]["calib_sizes"])
+            drift_plot(report["drift"], tmp / "drift.png",
+                       f"{report['params']['preset']} zoo: feature drift by block ({n} calibration examples/task)")
+        sizes = report["params"]["calib_sizes"]
+        if len(sizes) > 1:
+            points = {m: {int(k): v for k, v in s["calibrated_average"].items()}
+                      for m, s in report["summary"].items() if isinstance(s, dict) and "calibrated_average" in s}
+            baselines = {"experts": report["experts_average"],
+                         **{m: report["summary"][m]["merge_average"] for m in points}}
+            sample_efficiency_plot(points, baselines, tmp / "calib_sizes.png")
+    return Path(out)

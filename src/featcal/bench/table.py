@@ -1,0 +1,40 @@
+"""The printed benchmark table (also saved as DIR/table.md), built from the report's rows."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _pct(x: float | None) -> str:
+    return "—" if x is None else f"{100 * x:.1f}"
+
+
+def _label(row: dict[str, Any]) -> str:
+    if row["method"] == "experts":
+        return "experts (each on its task)"
+    if row["calibrated"]:
+        return f"{row['method']} + FeatCal ({row['calibration_examples']}/task)"
+    return row["method"]
+
+
+def bench_table(report: dict[str, Any]) -> str:
+    """A Markdown table: per-task accuracy, average, normalised accuracy, gap closed, cost."""
+    tasks: list[str] = report["tasks"]
+    experts = {r["task"]: r for r in report["rows"] if r["method"] == "expert"}
+    combined = {
+        "method": "experts", "calibrated": False, "per_task": {t: experts[t]["average_accuracy"] for t in tasks},
+        "average_accuracy": report["experts_average"], "normalised_accuracy": 1.0,
+        "seconds": sum(r["seconds"] for r in experts.values()), "peak_rss_mb": max(r["peak_rss_mb"] for r in experts.values()),
+    }
+    rows = [combined] + [r for r in report["rows"] if r["method"] != "expert"]
+    head = ["model", *tasks, "avg", "norm", "gap closed", "s", "cost ×floor", "peak RSS MiB"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [_label(r), *(_pct(r["per_task"].get(t)) for t in tasks), _pct(r["average_accuracy"]),
+                 _pct(r.get("normalised_accuracy")),
+                 _pct(r.get("gap_closed")) if r["calibrated"] else "",
+                 f"{r['seconds']:.1f}",
+                 f"{r['cost_ratio']:.2f}" if "cost_ratio" in r else "",
+                 f"{r['peak_rss_mb']:.0f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,62 @@
+"""`featcal bench`: the main offline demonstration (experts, base, merges alone and + FeatCal)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from featcal.config import MERGE_METHODS
+from featcal.errors import ConfigError
+from featcal.zoo.presets import PRESETS
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(s) for s in text.split(",") if s.strip())
+    except ValueError:
+        raise ConfigError(f"--calib-sizes must be comma-separated integers, not {text!r}") from None
+    return tuple(dict.fromkeys(sizes))
+
+
+def _run(args: argparse.Namespace) -> int:
+    import torch
+
+    from featcal.bench.run import BenchSettings, run_bench, validate, write_bench
+    from featcal.bench.table import bench_table
+    from featcal.io.atomic import check_output_dir
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    settings = BenchSettings(
+        preset=args.preset, seed=args.seed, calib_sizes=_sizes(args.calib_sizes),
+        methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
+        zoo_dir=Path(args.zoo_dir) if args.zoo_dir else None,
+    )
+    validate(settings)
+    check_output_dir(args.out, args.overwrite)  # before any work
+    report = run_bench(settings, progress=not args.no_progress)
+    out = write_bench(report, args.out, args.overwrite)
+    print(bench_table(report), end="")
+    for m in settings.methods:
+        s = report["summary"][m]
+        for n in settings.calib_sizes:
+            closed = s["gap_closed"][n]
+            print(f"{m}: gap to experts closed by FeatCal ({n}/task): "
+                  f"{'n/a' if closed is None else f'{100 * closed:.1f}%'}, cost {s['cost_ratio'][n]:.2f}x the forward floor")
+    print(f"wrote {out / 'bench.json'}")
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("bench", help="benchmark merges alone and + FeatCal on the offline zoo")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="default")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, help="output directory: bench.json, table.md, drift.png")
+    p.add_argument("--calib-sizes", default="256", help="calibration examples per task, comma-separated (a sweep)")
+    p.add_argument("--methods", default="average,task_arithmetic,ties",
+                   help=f"merge methods, comma-separated, from {', '.join(MERGE_METHODS)}")
+    p.add_argument("--zoo-dir", default=None, help="zoo cache directory (default zoo-cache/<preset>-seed<seed>)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=_run)

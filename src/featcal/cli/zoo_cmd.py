@@ -1,0 +1,46 @@
+"""`featcal zoo build`: build (or reuse) the offline model zoo; `featcal zoo show`: print its build log."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from featcal.zoo.presets import PRESETS
+
+
+def _build(args: argparse.Namespace) -> int:
+    import torch
+
+    from featcal.zoo.build import build_zoo
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    zoo = build_zoo(args.out, args.preset, args.seed, overwrite=args.overwrite, progress=not args.no_progress)
+    print((zoo.root / "build.log").read_text(), end="")
+    print(f"zoo ready: {zoo.root} ({len(zoo.tasks)} tasks: {', '.join(zoo.tasks)})")
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    from featcal.zoo.store import Zoo
+
+    zoo = Zoo.open(args.dir)
+    print((zoo.root / "build.log").read_text(), end="")
+    print(json.dumps(zoo.manifest["regime"], indent=2))
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("zoo", help="the offline model zoo (base, experts, heads, data)")
+    sub = p.add_subparsers(dest="zoo_command", required=True)
+    b = sub.add_parser("build", help="build the zoo, or reuse an identical cached build at --out")
+    b.add_argument("--preset", choices=sorted(PRESETS), default="default")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--out", required=True, help="zoo directory (reused when built from the same preset and seed)")
+    b.add_argument("--overwrite", action="store_true", help="replace a zoo built from other settings")
+    b.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    b.add_argument("--no-progress", action="store_true")
+    b.set_defaults(func=_build)
+    s = sub.add_parser("show", help="print a built zoo's build log and regime")
+    s.add_argument("dir")
+    s.set_defaults(func=_show)

@@ -1,0 +1,74 @@
+"""Zoo presets: model size, split sizes and training budgets. `tiny` is for tests, `default` for the bench."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+
+from featcal.errors import ConfigError
+from featcal.zoo.pretrain import PretrainSettings
+from featcal.zoo.tasks import TASKS
+from featcal.zoo.train import FinetuneSettings
+
+ZOO_FORMAT = 1  # bump when the build changes what a preset produces, so stale caches are rebuilt
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    image_size: int = 32
+    patch_size: int = 8
+
+    def config(self):
+        import transformers
+
+        return transformers.CLIPVisionConfig(**asdict(self), num_channels=3)
+
+
+@dataclass(frozen=True)
+class ZooPreset:
+    name: str
+    model: ModelShape
+    tasks: tuple[str, ...]
+    train: int  # labelled training images per task (experts and probes)
+    calibration: int  # unlabelled calibration pool per task (disjoint from train and test)
+    test: int
+    pretrain: PretrainSettings
+    finetune: FinetuneSettings
+    probe_c: float = 1.0
+    regime_scaling: float = 0.3  # Task Arithmetic scaling checked in the build log
+    notes: dict = field(default_factory=dict)
+
+    def fingerprint(self, seed: int) -> str:
+        blob = json.dumps({"format": ZOO_FORMAT, "seed": seed, **asdict(self)}, sort_keys=True, default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+PRESETS: dict[str, ZooPreset] = {
+    "tiny": ZooPreset(
+        name="tiny",
+        model=ModelShape(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2),
+        tasks=("stripes", "textures", "colours", "signs"),
+        train=300, calibration=64, test=200,
+        pretrain=PretrainSettings(images=3000, categories=40, steps=150, batch_size=64, lr=2e-3),
+        finetune=FinetuneSettings(steps=80, batch_size=32, lr=1e-3),
+    ),
+    "default": ZooPreset(
+        name="default",
+        model=ModelShape(hidden_size=192, intermediate_size=768, num_hidden_layers=4, num_attention_heads=3),
+        tasks=tuple(TASKS),
+        train=1500, calibration=256, test=500,
+        pretrain=PretrainSettings(images=16000, categories=100, steps=600, batch_size=128, lr=1.5e-3),
+        finetune=FinetuneSettings(steps=150, batch_size=64, lr=1e-4),
+    ),
+}
+
+
+def get_preset(name: str) -> ZooPreset:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown zoo preset {name!r}; choose one of {', '.join(PRESETS)}")
+    return PRESETS[name]

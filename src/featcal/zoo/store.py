@@ -1,0 +1,76 @@
+"""A built zoo on disk, and the one reader of its layout.
+
+    DIR/zoo.json                  manifest: preset, seed, fingerprint, tasks and classes, build log
+    DIR/base/                     the pretrained encoder (HF checkpoint, safetensors)
+    DIR/experts/<task>/           one fine-tuned encoder per task (HF checkpoint, safetensors)
+    DIR/heads/<task>.safetensors  the frozen linear head of each task, shared by every model
+    DIR/data/<task>.safetensors   uint8 images and labels of the train / calibration / test splits
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from featcal.errors import CheckpointError
+from featcal.evaluation.classification import LinearHead
+from featcal.zoo.train import pixel_values
+
+MANIFEST = "zoo.json"
+SPLITS = ("train", "calibration", "test")
+
+
+@dataclass(frozen=True)
+class Zoo:
+    root: Path
+    manifest: dict
+
+    @classmethod
+    def open(cls, root: str | os.PathLike) -> Zoo:
+        root = Path(root)
+        path = root / MANIFEST
+        if not path.exists():
+            raise CheckpointError(f"{root} is not a built zoo (no {MANIFEST}); run `featcal zoo build --out {root}`")
+        manifest = json.loads(path.read_text())
+        zoo = cls(root, manifest)
+        for task in zoo.tasks:
+            for p in (zoo.expert_dir(task), zoo.root / "heads" / f"{task}.safetensors", zoo.root / "data" / f"{task}.safetensors"):
+                if not p.exists():
+                    raise CheckpointError(f"zoo {root} is incomplete: {p.relative_to(root)} is missing for task {task!r}")
+        return zoo
+
+    @property
+    def tasks(self) -> list[str]:
+        return list(self.manifest["tasks"])
+
+    @property
+    def base_dir(self) -> Path:
+        return self.root / "base"
+
+    def expert_dir(self, task: str) -> Path:
+        return self.root / "experts" / task
+
+    @property
+    def expert_dirs(self) -> dict[str, Path]:
+        return {t: self.expert_dir(t) for t in self.tasks}
+
+    def head(self, task: str) -> LinearHead:
+        return LinearHead.load(self.root / "heads" / f"{task}.safetensors")
+
+    def split_size(self, task: str, split: str) -> int:
+        return int(self.manifest["tasks"][task]["sizes"][split])
+
+    def split(self, task: str, split: str, limit: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pixel_values, labels) of one split; `limit` keeps its first examples (a fixed subset)."""
+        if split not in SPLITS:
+            raise ValueError(f"unknown split {split!r}; one of {SPLITS}")
+        with safe_open(str(self.root / "data" / f"{task}.safetensors"), framework="pt") as f:
+            x, y = f.get_tensor(f"{split}_images"), f.get_tensor(f"{split}_labels")
+        if limit is not None:
+            x, y = x[:limit], y[:limit]
+        return pixel_values(x), y

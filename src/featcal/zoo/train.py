@@ -1,0 +1,60 @@
+"""Shared training pieces of the zoo: input normalisation, the LR schedule, expert fine-tuning."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+
+def pixel_values(images: np.ndarray | torch.Tensor) -> torch.Tensor:
+    """uint8 (N, H, W, 3) images -> float pixel_values (N, 3, H, W) in [-1, 1], as the models expect."""
+    t = torch.as_tensor(images)
+    return t.permute(0, 3, 1, 2).float().div(127.5).sub(1.0).contiguous()
+
+
+def schedule(warmup: int, steps: int) -> Callable[[int], float]:
+    """Linear warm-up then cosine decay to zero, as a LambdaLR multiplier."""
+
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, steps - warmup))))
+
+    return f
+
+
+@dataclass(frozen=True)
+class FinetuneSettings:
+    steps: int
+    batch_size: int
+    lr: float
+    weight_decay: float = 0.0
+    warmup: int = 20
+
+
+def finetune(model, head: torch.nn.Module, images: np.ndarray, labels: np.ndarray, settings: FinetuneSettings,
+             seed: int, desc: str = "fine-tune", progress: bool = True) -> float:
+    """Fine-tune the whole encoder in place through a FROZEN head (CLIP's protocol); return last loss."""
+    x, y = pixel_values(images), torch.from_numpy(labels)
+    g = torch.Generator().manual_seed(seed)
+    for p in head.parameters():
+        p.requires_grad_(False)
+    opt = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule(settings.warmup, settings.steps))
+    model.train()
+    loss = torch.zeros(())
+    for _ in tqdm(range(settings.steps), desc=desc, disable=not progress, leave=False):
+        idx = torch.randint(0, len(x), (settings.batch_size,), generator=g)
+        loss = torch.nn.functional.cross_entropy(head(model(pixel_values=x[idx]).pooler_output), y[idx])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+    model.eval()
+    return float(loss.item())

@@ -1,0 +1,108 @@
+"""`featcal bench` end to end on the tiny zoo: schema of bench.json, files, and that FeatCal helps."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from featcal.bench.metrics import gap_closed, mean, normalised_accuracy
+from featcal.bench.run import BenchSettings, run_bench, validate, write_bench
+from featcal.bench.table import bench_table
+from featcal.cli.main import main
+from featcal.errors import ConfigError
+
+ROW_KEYS = {"method", "calibrated", "average_accuracy", "per_task", "seconds", "peak_rss_mb"}
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench")
+    settings = BenchSettings(preset="tiny", seed=0, calib_sizes=(8, 64), methods=("task_arithmetic", "average"),
+                             zoo_dir=root / "zoo")
+    report = run_bench(settings, progress=False)
+    out = write_bench(report, root / "out")
+    return report, out
+
+
+def test_bench_json_schema(bench):
+    report, out = bench
+    data = json.loads((out / "bench.json").read_text())
+    assert 0.0 <= data["experts_average"] <= 1.0
+    tasks = data["tasks"]
+    assert len(tasks) == 4
+    for row in data["rows"]:
+        assert ROW_KEYS <= set(row), row
+        assert isinstance(row["calibrated"], bool)
+        assert 0.0 <= row["average_accuracy"] <= 1.0
+        assert all(0.0 <= v <= 1.0 for v in row["per_task"].values())
+        assert row["seconds"] >= 0 and row["peak_rss_mb"] > 0
+    methods = [(r["method"], r["calibrated"], r.get("calibration_examples")) for r in data["rows"]]
+    assert methods.count(("expert", False, None)) == 4
+    assert ("base", False, None) in methods
+    for m in ("task_arithmetic", "average"):
+        assert (m, False, None) in methods and (m, True, 8) in methods and (m, True, 64) in methods
+    experts = [r for r in data["rows"] if r["method"] == "expert"]
+    assert data["experts_average"] == pytest.approx(sum(r["average_accuracy"] for r in experts) / 4)
+    assert data["seed"] == 0 and "bench" in data["command"] and data["command_line"]
+    assert (out / "drift.png").stat().st_size > 1000 and (out / "calib_sizes.png").stat().st_size > 1000
+    assert "task_arithmetic + FeatCal (64/task)" in (out / "table.md").read_text()
+
+
+def test_calibrated_rows_carry_drift_and_cost(bench):
+    report, _ = bench
+    cal = [r for r in report["rows"] if r["calibrated"]]
+    for r in cal:
+        assert r["cost_ratio"] == pytest.approx(r["calibration_seconds"] / r["forward_floor_seconds"], rel=0.01)
+        assert len(r["drift"]) == 2  # the tiny encoder's two blocks
+        assert all(d["after"] <= d["before"] + 1e-6 for d in r["drift"][:1])  # first block: drift removed
+    assert set(report["drift"]) == {"task_arithmetic", "average"}
+
+
+def test_featcal_improves_the_tiny_merge(bench):
+    report, _ = bench
+    summary = report["summary"]["task_arithmetic"]
+    assert summary["calibrated_average"][64] >= summary["merge_average"] + 0.05, summary
+    assert summary["gap_closed"][64] > 0.3
+
+
+def test_validate_rejects_bad_settings_before_work():
+    with pytest.raises(ConfigError, match="calibration size 10000 is out of range"):
+        validate(BenchSettings(preset="tiny", calib_sizes=(10000,)))
+    with pytest.raises(ConfigError, match="unknown merge methods"):
+        validate(BenchSettings(preset="tiny", methods=("magic",)))
+
+
+def test_cli_refuses_existing_output_before_work(tmp_path, capsys):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "x").write_text("keep me")
+    code = main(["bench", "--preset", "tiny", "--out", str(tmp_path / "out"), "--zoo-dir", str(tmp_path / "zoo")])
+    assert code == 2
+    assert "not empty" in capsys.readouterr().err
+    assert not (tmp_path / "zoo").exists()  # nothing was built
+    assert main(["bench", "--preset", "tiny", "--calib-sizes", "4,x", "--out", str(tmp_path / "o2")]) == 2
+
+
+def test_metrics():
+    assert mean({"a": 0.5, "b": 1.0}) == 0.75
+    assert normalised_accuracy({"a": 0.45, "b": 0.9}, {"a": 0.9, "b": 0.9}) == pytest.approx(0.75)
+    assert gap_closed(0.8, 0.6, 1.0) == pytest.approx(0.5)
+    assert gap_closed(0.8, 0.9, 0.9) is None
+
+
+def test_table_lists_every_model():
+    report = {
+        "tasks": ["a", "b"], "experts_average": 0.9,
+        "rows": [
+            {"method": "expert", "task": "a", "calibrated": False, "average_accuracy": 0.9, "per_task": {"a": 0.9},
+             "seconds": 1.0, "peak_rss_mb": 10.0},
+            {"method": "expert", "task": "b", "calibrated": False, "average_accuracy": 0.9, "per_task": {"b": 0.9},
+             "seconds": 1.0, "peak_rss_mb": 10.0},
+            {"method": "task_arithmetic", "calibrated": True, "calibration_examples": 8, "average_accuracy": 0.7,
+             "per_task": {"a": 0.6, "b": 0.8}, "seconds": 2.0, "peak_rss_mb": 11.0, "gap_closed": 0.5,
+             "normalised_accuracy": 0.78, "cost_ratio": 1.2},
+        ],
+    }
+    text = bench_table(report)
+    assert "| experts (each on its task) | 90.0 | 90.0 | 90.0 |" in text
+    assert "| task_arithmetic + FeatCal (8/task) | 60.0 | 80.0 | 70.0 | 78.0 | 50.0 | 2.0 | 1.20 | 11 |" in text

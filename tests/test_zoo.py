@@ -1,0 +1,133 @@
+"""The offline zoo: task generators, splits, heads, and a deterministic, cached, atomic build."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from featcal.errors import CheckpointError, ConfigError, OutputExistsError
+from featcal.evaluation.classification import LinearHead, accuracy, fit_linear_probe
+from featcal.zoo.build import build_zoo
+from featcal.zoo.presets import PRESETS, ModelShape, get_preset
+from featcal.zoo.pretrain import PretrainSettings, categories, pretraining_set
+from featcal.zoo.store import Zoo
+from featcal.zoo.tasks import TASKS, make_splits
+from featcal.zoo.train import FinetuneSettings, pixel_values
+
+
+@pytest.mark.parametrize("name", list(TASKS))
+def test_task_generates_balanced_uint8_images_deterministically(name):
+    task = TASKS[name]
+    a = make_splits(task, {"train": 40, "test": 20}, seed=3)
+    b = make_splits(task, {"train": 40, "test": 20}, seed=3)
+    x, y = a["train"]
+    assert x.shape == (40, 32, 32, 3) and x.dtype == np.uint8
+    assert y.min() >= 0 and y.max() < len(task.classes)
+    np.testing.assert_array_equal(x, b["train"][0])
+    np.testing.assert_array_equal(a["test"][1], b["test"][1])
+    assert not np.array_equal(a["train"][0][:20], a["test"][0])  # splits are different images
+    assert x.std() > 5  # not blank
+
+
+def test_procedural_tasks_are_balanced():
+    _, y = make_splits(TASKS["shapes"], {"train": 60}, seed=0)["train"]
+    assert np.bincount(y).tolist() == [10] * 6
+
+
+def test_real_digits_splits_are_disjoint_and_refuse_oversize():
+    task = TASKS["handwritten_digits"]
+    splits = make_splits(task, {"train": 300, "calibration": 50, "test": 100}, seed=0)
+    flat = {k: {v.tobytes() for v in x} for k, (x, _) in splits.items()}
+    assert not (flat["train"] & flat["test"]) and not (flat["calibration"] & flat["test"])
+    with pytest.raises(ValueError, match="only 1797"):
+        make_splits(task, {"train": 2000}, seed=0)
+
+
+def test_pretraining_categories_are_fixed_by_seed_and_labelled():
+    assert categories(5, 0) == categories(5, 0) != categories(5, 1)
+    x, y = pretraining_set(30, 10, seed=0)
+    assert x.shape == (30, 32, 32, 3) and sorted(set(y.tolist())) == list(range(10))
+
+
+def test_linear_probe_fits_separable_features_and_round_trips(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    y = torch.arange(90) % 3
+    feats = torch.randn(90, 8, generator=g) * 0.1 + torch.nn.functional.one_hot(y, 8).float() * 3
+    head = fit_linear_probe(feats, y.numpy(), 3)
+    assert (head(feats).argmax(-1) == y).float().mean() == 1.0
+    head.save(tmp_path / "h.safetensors")
+    again = LinearHead.load(tmp_path / "h.safetensors")
+    torch.testing.assert_close(again(feats), head(feats))
+    with pytest.raises(CheckpointError, match="does not exist"):
+        LinearHead.load(tmp_path / "missing.safetensors")
+
+
+def test_accuracy_counts_matches():
+    class Fixed(torch.nn.Module):
+        def forward(self, pixel_values):
+            return type("O", (), {"pooler_output": pixel_values[:, :2]})()
+
+    x = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 0.0], [1.0, 0.0]])
+    head = torch.nn.Identity()
+    assert accuracy(Fixed(), head, x, torch.tensor([0, 1, 1, 1])) == 0.5
+
+
+def test_pixel_values_maps_uint8_to_unit_range():
+    x = np.zeros((1, 2, 2, 3), np.uint8)
+    x[..., 0] = 255
+    pv = pixel_values(x)
+    assert pv.shape == (1, 3, 2, 2)
+    assert pv[0, 0].eq(1.0).all() and pv[0, 1].eq(-1.0).all()
+
+
+def test_unknown_preset_is_a_config_error():
+    with pytest.raises(ConfigError, match="unknown zoo preset 'huge'"):
+        get_preset("huge")
+
+
+MICRO = dataclasses.replace(
+    PRESETS["tiny"], name="micro", tasks=("stripes", "colours"),
+    model=ModelShape(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2),
+    train=64, calibration=16, test=32,
+    pretrain=PretrainSettings(images=200, categories=8, steps=5, batch_size=16, lr=1e-3, warmup=2),
+    finetune=FinetuneSettings(steps=5, batch_size=16, lr=1e-3, warmup=2),
+)
+
+
+def test_build_is_deterministic_cached_and_guarded(tmp_path):
+    zoo = build_zoo(tmp_path / "a", MICRO, seed=1, progress=False)
+    assert zoo.tasks == ["stripes", "colours"]
+    manifest = json.loads((tmp_path / "a" / "zoo.json").read_text())
+    assert set(manifest["regime"]) == {"base", "task_arithmetic_0.3", "experts", "ordered"}
+    assert (tmp_path / "a" / "build.log").read_text().startswith("pretrain:")
+    x, y = zoo.split("colours", "calibration")
+    assert x.shape == (16, 3, 32, 32) and len(y) == 16
+    assert zoo.split("stripes", "test", limit=5)[0].shape[0] == 5
+
+    weights = (tmp_path / "a" / "experts" / "stripes" / "model.safetensors").read_bytes()
+    again = build_zoo(tmp_path / "b", MICRO, seed=1, progress=False)
+    assert (again.root / "experts" / "stripes" / "model.safetensors").read_bytes() == weights  # deterministic
+
+    stamp = (tmp_path / "a" / "zoo.json").stat().st_mtime_ns
+    build_zoo(tmp_path / "a", MICRO, seed=1, progress=False)  # cached: nothing rewritten
+    assert (tmp_path / "a" / "zoo.json").stat().st_mtime_ns == stamp
+
+    with pytest.raises(OutputExistsError, match="another preset, seed"):
+        build_zoo(tmp_path / "a", MICRO, seed=2, progress=False)
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "file.txt").write_text("x")
+    with pytest.raises(OutputExistsError):
+        build_zoo(tmp_path / "junk", MICRO, seed=1, progress=False)
+
+
+def test_open_reports_missing_pieces(tmp_path):
+    with pytest.raises(CheckpointError, match="not a built zoo"):
+        Zoo.open(tmp_path)
+    build_zoo(tmp_path / "z", MICRO, seed=0, progress=False)
+    (tmp_path / "z" / "heads" / "colours.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="heads/colours.safetensors is missing for task 'colours'"):
+        Zoo.open(tmp_path / "z")
