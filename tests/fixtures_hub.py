@@ -5,8 +5,9 @@ D/<dataset id>[/<config>]/ (DatasetDict.save_to_disk), with the hub's column nam
 fixtures exercise the same loading code as real hub ids:
 - CLIP: a tiny CLIPModel with a CLIPProcessor (a byte-level BPE CLIPTokenizer written from a
   hand-made vocab.json / merges.txt, and a CLIPImageProcessor); experts are perturbed copies of its
-  vision tower saved as CLIPVisionModel checkpoints in the transformers-4 key layout
-  (`vision_model.` prefix), as tanganke's experts are; image datasets with image/label columns.
+  vision tower saved as CLIPVisionModel checkpoints, the first in the transformers-4 key layout
+  (`vision_model.` prefix) as tanganke's experts are, the others in the 5.x layout, so both load
+  paths run; image datasets with image/label columns.
 - FLAN-T5 GLUE: a tiny T5ForConditionalGeneration with a word-level tokenizer, perturbed experts,
   GLUE configs with the hub's columns (sentence, sentence1/2, question, premise/hypothesis, label, idx).
 - MergeBench: a tiny LlamaForCausalLM and `_val` sets with MergeBench's columns.
@@ -123,7 +124,8 @@ def build_clip_hub(root: Path, tasks: tuple[str, ...] = ("eurosat", "mnist"), *,
     T.CLIPProcessor(image_processor=image_processor, tokenizer=tok).save_pretrained(base_dir)
     for i, task in enumerate(tasks):
         expert = perturbed(base.vision_model, seed + 100 + i, scale=0.05)
-        _save_v4_vision(expert, models / "tanganke" / f"{arch}_{task}")
+        expert_dir = models / "tanganke" / f"{arch}_{task}"
+        _save_v4_vision(expert, expert_dir) if i == 0 else expert.save_pretrained(expert_dir)
         hub_id, cfg, mode = CLIP_DATA[task]
         classes, _ = clip_prompts(task)
         rng = np.random.default_rng(seed + i)

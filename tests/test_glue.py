@@ -6,7 +6,6 @@ import datasets
 import pytest
 import scipy.stats
 import torch
-from fixtures_hub import word_tokenizer
 
 from featcal.errors import CalibrationDataError, ConfigError
 from featcal.evaluation.glue import (
@@ -20,6 +19,7 @@ from featcal.evaluation.glue import (
     spearman,
 )
 from featcal.evaluation.templates import GLUE_PROMPTS, glue_prompt
+from fixtures_hub import word_tokenizer
 
 
 def test_exact_match_ignores_case_and_surrounding_space_only():

@@ -8,11 +8,11 @@ import time
 import pytest
 import torch
 import transformers as T
-from fixtures_hub import build_clip_hub, build_glue_hub, build_mergebench_hub
 
 from featcal.cli.main import main
 from featcal.errors import ConfigError
 from featcal.reproduce.settings import SETTINGS, get_setting
+from fixtures_hub import build_clip_hub, build_glue_hub, build_mergebench_hub
 
 
 def _run(capsys, *argv):
@@ -148,12 +148,18 @@ def test_clip_reproduce_end_to_end_then_resume(clip_hub, tmp_path, capsys, monke
     assert rc == 2 and "seed: 42 there, 7 now" in err
 
 
-def test_clip_eval_subset_and_data_checks_before_work(clip_hub, tmp_path, capsys):
-    out = tmp_path / "subset"
-    rc, _, err = _run(capsys, *_clip_args(clip_hub, out, "--max-eval-samples", 5))
-    assert rc == 0, err
-    details = json.loads((out / "metrics.json").read_text())["details"]
+def test_clip_eval_subset_is_deterministic_and_data_is_checked_before_work(clip_hub, tmp_path, capsys):
+    runs = {}
+    for name in ("a", "b"):
+        rc, _, err = _run(capsys, *_clip_args(clip_hub, tmp_path / name, "--max-eval-samples", 5))
+        assert rc == 0, err
+        runs[name] = json.loads((tmp_path / name / "metrics.json").read_text())
+    details = runs["a"]["details"]
     assert details["merged"]["eurosat"]["n"] == 5 and details["featcal"]["mnist"]["n"] == 5
+    assert runs["a"]["results"] == runs["b"]["results"]  # same inputs and seed -> same numbers
+    for stage in ("merged", "featcal"):  # ... and byte-identical checkpoints
+        a, b = (tmp_path / n / stage / "model.safetensors" for n in ("a", "b"))
+        assert a.read_bytes() == b.read_bytes(), stage
 
     too_many = tmp_path / "too-many"
     rc, _, err = _run(capsys, *_clip_args(clip_hub, too_many)[:-4], "--num-calibration-examples", 1000,

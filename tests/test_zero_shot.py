@@ -7,7 +7,6 @@ import math
 import pytest
 import torch
 import transformers as T
-from fixtures_hub import clip_tokenizer
 
 from featcal.errors import CalibrationDataError, ConfigError
 from featcal.evaluation.templates import CLIP_CLASSNAMES, CLIP_TEMPLATES, clip_prompts
@@ -17,6 +16,7 @@ from featcal.evaluation.zero_shot import (
     evaluate_zero_shot,
     zero_shot_logits,
 )
+from fixtures_hub import clip_tokenizer
 
 
 class _FakeTokenizer:

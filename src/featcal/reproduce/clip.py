@@ -37,6 +37,7 @@ def load_vision_tower(path: str | Path) -> nn.Module:
 
     transformers 5 maps both the CLIPModel's `vision_model.*` keys and the 4.x CLIPVisionModel
     layout (the hub experts) onto its flat CLIPVisionModel; anything else is refused by name.
+    The result is always keyed in the 5.x layout.
     """
     import transformers as T
 
@@ -55,7 +56,11 @@ def load_vision_tower(path: str | Path) -> nn.Module:
         raise CheckpointError(f"cannot load {path} as CLIPVisionModel: {exc}") from None
     finally:
         T.logging.set_verbosity(verbosity)
-    return model.eval()
+    # A fresh model remembers no load-time key conversion, so every tower (base from a CLIPModel,
+    # 4.x or 5.x expert) saves and merges under the same 5.x names.
+    fresh = T.CLIPVisionModel(model.config)
+    fresh.load_state_dict(model.state_dict())
+    return fresh.eval()
 
 
 class ClipPipeline(Pipeline):

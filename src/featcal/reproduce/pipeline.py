@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import logging
 import random
+from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
 
 from torch import nn
 
-from featcal.errors import CalibrationDataError
+from featcal.errors import CalibrationDataError, CheckpointError
+from featcal.io.checkpoint import CheckpointReader
 from featcal.io.report import Timer, build_report, write_report
 from featcal.reproduce.options import ReproduceOptions
 from featcal.reproduce.resolve import Resolved, load_split, local_dir
@@ -46,7 +48,7 @@ def eval_indices(n_rows: int, max_samples: int | None, seed: int) -> list[int]:
     return sorted(random.Random(seed).sample(range(n_rows), max_samples))
 
 
-class Pipeline:
+class Pipeline(ABC):
     """Shared driver; subclasses implement the family-specific hooks below."""
 
     def __init__(self, setting: Setting, resolved: Resolved, rundir: RunDir, opts: ReproduceOptions) -> None:
@@ -69,11 +71,13 @@ class Pipeline:
             self._splits[key] = load_split(self.resolved, task.data, name)
         return self._splits[key]
 
+    @abstractmethod
     def required_columns(self, task: TaskSpec) -> tuple[str, ...]:
-        raise NotImplementedError
+        """Columns every split of `task` must have."""
 
     def preflight(self) -> dict[str, Any]:
-        """Open every split the run reads and check its columns and size, before any model is loaded."""
+        """Open every split the run reads and check its columns and size, and every checkpoint's
+        headers, before any model is loaded (hub ids not yet cached are downloaded here)."""
         summary: dict[str, Any] = {}
         for task in self.setting.tasks:
             calib = self.split(task, "calibration")
@@ -98,6 +102,11 @@ class Pipeline:
                 entry["eval_rows"] = len(ev)
                 entry["eval_examples"] = len(eval_indices(len(ev), self.opts.max_eval_samples, self.opts.seed))
             summary[task.name] = entry
+        for model_id in self.setting.model_ids():  # headers only: weights present, safetensors, readable
+            try:
+                CheckpointReader(self.model_dir(model_id))
+            except CheckpointError as exc:
+                raise CheckpointError(f"{model_id}: {exc}") from None
         return summary
 
     # ----------------------------------------------------------------- models
@@ -112,14 +121,17 @@ class Pipeline:
         return {t.name: self.model_dir(t.expert_id) for t in self.setting.tasks}
 
     # ----------------------------------------------------------------- hooks
+    @abstractmethod
     def write_merged(self, tmp: Path) -> None:
-        raise NotImplementedError
+        """Write the Task Arithmetic checkpoint into the (empty, temporary) stage directory."""
 
+    @abstractmethod
     def load_stage(self, stage_dir: Path) -> nn.Module:
-        raise NotImplementedError
+        """The model a stage directory holds, as calibrated / evaluated."""
 
+    @abstractmethod
     def calibration_batches(self, task: TaskSpec) -> list[dict[str, Any]]:
-        raise NotImplementedError
+        """The task's seeded calibration draw, as keyword-input batches."""
 
     def calibration_base(self) -> Any:
         """What `calibrate` gets as `base` (a path by default: read lazily)."""
@@ -128,11 +140,13 @@ class Pipeline:
     def calibration_experts(self) -> dict[str, Any]:
         return {t: str(d) for t, d in self.expert_dirs().items()}
 
+    @abstractmethod
     def save_stage(self, model: nn.Module, tmp: Path) -> None:
-        raise NotImplementedError
+        """Save a calibrated model (with its tokenizer / processor files) into the stage directory."""
 
     def evaluate_task(self, stage: str, stage_dir: Path, task: TaskSpec) -> dict[str, Any]:
-        raise NotImplementedError
+        """One stage on one task; families scored outside featcal override `evaluate` instead."""
+        raise NotImplementedError(f"{type(self).__name__} does not evaluate inside featcal")
 
     def eval_key(self) -> dict[str, Any]:
         return {"max_eval_samples": self.opts.max_eval_samples, "seed": self.opts.seed, "max_length": self.opts.max_length}
