@@ -24,7 +24,7 @@ def max_diff(a, b):
 
 
 @pytest.mark.parametrize("plus_plus", [False, True])
-@pytest.mark.parametrize("kind", ["clip", "llama"])
+@pytest.mark.parametrize("kind", ["clip", "llama", "t5"])
 def test_one_expert_gives_the_expert(kind, plus_plus):
     base, experts, calib = family(kind, n=1)
     merged = regmean(base, experts, calib, plus_plus=plus_plus)

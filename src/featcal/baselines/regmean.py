@@ -10,6 +10,8 @@ in the paper.
 - RegMean++: blocks in forward order; at block l, G_t is recorded inside expert t's block l fed the
   MERGED model's hidden state, i.e. the output of the already-merged blocks < l on task t's data
   (stem: averaged). Linears outside the blocks (pooler, LM head) use the fully merged model's inputs.
+  Blocks are found and chained with the FeatCal calibrator's adapters (CLIP, ViT, BERT, T5, Llama);
+  plain RegMean needs no adapter and works on any model built from nn.Linear.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from featcal.baselines.blocks import find_blocks, run_until, swapped_block
 from featcal.baselines.gram import GramAccumulator, RegMeanSums
 from featcal.baselines.inputs import (
     Batch,
@@ -107,24 +108,58 @@ def _regmean_plain(merged, experts, batches, names, alpha) -> None:
     _load_solved(merged, sums)
 
 
+def _as_dict(batch: Batch, main_input: str) -> dict:
+    return {main_input: batch} if isinstance(batch, torch.Tensor) else dict(batch)
+
+
+def _hidden(output):
+    """Blocks return a tensor, or a tuple whose first item is it (T5)."""
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
 def _regmean_plus_plus(merged, experts, batches, names, alpha) -> None:
-    probe = to_device(next(iter(batches.values()))[0], model_device(merged))
-    block_names = find_blocks(merged, probe)
-    in_block = {b: [n for n in names if n.startswith(b + ".")] for b in block_names}
-    for block in tqdm(block_names, desc="regmean++ blocks", leave=False):
-        sums = {n: RegMeanSums(alpha) for n in in_block[block]}
-        for task, expert in experts.items():
-            expert_block = expert.get_submodule(block)
-            modules = {n: expert.get_submodule(n) for n in in_block[block]}
-            acc = GramAccumulator()
-            with swapped_block(merged, block, expert_block), acc.watching(modules):
-                for b in batches[task]:
-                    run_until(merged, block, to_device(b, model_device(merged)))
-            for n, m in modules.items():
-                sums[n].add(acc.mean(n), m.weight)
-        _load_solved(merged, sums)
+    """Forward order on the merged side's block-input chains, captured and advanced with the FeatCal
+    engine's adapter machinery (stack entry, block-0 capture, block-to-block context), so each block
+    runs once per batch: O(L) block forwards, like FeatCal itself."""
+    from featcal.calibration.adapters import adapter_for
+    from featcal.calibration.engine import capture_block_input
+
+    adapter = adapter_for(merged)
+    stacks = adapter.stacks(merged)
+    device = model_device(merged)
+    main = adapter.main_input(merged, stacks[0])
+    data = {t: [to_device(_as_dict(b, main), device) for b in bs] for t, bs in batches.items()}
+    upstream: dict[tuple[str, int], torch.Tensor] | None = None
+    in_blocks: set[str] = set()
+    for stack in stacks:
+        blocks = stack.blocks(merged)
+        hidden, ctx = {}, {}
+        for t, bs in data.items():
+            for i, b in enumerate(bs):
+                mod, kw = adapter.stack_call(merged, stack, b, None if upstream is None else upstream[(t, i)])
+                hidden[(t, i)], ctx[(t, i)] = capture_block_input(mod, blocks[0], kw)
+        for layer in tqdm(range(len(blocks)), desc=f"regmean++ {stack.name}", leave=False):
+            prefix = f"{stack.blocks_path}.{layer}."
+            block_names = [n for n in names if n.startswith(prefix)]
+            in_blocks.update(block_names)
+            sums = {n: RegMeanSums(alpha) for n in block_names}
+            for t, expert in experts.items():
+                modules = {n: expert.get_submodule(n) for n in block_names}
+                acc = GramAccumulator()
+                with acc.watching(modules):
+                    expert_block = stack.blocks(expert)[layer]
+                    for i in range(len(data[t])):
+                        expert_block(hidden[(t, i)], **ctx[(t, i)])
+                for n, m in modules.items():
+                    sums[n].add(acc.mean(n), m.weight)
+            _load_solved(merged, sums)
+            for key in hidden:  # advance the merged chains through the merged block
+                raw = blocks[layer](hidden[key], **ctx[key])
+                hidden[key] = _hidden(raw)
+                ctx[key] = adapter.next_context(stack, layer, ctx[key], raw)
+        upstream = {k: adapter.stack_output(merged, stack, h) for k, h in hidden.items()}
     # Linears outside every block: their inputs in the (now fully merged) model.
-    outside = [n for n in names if not any(n.startswith(b + ".") for b in block_names)]
+    outside = [n for n in names if n not in in_blocks]
     if outside:
         sums = {n: RegMeanSums(alpha) for n in outside}
         for task, expert in experts.items():
