@@ -204,3 +204,31 @@ def test_mergebench_writes_checkpoints_and_the_lm_eval_commands(tmp_path, capsys
     model = T.LlamaForCausalLM.from_pretrained(out / "featcal")
     assert model.config.num_hidden_layers == 2
     assert (out / "featcal" / "tokenizer.json").is_file()
+
+
+def test_a_split_without_the_hub_columns_is_refused_before_any_work(clip_hub, tmp_path, capsys):
+    import shutil
+
+    import datasets
+
+    data = tmp_path / "data"
+    shutil.copytree(clip_hub[1], data)
+    eurosat = datasets.load_from_disk(str(clip_hub[1] / "tanganke/eurosat")).rename_column("image", "img")
+    shutil.rmtree(data / "tanganke/eurosat")
+    eurosat.save_to_disk(str(data / "tanganke/eurosat"))
+    out = tmp_path / "run"
+    rc, _, err = _run(capsys, *_clip_args((clip_hub[0], data), out))
+    assert rc == 2 and "task eurosat" in err and "['image']" in err and "'train'" in err
+    assert not (out / "merged").exists() and not (out / "run_config.json").exists()
+
+
+def test_metrics_table_lists_tasks_beside_the_paper():
+    from featcal.reproduce.report import build_metrics, format_table
+
+    setting = get_setting("clip-vit-b32-ta8").restrict(["mnist"])
+    metrics = build_metrics(setting, {"merged": {"mnist": {"accuracy": 50.0}}, "featcal": {"mnist": {"accuracy": 75.0}}})
+    table = format_table(metrics)
+    assert "mnist" in table and "50.0" in table and "75.0" in table and "96.1" in table and "98.8" in table
+    full = build_metrics(get_setting("llama-3.2-3b-mergebench"), {})
+    table = format_table(full)
+    assert "math" not in table and "60.1" in table and "62.1" in table  # averages only

@@ -34,10 +34,15 @@ class ReproduceOptions(BaseModel):
         return v
 
     def torch_device(self) -> str:
+        """The concrete device; asking for CUDA where there is none is refused before any work."""
         import torch
+
+        from featcal.errors import ConfigError
 
         if self.device == "auto":
             return "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ConfigError(f"--device {self.device}: CUDA is not available here (use --device cpu or auto)")
         return self.device
 
     def featcal_config(self) -> FeatCalConfig:

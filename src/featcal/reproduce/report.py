@@ -75,7 +75,9 @@ def format_table(metrics: Mapping[str, Any]) -> str:
         f"{label:>{CELL}}{'paper':>{CELL}}" for _, label in STAGES
     )
     lines = [f"{metrics['setting']}: {metrics['metric']}", header, "-" * len(header)]
-    for task in metrics["tasks"]:
+    scored = any(res[stage]["per_task"].get(t) is not None or ref[stage]["per_task"].get(t) is not None
+                 for stage, _ in STAGES for t in metrics["tasks"])
+    for task in metrics["tasks"] if scored else ():  # MergeBench: scored outside featcal, averages only
         row = f"{task:<{width}} "
         for stage, _ in STAGES:
             row += _cell(res[stage]["per_task"].get(task)) + _cell(ref[stage]["per_task"].get(task))
