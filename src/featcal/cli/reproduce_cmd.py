@@ -9,7 +9,9 @@ from typing import Any
 def _settings_help() -> str:
     from featcal.reproduce.settings import SETTINGS
 
-    return "; ".join(f"{name}: {s.description}" for name, s in SETTINGS.items())
+    return "settings:\n" + "\n".join(
+        f"  {name:<26} {s.description}\n  {'':<26} tasks: {','.join(s.task_names)}" for name, s in SETTINGS.items()
+    )
 
 
 def _tasks(text: str) -> list[str]:
@@ -22,23 +24,26 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "reproduce",
         help="run one of the paper's settings (merge, FeatCal, evaluation) from hub ids or local copies",
-        description="Task Arithmetic (s=0.3) -> FeatCal -> evaluation for one of the paper's settings. "
-        "Writes DIR/metrics.json (beside the paper's numbers), DIR/metrics.txt and DIR/run_config.json; "
-        "a rerun with the same parameters reuses the stages already in DIR. Settings: " + _settings_help(),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Task Arithmetic (s=0.3) -> FeatCal -> evaluation for one of the paper's settings.\n"
+        "Writes DIR/metrics.json (beside the paper's numbers), DIR/metrics.txt and DIR/run_config.json;\n"
+        "a rerun with the same parameters reuses the stages already in DIR. All model and dataset ids\n"
+        "are resolved first: --model-dir, --data-dir, the HF cache (HF_HOME), then the hub unless\n"
+        "HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set.",
+        epilog=_settings_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("setting", choices=sorted(SETTINGS), metavar="SETTING", help=", ".join(SETTINGS))
     p.add_argument("--out", required=True, metavar="DIR", help="run directory (created; reused to resume)")
     p.add_argument("--tasks", type=_tasks, default=None, metavar="T1,T2", help="only these tasks of the setting")
-    p.add_argument("--num-calibration-examples", type=int, default=256, metavar="N", help="per task")
-    p.add_argument("--calibration-batch-size", type=int, default=16, metavar="B")
-    p.add_argument("--seed", type=int, default=42, help="draws calibration examples and any eval subset")
+    p.add_argument("--num-calibration-examples", type=int, default=256, metavar="N", help="per task (default 256)")
+    p.add_argument("--calibration-batch-size", type=int, default=16, metavar="B", help="(default 16)")
+    p.add_argument("--seed", type=int, default=42, help="draws calibration examples and any eval subset (default 42)")
     p.add_argument("--max-eval-samples", type=int, default=None, metavar="N",
                    help="evaluate each task on a seeded subset of N examples (default: the whole split)")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    p.add_argument("--batch-size", type=int, default=64, metavar="B", help="evaluation batch size")
+    p.add_argument("--device", default="auto", help="auto (default), cpu, cuda or cuda:N")
+    p.add_argument("--batch-size", type=int, default=64, metavar="B", help="evaluation batch size (default 64)")
     p.add_argument("--scaling", type=float, default=None, help="Task Arithmetic s (default: the setting's, 0.3)")
-    p.add_argument("--max-length", type=int, default=512, help="token limit of text inputs")
+    p.add_argument("--max-length", type=int, default=512, help="token limit of text inputs (default 512)")
     p.add_argument("--model-dir", default=None, metavar="D",
                    help="local models: one folder per hub id, e.g. D/openai/clip-vit-base-patch32/")
     p.add_argument("--data-dir", default=None, metavar="D",
