@@ -232,3 +232,29 @@ def test_metrics_table_lists_tasks_beside_the_paper():
     full = build_metrics(get_setting("llama-3.2-3b-mergebench"), {})
     table = format_table(full)
     assert "math" not in table and "60.1" in table and "62.1" in table  # averages only
+
+
+def test_models_are_found_in_the_hf_cache_named_by_hf_home(tmp_path):
+    """HF_HOME is read when huggingface_hub is imported, so the check runs in a fresh process."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    models, data = build_mergebench_hub(tmp_path / "hub", tasks=("math",), n_rows=2)
+    commit = "0" * 40
+    for model_id in ("meta-llama/Llama-3.2-3B", "MergeBench/Llama-3.2-3B_math"):
+        repo = tmp_path / "home" / "hub" / ("models--" + model_id.replace("/", "--"))
+        shutil.copytree(models / model_id, repo / "snapshots" / commit)
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text(commit)
+    code = (
+        "from featcal.reproduce.resolve import Sources, resolve_all\n"
+        "from featcal.reproduce.settings import get_setting\n"
+        f"r = resolve_all(get_setting('llama-3.2-3b-mergebench').restrict(['math']), Sources(None, {str(data)!r}))\n"
+        "print(r.models['meta-llama/Llama-3.2-3B'])\n"
+    )
+    env = {**os.environ, "HF_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().endswith(f"models--meta-llama--Llama-3.2-3B/snapshots/{commit}")

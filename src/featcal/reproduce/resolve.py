@@ -9,8 +9,9 @@ without network learns in seconds what to fetch and where to put it.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -112,27 +113,42 @@ def _resolve_model(model_id: str, sources: Sources) -> str | None:
 
 
 def _cached_dataset(ref: DatasetRef) -> bool:
-    """True when `datasets` can build this dataset from its cache without the network."""
+    """True when `datasets` can build this dataset from its own cache (HF_HOME/datasets)."""
     import datasets
 
-    saved = datasets.config.HF_HUB_OFFLINE
-    datasets.config.HF_HUB_OFFLINE = True
     try:
         datasets.load_dataset_builder(ref.id, ref.config)
         return True
     except Exception:
         return False
+
+
+@contextlib.contextmanager
+def _datasets_offline() -> Iterator[None]:
+    """Make `datasets` look only at its cache (its offline flag is read at import, so set it here)."""
+    import datasets
+
+    saved = datasets.config.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = True
+    try:
+        yield
     finally:
         datasets.config.HF_HUB_OFFLINE = saved
 
 
-def _resolve_dataset(ref: DatasetRef, sources: Sources) -> str | None:
-    local = local_dataset(ref, sources)
-    if local is not None:
-        return str(local)
-    if _cached_dataset(ref) or _hub_has(ref.id, "dataset"):
-        return ref.id
-    return None
+def _resolve_datasets(refs: list[DatasetRef], sources: Sources, pool: ThreadPoolExecutor) -> list[str | None]:
+    """Local folder, else the datasets cache, else the hub; cache checks run together, offline."""
+    hits: list[str | None] = [None if (p := local_dataset(r, sources)) is None else str(p) for r in refs]
+    todo = [i for i, hit in enumerate(hits) if hit is None]
+    with _datasets_offline():
+        cached = list(pool.map(lambda i: _cached_dataset(refs[i]), todo))
+    remote = [i for i, ok in zip(todo, cached, strict=True) if not ok]
+    on_hub = list(pool.map(lambda i: _hub_has(refs[i].id, "dataset"), remote))
+    for i, ok in zip(todo, cached, strict=True):
+        hits[i] = refs[i].id if ok else None
+    for i, ok in zip(remote, on_hub, strict=True):
+        hits[i] = refs[i].id if ok else None
+    return hits
 
 
 def resolve_all(setting: Setting, sources: Sources) -> Resolved:
@@ -141,7 +157,7 @@ def resolve_all(setting: Setting, sources: Sources) -> Resolved:
     refs = setting.dataset_refs()
     with ThreadPoolExecutor(max_workers=8) as pool:
         model_hits = list(pool.map(lambda m: _resolve_model(m, sources), models))
-        data_hits = list(pool.map(lambda r: _resolve_dataset(r, sources), refs))
+        data_hits = _resolve_datasets(refs, sources, pool)
     missing_models = [m for m, hit in zip(models, model_hits, strict=True) if hit is None]
     missing_data = [r for r, hit in zip(refs, data_hits, strict=True) if hit is None]
     if missing_models or missing_data:
