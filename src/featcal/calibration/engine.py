@@ -232,21 +232,26 @@ class FeatCalEngine:
                 out_e[(t, b)] = self.adapter.stack_output(self.template, stack, self.chains.hidden(("e", t, b)))
         return out_m, out_e
 
-    def _weights(self, stack: Stack, layer: int, n_blocks: int, name: str, x: torch.Tensor, batch: Batch):
-        """Token weights (B, S) for module `name`'s input x (B, S, d) — SPEC §2.3."""
+    def _weights(
+        self, stack: Stack, layer: int, n_blocks: int, name: str, x: torch.Tensor, batch: Batch
+    ) -> torch.Tensor | None:
+        """Token weights (B, S) for module `name`'s input x (B, S, d), SPEC §2.3; None when all are 1."""
         cross = self.adapter.is_cross_module(stack, name)
         mask = self.adapter.token_mask(stack, batch, x, cross=cross)
-        lead = x.shape[:-1]
-        w = torch.ones(lead, dtype=torch.float32, device=x.device) if mask is None else mask.to(x.device)
-        if tuple(w.shape) != tuple(lead):
+        lead = tuple(x.shape[:-1])
+        if mask is not None and tuple(mask.shape) != lead:
             raise CalibrationDataError(
-                f"token mask of shape {tuple(w.shape)} does not match the input of {name} ({tuple(lead)})"
+                f"token mask of shape {tuple(mask.shape)} does not match the input of {name} ({lead})"
             )
-        if stack.class_token_head and layer == n_blocks - 1 and not self.adapter.is_kv(name):
-            scale = torch.full_like(w, self.cfg.cls_token_weight)
-            scale[..., 0] = 1.0
-            w = w * scale
-        return w
+        if self._class_token_weighted(stack, layer, n_blocks, name):
+            w = torch.full(lead, self.cfg.cls_token_weight, dtype=torch.float32, device=x.device)
+            w[..., 0] = 1.0
+            return w if mask is None else w * mask.to(x.device)
+        return None if mask is None else mask.to(x.device)  # None: every token weighs 1
+
+    def _class_token_weighted(self, stack: Stack, layer: int, n_blocks: int, name: str) -> bool:
+        """Last block of a class-token-read stack: non-class tokens weigh less, except at k/v (SPEC §2.3)."""
+        return stack.class_token_head and layer == n_blocks - 1 and not self.adapter.is_kv(name)
 
     def _calibrate_block(self, stack: Stack, layer: int, n_blocks: int) -> None:
         cfg = self.cfg
@@ -334,7 +339,7 @@ class FeatCalEngine:
         def linear_hook(mod, inputs, _out, name):
             x = inputs[0]
             w = self._weights(stack, layer, n_blocks, name, x, batch)
-            kind = (self.adapter.is_cross_module(stack, name), self.adapter.is_kv(name))
+            kind = (self.adapter.is_cross_module(stack, name), self._class_token_weighted(stack, layer, n_blocks, name))
             key = (id(x), kind)
             group = groups.get(key)
             if group is None:

@@ -30,12 +30,28 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]).to(_F32)
 
 
-def _select(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Drop zero-weight tokens (padding) before the matmuls: they contribute nothing."""
+def _prepare(x: torch.Tensor, w: torch.Tensor | None, *more: torch.Tensor):
+    """Flatten to tokens × features in float32 and drop zero-weight tokens (padding): they add nothing.
+
+    w None means every token weighs 1 (no multiply needed). Returns (x, w or None, *more).
+    """
+    xs = [_flat(x), *(_flat(m) for m in more)]
+    if w is None:
+        return (xs[0], None, *xs[1:])
+    w = w.reshape(-1).to(_F32)
     keep = w > 0
-    if bool(keep.all()):
-        return x, w
-    return x[keep], w[keep]
+    if not bool(keep.all()):
+        xs = [t[keep] for t in xs]
+        w = w[keep]
+    return (xs[0], w, *xs[1:])
+
+
+def _weighted(x: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
+    return x if w is None else x * w[:, None]
+
+
+def _total(x: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
+    return x.new_tensor(float(x.shape[0])) if w is None else w.sum()
 
 
 @dataclass
@@ -92,40 +108,36 @@ class TaskSums:
     linears: dict[str, LinearSums] = field(default_factory=dict)
     norms: dict[str, NormSums] = field(default_factory=dict)
 
-    def add_gram(self, group: str, x: torch.Tensor, w: torch.Tensor) -> None:
-        """Accumulate the input moments of `group` from x (..., d) with token weights w (...)."""
-        x, w = _select(_flat(x), w.reshape(-1).to(_F32))
+    def add_gram(self, group: str, x: torch.Tensor, w: torch.Tensor | None) -> None:
+        """Accumulate the input moments of `group` from x (..., d) with token weights w (...) or None (all 1)."""
+        x, w = _prepare(x, w)
         g = self.grams.get(group)
         if g is None:
             g = self.grams[group] = GramSums.zeros(x.shape[1], x.device)
-        xw = x * w[:, None]
-        g.sw += w.sum()
+        xw = _weighted(x, w)
+        g.sw += _total(x, w)
         g.sx += xw.sum(0)
         g.sxx += xw.T @ x
 
-    def add_linear(self, name: str, group: str, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> None:
+    def add_linear(self, name: str, group: str, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor | None) -> None:
         """Accumulate Σ w·x yᵀ and Σ w·y for Linear `name`: x its merged input, y the expert's output."""
-        wf = w.reshape(-1).to(_F32)
-        xf, yf = _flat(x), _flat(y)
-        keep = wf > 0
-        if not bool(keep.all()):
-            xf, yf, wf = xf[keep], yf[keep], wf[keep]
-        yw = yf * wf[:, None]
+        x, w, y = _prepare(x, w, y)
+        yw = _weighted(y, w)
         s = self.linears.get(name)
         if s is None:
-            s = self.linears[name] = LinearSums(group, xf.new_zeros(xf.shape[1], yf.shape[1]), yf.new_zeros(yf.shape[1]))
-        s.sxy += xf.T @ yw
+            s = self.linears[name] = LinearSums(group, x.new_zeros(x.shape[1], y.shape[1]), y.new_zeros(y.shape[1]))
+        s.sxy += x.T @ yw
         s.sy += yw.sum(0)
 
-    def add_norm(self, name: str, z: torch.Tensor, w: torch.Tensor) -> None:
+    def add_norm(self, name: str, z: torch.Tensor, w: torch.Tensor | None) -> None:
         """Accumulate the per-channel moments of a norm's normalised input z."""
-        z, w = _select(_flat(z), w.reshape(-1).to(_F32))
+        z, w = _prepare(z, w)
         s = self.norms.get(name)
         if s is None:
             d = z.shape[1]
             s = self.norms[name] = NormSums(z.new_zeros(()), z.new_zeros(d), z.new_zeros(d))
-        zw = z * w[:, None]
-        s.sw += w.sum()
+        zw = _weighted(z, w)
+        s.sw += _total(z, w)
         s.sz += zw.sum(0)
         s.szz += (zw * z).sum(0)
 
