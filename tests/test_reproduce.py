@@ -221,6 +221,15 @@ def test_a_split_without_the_hub_columns_is_refused_before_any_work(clip_hub, tm
     assert rc == 2 and "task eurosat" in err and "['image']" in err and "'train'" in err
     assert not (out / "merged").exists() and not (out / "run_config.json").exists()
 
+    # labels that do not match the task's class names are refused too
+    original = datasets.load_from_disk(str(clip_hub[1] / "tanganke/eurosat"))
+    relabelled = original.cast_column("label", datasets.ClassLabel(names=[f"c{i}" for i in range(12)]))
+    shutil.rmtree(data / "tanganke/eurosat")
+    relabelled.save_to_disk(str(data / "tanganke/eurosat"))
+    rc, _, err = _run(capsys, *_clip_args((clip_hub[0], data), out))
+    assert rc == 2 and "12 classes" in err and "10 class names" in err
+    assert not (out / "merged").exists()
+
 
 def test_metrics_table_lists_tasks_beside_the_paper():
     from featcal.reproduce.report import build_metrics, format_table

@@ -8,7 +8,6 @@ the base's text tower, projection and temperature.
 
 from __future__ import annotations
 
-import logging
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from featcal.errors import CheckpointError
+from featcal.errors import CalibrationDataError, CheckpointError
 from featcal.evaluation.templates import clip_prompts
 from featcal.evaluation.zero_shot import (
     ZeroShotClassifier,
@@ -30,7 +29,6 @@ from featcal.merging.writer import save_state_dict
 from featcal.reproduce.pipeline import Pipeline, calibration_indices, eval_indices
 from featcal.reproduce.settings import TaskSpec
 
-log = logging.getLogger(__name__)
 
 def load_vision_tower(path: str | Path) -> nn.Module:
     """A CLIPVisionModel from a CLIPModel checkpoint or a CLIPVisionModel one (4.x or 5.x key layout).
@@ -64,8 +62,27 @@ def load_vision_tower(path: str | Path) -> nn.Module:
 
 
 class ClipPipeline(Pipeline):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._tower_dir: Path | None = None
+        self._tower_model: nn.Module | None = None
+
     def required_columns(self, task: TaskSpec) -> tuple[str, ...]:
         return ("image", "label")
+
+    def preflight(self) -> dict[str, Any]:
+        """The generic checks, plus: each split's label count matches the task's class names."""
+        summary = super().preflight()
+        for task in self.setting.tasks:
+            classnames, _ = clip_prompts(task.name)
+            for which in ("calibration", "eval"):
+                n_labels = _label_count(self.split(task, which))
+                if n_labels is not None and n_labels != len(classnames):
+                    raise CalibrationDataError(
+                        f"task {task.name}: dataset {task.data.label} has {n_labels} classes, the zero-shot "
+                        f"head {len(classnames)} class names"
+                    )
+        return summary
 
     # ----------------------------------------------------------------- models
     @cached_property
@@ -132,17 +149,13 @@ class ClipPipeline(Pipeline):
 
     def _tower(self, stage_dir: Path) -> nn.Module:
         """The vision tower of a stage; one stage's tower is kept in memory at a time."""
-        if getattr(self, "_tower_dir", None) != stage_dir:
+        if self._tower_model is None or self._tower_dir != stage_dir:
             self._tower_model = self.load_stage(stage_dir)
             self._tower_dir = stage_dir
         return self._tower_model
 
     def evaluate_task(self, stage: str, stage_dir: Path, task: TaskSpec) -> dict[str, Any]:
         data = self.split(task, "eval")
-        classnames, _ = clip_prompts(task.name)
-        n_labels = _label_count(data)
-        if n_labels is not None and n_labels != len(classnames):
-            raise CheckpointError(f"task {task.name}: the dataset has {n_labels} classes, the head {len(classnames)}")
         classifier = ZeroShotClassifier.from_clip(self.base_clip, self.head(task), vision_model=self._tower(stage_dir))
         indices = eval_indices(len(data), self.opts.max_eval_samples, self.opts.seed)
         return evaluate_zero_shot(classifier, data.select(indices), self.processor.image_processor,

@@ -23,6 +23,11 @@ from featcal.reproduce.settings import TaskSpec
 
 
 class T5GluePipeline(Pipeline):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._model_dir: Path | None = None
+        self._loaded: nn.Module | None = None
+
     def required_columns(self, task: TaskSpec) -> tuple[str, ...]:
         return (*glue_prompt(task.name).fields, "label")
 
@@ -52,7 +57,8 @@ class T5GluePipeline(Pipeline):
                                              decoder_start_token_id=start, max_length=self.opts.max_length)
 
     def _model(self, stage_dir: Path) -> nn.Module:
-        if getattr(self, "_model_dir", None) != stage_dir:
+        """The model of a stage; one stage's model is kept in memory at a time."""
+        if self._loaded is None or self._model_dir != stage_dir:
             self._loaded = self.load_stage(stage_dir)
             self._model_dir = stage_dir
         return self._loaded
