@@ -141,7 +141,9 @@ def test_clip_reproduce_end_to_end_then_resume(clip_hub, tmp_path, capsys, monke
     monkeypatch.setattr("featcal.reproduce.clip.evaluate_zero_shot", refuse)
     rc, _, err = _run(capsys, *_clip_args(clip_hub, out))
     assert rc == 0, err
-    assert json.loads((out / "metrics.json").read_text())["results"] == metrics["results"]
+    resumed = json.loads((out / "metrics.json").read_text())
+    assert resumed["results"] == metrics["results"]
+    assert resumed["seconds"]["merge"] == "reused" and resumed["seconds"]["featcal"] == "reused"
 
     # other parameters in the same DIR are refused, before any work
     rc, _, err = _run(capsys, *_clip_args(clip_hub, out, "--seed", 7))

@@ -58,7 +58,7 @@ class Pipeline(ABC):
         self.opts = opts
         self.device = opts.torch_device()
         self.scaling = opts.scaling if opts.scaling is not None else setting.scaling
-        self.timings: dict[str, float] = {}
+        self.timings: dict[str, float | str] = {}  # seconds per stage, or "reused"
         self._splits: dict[tuple[str, str], Any] = {}
 
     # ----------------------------------------------------------------- data
@@ -155,7 +155,7 @@ class Pipeline(ABC):
     def merged(self) -> Path:
         timer = Timer()
         path, reused = self.rundir.stage("merged", self._write_merged_with_report)
-        self.timings["merge"] = 0.0 if reused else round(timer.seconds, 3)
+        self.timings["merge"] = "reused" if reused else round(timer.seconds, 3)
         log.info("%s merged checkpoint: %s", "reusing" if reused else "wrote", path)
         return path
 
@@ -170,7 +170,7 @@ class Pipeline(ABC):
     def calibrated(self, merged_dir: Path) -> Path:
         timer = Timer()
         path, reused = self.rundir.stage("featcal", lambda tmp: self._write_calibrated(merged_dir, tmp))
-        self.timings["featcal"] = 0.0 if reused else round(timer.seconds, 3)
+        self.timings["featcal"] = "reused" if reused else round(timer.seconds, 3)
         log.info("%s calibrated checkpoint: %s", "reusing" if reused else "wrote", path)
         return path
 

@@ -9,6 +9,8 @@ run_config.json are rewritten at the end of every run.
 from __future__ import annotations
 
 import logging
+import sys
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,16 @@ PIPELINES: dict[str, type[Pipeline]] = {
     "glue": T5GluePipeline,
     "mergebench": MergeBenchPipeline,
 }
+
+
+def _more_versions() -> dict[str, str]:
+    out = {}
+    for name in ("datasets", "huggingface_hub", "tokenizers"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:  # pragma: no cover - all are dependencies
+            out[name] = "unknown"
+    return out
 
 
 def _check_dirs(opts: ReproduceOptions) -> Sources:
@@ -63,7 +75,8 @@ def reproduce(options: ReproduceOptions | dict[str, Any], *, echo: bool = True) 
         "merge": {"method": "task_arithmetic", "scaling": pipeline.scaling},
         "resolved": resolved.describe(),
         "data": data_summary,
-        "versions": package_versions(),
+        "argv": sys.argv,
+        "versions": {**package_versions(), **_more_versions()},
         "device": pipeline.device,
     }
     resumed = rundir.claim(identity, record)
