@@ -125,3 +125,18 @@ def test_bad_inputs_are_refused_naming_the_problem():
     other.encoder.layers[0].mlp.fc1 = torch.nn.Linear(32, 48)
     with pytest.raises(CheckpointError, match="encoder.layers.0.mlp.fc1"):
         regmean(base, {"t0": experts["t0"], "t1": other}, calib)
+
+
+def test_a_bad_last_expert_is_refused_before_any_model_is_loaded(tmp_path, monkeypatch):
+    import importlib
+
+    rm = importlib.import_module("featcal.baselines.regmean")  # the package exports a function of that name
+
+    base_dir, expert_dirs = make_family("clip", tmp_path, n_experts=2)
+    expert_dirs["broken"] = tmp_path / "nowhere"
+    loaded = []
+    monkeypatch.setattr(rm, "load", lambda m, what: loaded.append(what))
+    calib = {t: sample_inputs("clip") for t in expert_dirs}
+    with pytest.raises(CheckpointError, match="expert 'broken'"):
+        regmean(base_dir, expert_dirs, calib)
+    assert loaded == []

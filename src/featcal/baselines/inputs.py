@@ -112,36 +112,27 @@ def load(model: ModelLike, what: str) -> nn.Module:
     raise CheckpointError(f"{what} must be a model or a checkpoint path, not {type(model).__name__}")
 
 
-def load_family(base: ModelLike, experts: Mapping[str, ModelLike]) -> tuple[nn.Module, dict[str, nn.Module]]:
-    """Base and experts as models, checked to share every parameter name and shape."""
+def validate_family_inputs(base: ModelLike, experts: Mapping[str, ModelLike]) -> None:
+    """The merge library's family check (config, tensor names, shapes, finite values), before any load.
+
+    Checkpoint paths are checked from their headers and streamed one tensor at a time, so a bad third
+    expert is refused before the first one is even loaded.
+    """
+    from featcal.io.validate import validate_family
+    from featcal.merging.sources import open_source
+
     if not isinstance(experts, Mapping) or not experts:
         raise CheckpointError("experts must be a non-empty mapping task -> model or checkpoint path")
-    base_m = load(base, "base")
-    experts_m = {t: load(m, f"expert {t!r}") for t, m in experts.items()}
-    check_same_architecture(base_m, experts_m)
-    return base_m, experts_m
+    validate_family(
+        open_source(base, label="base"),
+        {t: open_source(m, label=f"expert {t!r}") for t, m in experts.items()},
+    )
 
 
-def check_same_architecture(base: nn.Module, experts: Mapping[str, nn.Module]) -> None:
-    """Every expert must have exactly the base's parameters (names and shapes): name the first mismatch."""
-    ref = {n: p.shape for n, p in base.state_dict().items()}
-    for task, model in experts.items():
-        sd = model.state_dict()
-        extra = sorted(set(sd) - set(ref))
-        missing = sorted(set(ref) - set(sd))
-        if extra or missing:
-            raise CheckpointError(
-                f"expert {task!r} does not match the base: "
-                + (f"missing {missing[:3]}" if missing else "")
-                + ("; " if extra and missing else "")
-                + (f"unexpected {extra[:3]}" if extra else "")
-            )
-        for name, shape in ref.items():
-            if sd[name].shape != shape:
-                raise CheckpointError(
-                    f"tensor {name!r} of expert {task!r} has shape {tuple(sd[name].shape)}, "
-                    f"the base has {tuple(shape)}"
-                )
+def load_family(base: ModelLike, experts: Mapping[str, ModelLike]) -> tuple[nn.Module, dict[str, nn.Module]]:
+    """Base and experts as models, validated as one family first."""
+    validate_family_inputs(base, experts)
+    return load(base, "base"), {t: load(m, f"expert {t!r}") for t, m in experts.items()}
 
 
 def model_device(model: nn.Module) -> torch.device:

@@ -29,27 +29,47 @@ from featcal.baselines.inputs import (
     ModelLike,
     calibration_batches,
     call_model,
-    load_family,
+    load,
     model_device,
     to_device,
+    validate_family_inputs,
 )
 from featcal.baselines.linear import as_patterns, linear_modules
 from featcal.baselines.params import RegMeanParams
 from featcal.config import parse
 
 
-@torch.no_grad()
-def average_state(experts: list[nn.Module]) -> dict[str, torch.Tensor]:
-    """Mean of the experts' floating-point state (in float64, cast back); integer buffers from the first."""
-    states = iter(m.state_dict() for m in experts)
-    first = next(states)
-    total = {k: v.double().clone() if v.is_floating_point() else v.clone() for k, v in first.items()}
-    for sd in states:
-        for k, v in sd.items():
-            if v.is_floating_point():
-                total[k] += v.double()
-    n = len(experts)
-    return {k: (v / n).to(first[k].dtype) if first[k].is_floating_point() else v for k, v in total.items()}
+class StateMean:
+    """Running mean of models' floating-point state (float64 sums); integer buffers from the first."""
+
+    def __init__(self) -> None:
+        self.total: dict[str, torch.Tensor] = {}
+        self.dtypes: dict[str, torch.dtype] = {}
+        self.n = 0
+
+    @torch.no_grad()
+    def add(self, model: nn.Module) -> None:
+        for k, v in model.state_dict().items():
+            if k not in self.total:
+                self.dtypes[k] = v.dtype
+                self.total[k] = v.double().clone() if v.is_floating_point() else v.clone()
+            elif v.is_floating_point():
+                self.total[k] += v.double()
+        self.n += 1
+
+    def mean(self) -> dict[str, torch.Tensor]:
+        return {
+            k: (v / self.n).to(self.dtypes[k]) if self.dtypes[k].is_floating_point else v
+            for k, v in self.total.items()
+        }
+
+
+def average_state(models: Iterable[nn.Module]) -> dict[str, torch.Tensor]:
+    """The experts' average state: what RegMean gives every parameter it does not solve for."""
+    acc = StateMean()
+    for m in models:
+        acc.add(m)
+    return acc.mean()
 
 
 def _forward_all(model: nn.Module, batches: list[Batch]) -> None:
@@ -74,16 +94,16 @@ def regmean(
     """
     params = parse(RegMeanParams, dict(alpha=alpha, plus_plus=plus_plus, exclude=as_patterns(exclude)))
     batches = calibration_batches(calibration, experts)
-    base_m, experts_m = load_family(base, experts)
-    for m in experts_m.values():
-        m.eval()
+    validate_family_inputs(base, experts)
+    base_m = load(base, "base")
     names = list(linear_modules(base_m, params.exclude))
     merged = copy.deepcopy(base_m).eval()
-    merged.load_state_dict(average_state(list(experts_m.values())))
     if params.plus_plus:
+        experts_m = {t: load(m, f"expert {t!r}").eval() for t, m in experts.items()}
+        merged.load_state_dict(average_state(experts_m.values()))
         _regmean_plus_plus(merged, experts_m, batches, names, params.alpha)
     else:
-        _regmean_plain(merged, experts_m, batches, names, params.alpha)
+        _regmean_plain(merged, experts, batches, names, params.alpha)
     return merged
 
 
@@ -97,14 +117,20 @@ def _load_solved(merged: nn.Module, sums: Mapping[str, RegMeanSums]) -> None:
 
 
 def _regmean_plain(merged, experts, batches, names, alpha) -> None:
+    """Experts visited one at a time (a path is loaded, used and dropped): only the sums are kept."""
     sums = {n: RegMeanSums(alpha) for n in names}
-    for task, expert in tqdm(experts.items(), desc="regmean grams", leave=False):
+    mean = StateMean()
+    for task, source in tqdm(experts.items(), desc="regmean grams", leave=False):
+        expert = load(source, f"expert {task!r}").eval()
         modules = {n: expert.get_submodule(n) for n in names}
         acc = GramAccumulator()
         with acc.watching(modules):
             _forward_all(expert, batches[task])
         for n in names:
             sums[n].add(acc.mean(n), modules[n].weight)
+        mean.add(expert)
+        del expert, modules, acc
+    merged.load_state_dict(mean.mean())
     _load_solved(merged, sums)
 
 
