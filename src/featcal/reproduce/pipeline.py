@@ -75,30 +75,27 @@ class Pipeline(ABC):
     def required_columns(self, task: TaskSpec) -> tuple[str, ...]:
         """Columns every split of `task` must have."""
 
+    def _check_columns(self, task: TaskSpec, split: str, data: Any) -> None:
+        missing = [c for c in self.required_columns(task) if c not in data.column_names]
+        if missing:
+            raise CalibrationDataError(
+                f"task {task.name}: dataset {task.data.label} split {split!r} lacks column(s) {missing} "
+                f"(has {data.column_names})"
+            )
+
     def preflight(self) -> dict[str, Any]:
         """Open every split the run reads and check its columns and size, and every checkpoint's
         headers, before any model is loaded (hub ids not yet cached are downloaded here)."""
         summary: dict[str, Any] = {}
         for task in self.setting.tasks:
             calib = self.split(task, "calibration")
-            need = self.required_columns(task)
-            missing = [c for c in need if c not in calib.column_names]
-            if missing:
-                raise CalibrationDataError(
-                    f"task {task.name}: dataset {task.data.label} split {task.data.calibration_split!r} lacks "
-                    f"column(s) {missing} (has {calib.column_names})"
-                )
+            self._check_columns(task, task.data.calibration_split, calib)
             calibration_indices(len(calib), self.opts.num_calibration_examples, self.opts.seed,
                                 f"task {task.name}: {task.data.label} split {task.data.calibration_split!r}")
             entry = {"calibration_rows": len(calib)}
             if task.data.eval_split is not None:
                 ev = self.split(task, "eval")
-                missing = [c for c in need if c not in ev.column_names]
-                if missing:
-                    raise CalibrationDataError(
-                        f"task {task.name}: dataset {task.data.label} split {task.data.eval_split!r} lacks "
-                        f"column(s) {missing} (has {ev.column_names})"
-                    )
+                self._check_columns(task, task.data.eval_split, ev)
                 entry["eval_rows"] = len(ev)
                 entry["eval_examples"] = len(eval_indices(len(ev), self.opts.max_eval_samples, self.opts.seed))
             summary[task.name] = entry
