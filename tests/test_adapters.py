@@ -77,8 +77,8 @@ def test_heads_keep_their_merged_weights(cls, prefix):
     kind = "vit" if "ViT" in cls.__name__ else "bert"
     torch.manual_seed(0)
     base, experts, merged = _family(cls(tiny.tiny_config(kind)))
-    data = {t: [tiny.sample_inputs(kind, seed=i)] for i, t in enumerate(experts)}
-    out = calibrate(merged, base=base, experts=experts, calibration=data, progress=False)
+    data = {t: [{**tiny.sample_inputs(kind, seed=i), "labels": torch.tensor([0, 1])}] for i, t in enumerate(experts)}
+    out = calibrate(merged, base=base, experts=experts, calibration=data, progress=False)  # labels are not inputs
     changed = _changed(out, merged)
     assert changed and all(k.startswith(prefix) for k in changed)
 

@@ -16,6 +16,7 @@ from featcal.calibration.engine import FeatCalEngine
 from featcal.calibration.sources import CheckpointSource, ModelSource, ParamSource, validate_source
 from featcal.config import FeatCalConfig
 from featcal.errors import CalibrationDataError, ConfigError
+from featcal.io.validate import validate_expert_names
 
 log = logging.getLogger("featcal.calibration")
 
@@ -94,6 +95,7 @@ def calibrate(
     config = config if config is not None else FeatCalConfig()
     if not isinstance(config, FeatCalConfig):
         raise ConfigError(f"config must be a FeatCalConfig, not {type(config).__name__}")
+    validate_expert_names(experts.keys())
     _check_tasks(experts, calibration)
     device = resolve_device(config.device)
     if base is None and config.anchor_blend_rho != 1.0:

@@ -74,6 +74,13 @@ def _hidden(output: Any) -> torch.Tensor:
     return output[0] if isinstance(output, (tuple, list)) else output
 
 
+def _keep_output(store: dict[str, torch.Tensor], name: str, out: torch.Tensor) -> None:
+    """Expert-side hook: keep a Linear's output for this batch; a module called twice is ambiguous."""
+    if name in store:
+        raise FeatCalError(f"module {name} runs more than once per block forward; FeatCal cannot calibrate it")
+    store[name] = out
+
+
 def _to_device(batch: Batch, device: torch.device) -> Batch:
     return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
 
@@ -273,7 +280,7 @@ class FeatCalEngine:
                 # expert side: its block output and every calibrated Linear's output ye
                 ye: dict[str, torch.Tensor] = {}
                 hooks = [
-                    c.module.register_forward_hook(lambda _m, _i, out, n=c.name, d=ye: d.__setitem__(n, out))
+                    c.module.register_forward_hook(lambda _m, _i, out, n=c.name, d=ye: _keep_output(d, n, out))
                     for c in mods_e.values() if c.kind == "linear"
                 ]
                 try:

@@ -72,7 +72,7 @@ class Adapter:
         `upstream` is the previous stack's final output (None for the first stack).
         """
         entry = get_path(model, stack.entry_path)
-        return entry, {**batch, **self.capture_kwargs}
+        return entry, {**accepted_inputs(entry, batch), **self.capture_kwargs}
 
     def stack_output(self, model: nn.Module, stack: Stack, hidden: torch.Tensor) -> torch.Tensor:
         """The stack's output from its last block's output (e.g. a final norm), for the next stack."""
@@ -101,6 +101,15 @@ class Adapter:
 
     def is_rms(self, module: nn.Module) -> bool:
         return type(module).__name__ in self.rms_classes
+
+
+def accepted_inputs(module: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The batch entries `module.forward` names as parameters (labels and the like are left out)."""
+    import inspect
+
+    params = inspect.signature(module.forward).parameters
+    named = {n for n, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    return {k: v for k, v in batch.items() if k in named}
 
 
 def first_existing(model: nn.Module, candidates: list[str]) -> str | None:
