@@ -92,3 +92,12 @@ def test_task_accuracy_scores_both_kinds_like_the_benchmark(clip_family):
     sg = run_baseline("surgery", merged=merged, experts=experts, calibration=calib, steps=3)
     expected = (head(sg.surgery.apply("t1", merged(pixel_values=x).pooler_output)).argmax(-1) == y).float().mean()
     assert task_accuracy(sg, "t1", head, x, y, batch_size=4) == pytest.approx(float(expected))
+
+
+def test_missing_expert_checkpoint_is_refused_before_features(clip_family, tmp_path):
+    from featcal.errors import CheckpointError
+
+    base, experts, merged, calib = clip_family
+    paths = {"t0": experts["t0"], "t1": tmp_path / "absent"}
+    with pytest.raises(CheckpointError, match="expert 't1'"):
+        run_baseline("surgery", merged=merged, experts=paths, calibration=calib, steps=2)
