@@ -22,7 +22,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from featcal.baselines.inputs import Batch, FeatureFn, ModelLike, calibration_batches, load, pooled_features
+from featcal.baselines.inputs import (
+    Batch,
+    FeatureFn,
+    ModelLike,
+    calibration_batches,
+    load,
+    model_device,
+    pooled_features,
+    to_device,
+)
 from featcal.baselines.params import ProbSurgeryParams, RegMeanParams, SurgeryParams, WudiParams
 from featcal.baselines.surgery import SurgeryModules
 from featcal.config import parse
@@ -57,7 +66,7 @@ class BaselineResult:
 
     @torch.no_grad()
     def features(self, task: str, batch: Batch) -> torch.Tensor:
-        f = self.feature_fn(self.model, batch)
+        f = self.feature_fn(self.model, to_device(batch, model_device(self.model)))
         return self.surgery.apply(task, f) if self.surgery is not None else f
 
     def summary(self) -> dict[str, Any]:

@@ -61,7 +61,7 @@ class SurgeryModules:
             raise ConfigError(f"no surgery module for task {task!r}; trained tasks: {self.tasks}")
         module = self.modules[task]
         weight = next(module.parameters())
-        return module(features.to(device=weight.device, dtype=weight.dtype)).to(features.dtype)
+        return module(features.to(device=weight.device, dtype=weight.dtype)).to(features.device, features.dtype)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """All module weights, keyed `<task>.<param>` (for safetensors saving)."""
