@@ -193,6 +193,16 @@ def test_bad_batch_type_is_refused(small):
         calibrate(merged, base=base, experts=experts, calibration={**data, "task1": ["text"]}, progress=False)
 
 
+def test_batches_that_do_not_fit_the_model_are_refused(small):
+    base, experts, merged, data = small
+    bad_vocab = {**data, "task1": [{"input_ids": torch.full((2, 4), 1000)}]}
+    with pytest.raises(CalibrationDataError, match="task 'task1', batch 0: input_ids outside the vocabulary"):
+        calibrate(merged, base=base, experts=experts, calibration=bad_vocab, progress=False)
+    no_ids = {**data, "task0": [{"attention_mask": torch.ones(2, 4)}]}
+    with pytest.raises(CalibrationDataError, match="task 'task0', batch 0: no 'input_ids'"):
+        calibrate(merged, base=base, experts=experts, calibration=no_ids, progress=False)
+
+
 def test_mismatched_expert_is_named(small):
     import tiny
 

@@ -62,6 +62,32 @@ def _normalise_batches(task: str, batches: Iterable[Any], main_input: str) -> li
     return out
 
 
+def _check_batches(task: str, batches: list[dict[str, torch.Tensor]], main_input: str, config: Any) -> None:
+    """Cheap checks that each batch fits the model, so a bad one fails here and not deep in a forward."""
+    vocab = getattr(config, "vocab_size", None)
+    for i, b in enumerate(batches):
+        where = f"task {task!r}, batch {i}"
+        if main_input not in b and "inputs_embeds" not in b:
+            raise CalibrationDataError(f"{where}: no {main_input!r} (keys: {sorted(b)})")
+        x = b.get(main_input)
+        if x is None:
+            continue
+        if x.numel() == 0:
+            raise CalibrationDataError(f"{where}: {main_input!r} is empty")
+        if main_input == "input_ids":
+            if x.is_floating_point() or x.dim() != 2:
+                raise CalibrationDataError(f"{where}: input_ids must be integer (batch, tokens), got {x.dtype} {tuple(x.shape)}")
+            if vocab is not None and (int(x.max()) >= vocab or int(x.min()) < 0):
+                raise CalibrationDataError(f"{where}: input_ids outside the vocabulary [0, {vocab})")
+            mask = b.get("attention_mask")
+            if mask is not None and tuple(mask.shape) != tuple(x.shape):
+                raise CalibrationDataError(
+                    f"{where}: attention_mask {tuple(mask.shape)} does not match input_ids {tuple(x.shape)}"
+                )
+        elif main_input == "pixel_values" and x.dim() != 4:
+            raise CalibrationDataError(f"{where}: pixel_values must be (batch, channels, height, width), got {tuple(x.shape)}")
+
+
 def _check_tasks(experts: Mapping[str, Any], calibration: Mapping[str, Any]) -> None:
     if not experts:
         raise CalibrationDataError("no experts given: FeatCal calibrates toward at least one expert")
@@ -110,6 +136,8 @@ def calibrate(
     stacks = adapter.stacks(model)
     main = adapter.main_input(model, stacks[0])
     data = {t: _normalise_batches(t, calibration[t], main) for t in experts}
+    for t, batches in data.items():
+        _check_batches(t, batches, main, getattr(model, "config", None))
 
     template = copy.deepcopy(model)  # expert t's weights are loaded into this, block by block
     sources: dict[str, ParamSource] = {}
