@@ -48,7 +48,7 @@ def build_text_head(
 
 
 def _as_tensor(out: Any) -> torch.Tensor:
-    """get_*_features return a tensor in transformers 4 and may return a model output in 5."""
+    """get_*_features return a tensor in transformers 4, and in 5 an output whose pooler_output is it."""
     if isinstance(out, torch.Tensor):
         return out
     for attr in ("pooler_output", "text_embeds", "image_embeds"):

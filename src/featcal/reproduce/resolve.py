@@ -172,7 +172,8 @@ def unresolved_message(
     setting: str, models: Iterable[str], datasets: Iterable[DatasetRef], sources: Sources
 ) -> str:
     models, datasets = list(models), list(datasets)
-    where = "HF_HUB_OFFLINE/HF_DATASETS_OFFLINE is set" if hub_offline() else "the hub is not reachable"
+    where = ("HF_HUB_OFFLINE/HF_DATASETS_OFFLINE is set" if hub_offline()
+             else "the hub did not answer for them (no network, no access, or no such id)")
     lines = [f"setting {setting}: {len(models)} model id(s) and {len(datasets)} dataset id(s) are not available "
              f"locally and {where}:"]
     if models:
