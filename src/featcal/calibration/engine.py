@@ -192,15 +192,13 @@ class FeatCalEngine:
     @torch.no_grad()
     def run(self) -> list[dict[str, Any]]:
         try:
-            upstream_m: dict[tuple, torch.Tensor] | None = None
-            upstream_e: dict[tuple, torch.Tensor] | None = None
-            for si, stack in enumerate(self.stacks):
-                self._capture(stack, upstream_m, upstream_e)
+            previous: Stack | None = None
+            for stack in self.stacks:
+                self._capture(stack, previous)
                 n_blocks = len(stack.blocks(self.merged))
                 for layer in range(n_blocks):
                     self._calibrate_block(stack, layer, n_blocks)
-                if si + 1 < len(self.stacks):
-                    upstream_m, upstream_e = self._stack_outputs(stack)
+                previous = stack
             return self.drift
         finally:
             self.chains.close()
@@ -208,8 +206,13 @@ class FeatCalEngine:
     def _batches(self, task: str) -> list[Batch]:
         return self.calibration[task]
 
-    def _capture(self, stack: Stack, upstream_m, upstream_e) -> None:
-        """Block-0 inputs of `stack` for the merged side and every expert side."""
+    def _capture(self, stack: Stack, previous: Stack | None) -> None:
+        """Block-0 inputs of `stack` for the merged side and every expert side.
+
+        For a second stack (T5's decoder) each side's chain still holds its last block's output from
+        the previous stack; the adapter turns it into that stack's output (the encoder's final norm),
+        batch by batch, and it reaches block 0 as the cross-attention input.
+        """
         block0_m = stack.blocks(self.merged)[0]
         block0_e = stack.blocks(self.template)[0]
         stem = self.stem_param_names()
@@ -217,27 +220,15 @@ class FeatCalEngine:
             load_into(self.template, stem, self.experts[t])
             for b, batch in enumerate(self._batches(t)):
                 batch = _to_device(batch, self.device)
-                up = None if upstream_m is None else upstream_m[(t, b)]
-                mod, kw = self.adapter.stack_call(self.merged, stack, batch, up)
-                h, ctx = capture_block_input(mod, block0_m, kw)
-                self.chains.put_hidden(("m", t, b), h)
-                self.chains.put_context(("m", t, b), ctx)
-                up = None if upstream_e is None else upstream_e[(t, b)]
-                mod, kw = self.adapter.stack_call(self.template, stack, batch, up)
-                h, ctx = capture_block_input(mod, block0_e, kw)
-                self.chains.put_hidden(("e", t, b), h)
-                self.chains.put_context(("e", t, b), ctx)
-
-    def _stack_outputs(self, stack: Stack) -> tuple[dict, dict]:
-        """Each side's stack output (e.g. after T5's encoder final norm), feeding the next stack."""
-        out_m, out_e = {}, {}
-        stem = self.stem_param_names()
-        for t in self.tasks:
-            load_into(self.template, stem, self.experts[t])
-            for b in range(len(self._batches(t))):
-                out_m[(t, b)] = self.adapter.stack_output(self.merged, stack, self.chains.hidden(("m", t, b)))
-                out_e[(t, b)] = self.adapter.stack_output(self.template, stack, self.chains.hidden(("e", t, b)))
-        return out_m, out_e
+                for side, model, block0 in (("m", self.merged, block0_m), ("e", self.template, block0_e)):
+                    key = (side, t, b)
+                    up = None
+                    if previous is not None:
+                        up = self.adapter.stack_output(model, previous, self.chains.hidden(key))
+                    mod, kw = self.adapter.stack_call(model, stack, batch, up)
+                    h, ctx = capture_block_input(mod, block0, kw)
+                    self.chains.put_hidden(key, h)
+                    self.chains.put_context(key, ctx)
 
     def _weights(
         self, stack: Stack, layer: int, n_blocks: int, name: str, x: torch.Tensor, batch: Batch
