@@ -342,3 +342,25 @@ def test_registry_refuses_a_second_method_of_the_same_name():
         class Other(Merger):
             def merge_tensor(self, name, base, experts):
                 return base
+
+
+def test_unmapped_reader_reads_what_safetensors_reads(tmp_path):
+    from featcal.merging.sources import UnmappedReader
+
+    base, experts = make_family("bert", tmp_path, n_experts=1)
+    _rewrite(base, lambda sd: sd.update({
+        "x.bf16": torch.randn(3, 4).bfloat16(), "x.int": torch.arange(5), "x.bool": torch.tensor([True, False]),
+        "x.scalar": torch.tensor(2.5), "x.empty": torch.zeros(0, 3),
+    }))
+    mapped, unmapped = CheckpointReader(base), UnmappedReader(base)
+    for k in mapped.keys():
+        a, b = mapped.get(k), unmapped.get(k)
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), k
+    with pytest.raises(CheckpointError, match="'nope' is missing"):
+        unmapped.get("nope")
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    state = {k: mapped.get(k) for k in mapped.keys()}
+    save_state_dict(state, sharded, max_shard_size=20_000)
+    reader = UnmappedReader(sharded)
+    assert all(torch.equal(reader.get(k), state[k]) for k in state)

@@ -3,7 +3,7 @@
 Two meters, both exact and deterministic (no RSS noise):
 - every tensor any torch op creates is tracked by storage until it is freed (a dispatch mode), so the
   peak counts the base, the result, accumulators, task vectors and the expert tensors read;
-- a patched CheckpointReader counts how many expert tensors are alive at once.
+- a patched reader counts how many expert tensors are alive at once.
 A naive merge that loads all experts first is measured too, to show that the meter sees growth.
 """
 
@@ -17,6 +17,7 @@ from torch.utils._pytree import tree_flatten
 
 from featcal import merge
 from featcal.io.checkpoint import CheckpointReader
+from featcal.merging.sources import UnmappedReader
 from tiny import perturbed, save
 
 N_SMALL, N_LARGE = 2, 6
@@ -77,7 +78,7 @@ def family(tmp_path_factory):
 def reads(monkeypatch):
     """Count expert tensors alive at once (tensors read from any checkpoint but the base)."""
     state = {"alive": 0, "peak": 0}
-    original = CheckpointReader.get
+    original = UnmappedReader.get
 
     def counting_get(self, name):
         t = original(self, name)
@@ -91,7 +92,7 @@ def reads(monkeypatch):
             weakref.finalize(t, gone)
         return t
 
-    monkeypatch.setattr(CheckpointReader, "get", counting_get)
+    monkeypatch.setattr(UnmappedReader, "get", counting_get)
     return state
 
 

@@ -83,6 +83,8 @@ def merge(
     """
     total = Timer()
     cfg = resolve_config(method, config, params)
+    if not isinstance(experts, Mapping):
+        raise ConfigError(f"experts must be a mapping of task name -> checkpoint, got {type(experts).__name__}")
     validate_expert_names(experts.keys())
     if out is not None:
         check_output_dir(out, overwrite)

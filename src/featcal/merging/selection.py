@@ -53,7 +53,7 @@ class StreamingKthLargest:
         shift = self.total_bits - DIGIT_BITS * (self.pass_index + 1)
         if self.pass_index > 0:
             bits = bits[(bits >> (shift + DIGIT_BITS)) == self.prefix]
-        digits = ((bits >> shift) & ((1 << DIGIT_BITS) - 1)).long()
+        digits = (bits >> shift) & ((1 << DIGIT_BITS) - 1)
         self._hist += torch.bincount(digits, minlength=1 << DIGIT_BITS)
 
     def end_pass(self) -> None:

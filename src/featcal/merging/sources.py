@@ -8,6 +8,7 @@ would write, so that a module and its saved checkpoint are interchangeable input
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Union
@@ -19,6 +20,55 @@ from featcal.errors import CheckpointError
 from featcal.io.checkpoint import CheckpointReader
 
 MergeInput = Union[str, os.PathLike, nn.Module, CheckpointReader]
+
+# safetensors dtype codes (https://github.com/huggingface/safetensors, format: little-endian data)
+_ST_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
+class UnmappedReader(CheckpointReader):
+    """A CheckpointReader whose `get` reads each tensor with plain file I/O instead of the memory map.
+
+    Why: pages read through a memory map stay mapped (and counted in the process's RSS) for as long as
+    the reader is open, so a merge that keeps T expert readers open would show T checkpoints of RSS
+    even though it holds one tensor at a time. Reading with `readinto` into a fresh tensor leaves only
+    that tensor in the process; the OS page cache still speeds up repeated passes. Headers and shapes
+    (`keys`, `meta`) still come from CheckpointReader. Pickled checkpoints use CheckpointReader.get.
+    """
+
+    def __init__(self, path_or_id: str | os.PathLike, *, allow_pickle: bool = False) -> None:
+        super().__init__(path_or_id, allow_pickle=allow_pickle)
+        self._headers: dict[Path, tuple[int, dict]] = {}
+
+    def _header(self, file: Path) -> tuple[int, dict]:
+        """(offset of the data section, header dict) of a safetensors file, parsed once."""
+        if file not in self._headers:
+            with open(file, "rb") as fh:
+                size = int.from_bytes(fh.read(8), "little")
+                self._headers[file] = (8 + size, json.loads(fh.read(size)))
+        return self._headers[file]
+
+    def get(self, name: str) -> torch.Tensor:
+        files = getattr(self, "_files", None)
+        if getattr(self, "_pickled", None) is not None or not files or name not in files:
+            return super().get(name)  # pickles, or a missing name (CheckpointReader's error message)
+        file = files[name]
+        start, header = self._header(file)
+        info = header[name]
+        dtype = _ST_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise CheckpointError(f"{file}: tensor {name!r} has unsupported dtype {info['dtype']}")
+        begin, end = info["data_offsets"]
+        data = torch.empty(end - begin, dtype=torch.uint8)
+        with open(file, "rb") as fh:
+            fh.seek(start + begin)
+            got = fh.readinto(memoryview(data.numpy()))
+        if got != end - begin:
+            raise CheckpointError(f"{file}: tensor {name!r} is truncated ({got} of {end - begin} bytes)")
+        return data.view(dtype).reshape(info["shape"])
 
 
 def checkpoint_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -98,7 +148,7 @@ def open_source(item: MergeInput, *, label: str, allow_pickle: bool = False) -> 
         return ModuleSource(item, label=f"<in-memory {type(item).__name__} ({label})>")
     if isinstance(item, (str, os.PathLike)):
         try:
-            return CheckpointReader(item, allow_pickle=allow_pickle)
+            return UnmappedReader(item, allow_pickle=allow_pickle)
         except CheckpointError as exc:
             raise CheckpointError(f"{label}: {exc}") from None
     raise CheckpointError(
