@@ -103,6 +103,24 @@ def test_paths_give_the_same_result_as_models(setting, tmp_path):
     assert max_abs_diff(a, b)[0] == 0.0
 
 
+def test_path_experts_are_streamed_not_loaded(monkeypatch, tmp_path):
+    """With merged in memory, no model is ever loaded whole from the expert or base paths."""
+    import featcal.io.models
+
+    kind, base, experts, merged, data, expected = _setting("llama")
+    for t, e in experts.items():
+        e.save_pretrained(tmp_path / t)
+    base.save_pretrained(tmp_path / "base")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("load_model called")
+
+    monkeypatch.setattr(featcal.io.models, "load_model", refuse)
+    out = calibrate(merged, base=tmp_path / "base", experts={t: tmp_path / t for t in experts}, calibration=data,
+                    progress=False)
+    assert max_abs_diff(out, expected)[0] == 0.0
+
+
 def test_spill_dir_is_identical_and_bfloat16_chains_stay_close(some_setting, tmp_path):
     kind, base, experts, merged, data, ram = some_setting
     spill = calibrate(merged, base=base, experts=experts, calibration=data, progress=False,
