@@ -231,6 +231,18 @@ def test_mismatched_expert_is_named(small):
         calibrate(merged, base=base, experts={**experts, "task1": other}, calibration=data, progress=False)
 
 
+def test_non_finite_solution_is_refused_naming_the_parameter():
+    import copy
+
+    base, experts, merged = noisy_family("clip")
+    broken = copy.deepcopy(experts["task1"])
+    with torch.no_grad():
+        broken.encoder.layers[0].mlp.fc1.weight[0, 0] = float("nan")
+    with pytest.raises(CalibrationDataError, match=r"encoder\.layers\.0\.mlp\.fc1\.weight"):
+        calibrate(merged, base=base, experts={**experts, "task1": broken}, calibration=family_data("clip", experts),
+                  progress=False)
+
+
 def test_missing_base_with_extrapolating_anchor_is_refused(small):
     base, experts, merged, data = small
     with pytest.raises(ConfigError, match="base"):
