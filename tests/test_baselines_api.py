@@ -101,3 +101,17 @@ def test_missing_expert_checkpoint_is_refused_before_features(clip_family, tmp_p
     paths = {"t0": experts["t0"], "t1": tmp_path / "absent"}
     with pytest.raises(CheckpointError, match="expert 't1'"):
         run_baseline("surgery", merged=merged, experts=paths, calibration=calib, steps=2)
+
+
+@pytest.mark.parametrize("name", ["surgery", "probsurgery"])
+def test_recomputed_features_train_the_same_modules_as_cached_ones(name, clip_family):
+    base, experts, merged, calib = clip_family
+    calib2 = {t: [b, sample_inputs("clip", batch=3, seed=50 + i)] for i, (t, (b,)) in enumerate(calib.items())}
+    cached = run_baseline(name, merged=merged, experts=experts, calibration=calib2, steps=6, batch_size=3)
+    live = run_baseline(name, merged=merged, experts=experts, calibration=calib2, steps=6, batch_size=3,
+                        recompute_features=True)
+    a, b = cached.surgery.state_dict(), live.surgery.state_dict()
+    assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
+    assert live.summary()["params"]["recompute_features"] is True
+    with pytest.raises(ConfigError, match="recompute_features"):
+        run_baseline("regmean", base=base, experts=experts, calibration=calib, recompute_features=True)

@@ -21,7 +21,7 @@ from torch import nn
 
 from featcal.baselines.params import ProbSurgeryParams
 from featcal.baselines.surgery import SurgeryModules
-from featcal.baselines.training import check_features, task_generator, train_module
+from featcal.baselines.training import TaskData, cached_task_data, fit_modules
 from featcal.config import parse
 
 
@@ -78,14 +78,14 @@ def fit_probsurgery(
         ProbSurgeryParams,
         dict(rank=rank, lr=lr, steps=steps, batch_size=batch_size, kl_weight=kl_weight, seed=seed),
     )
-    pairs = check_features(merged_features, expert_features)
-    modules, history = {}, {}
-    for task, (fm, fe) in pairs.items():
-        g = task_generator(params.seed, task)
-        module = ProbSurgeryModule(fm.shape[1], params.rank, generator=g)
-        history[task] = train_module(
-            module, probsurgery_loss(module, params.kl_weight), fm, fe, lr=params.lr, steps=params.steps,
-            batch_size=params.batch_size, generator=g, desc=f"probsurgery {task}",
-        )
-        modules[task] = module
+    return train_probsurgery(cached_task_data(merged_features, expert_features), params)
+
+
+def train_probsurgery(data: Mapping[str, TaskData], params: ProbSurgeryParams) -> SurgeryModules:
+    """ProbSurgery on any per-task data source (cached or live features)."""
+    modules, history = fit_modules(
+        data, lambda dim, g: ProbSurgeryModule(dim, params.rank, g),
+        lambda m: probsurgery_loss(m, params.kl_weight),
+        lr=params.lr, steps=params.steps, batch_size=params.batch_size, seed=params.seed, desc="probsurgery",
+    )
     return SurgeryModules(modules, history, params)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from featcal.baselines.params import SurgeryParams
-from featcal.baselines.training import check_features, task_generator, train_module
+from featcal.baselines.training import TaskData, cached_task_data, fit_modules
 from featcal.config import parse
 
 
@@ -91,14 +91,13 @@ def fit_surgery(
 ) -> SurgeryModules:
     """Train one Surgery module per task on cached features [N_t, d]; deterministic given `seed`."""
     params = parse(SurgeryParams, dict(rank=rank, lr=lr, steps=steps, batch_size=batch_size, seed=seed))
-    pairs = check_features(merged_features, expert_features)
-    modules, history = {}, {}
-    for task, (fm, fe) in pairs.items():
-        g = task_generator(params.seed, task)
-        module = SurgeryModule(fm.shape[1], params.rank, generator=g)
-        history[task] = train_module(
-            module, surgery_loss(module), fm, fe, lr=params.lr, steps=params.steps,
-            batch_size=params.batch_size, generator=g, desc=f"surgery {task}",
-        )
-        modules[task] = module
+    return train_surgery(cached_task_data(merged_features, expert_features), params)
+
+
+def train_surgery(data: Mapping[str, TaskData], params: SurgeryParams) -> SurgeryModules:
+    """Surgery on any per-task data source (cached or live features)."""
+    modules, history = fit_modules(
+        data, lambda dim, g: SurgeryModule(dim, params.rank, g), surgery_loss,
+        lr=params.lr, steps=params.steps, batch_size=params.batch_size, seed=params.seed, desc="surgery",
+    )
     return SurgeryModules(modules, history, params)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -20,6 +21,7 @@ from featcal.baselines.inputs import (
     Batch,
     FeatureFn,
     ModelLike,
+    batch_size,
     calibration_batches,
     load,
     model_device,
@@ -77,11 +79,79 @@ def batch_indices(n: int, batch_size: int, steps: int, generator: torch.Generato
         pos += size
 
 
+@dataclass
+class TaskData:
+    """One task's training data for a surgery module: `sample(idx)` -> (merged, expert) features [b, d]."""
+
+    n: int
+    dim: int
+    sample: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def cached_task_data(
+    merged_features: Mapping[str, torch.Tensor], expert_features: Mapping[str, torch.Tensor]
+) -> dict[str, TaskData]:
+    """Training data served from precomputed features (the default: the backbone is frozen)."""
+    pairs = check_features(merged_features, expert_features)
+    return {
+        t: TaskData(fm.shape[0], fm.shape[1], lambda idx, fm=fm, fe=fe: (fm[idx], fe[idx]))
+        for t, (fm, fe) in pairs.items()
+    }
+
+
+def _concat(batches: list[Batch], task: str) -> Batch:
+    """One batch holding every calibration example of a task (what live sampling slices)."""
+    try:
+        if isinstance(batches[0], torch.Tensor):
+            return torch.cat(batches)
+        return {k: torch.cat([b[k] for b in batches]) if isinstance(v, torch.Tensor) else v
+                for k, v in batches[0].items()}
+    except (RuntimeError, KeyError, TypeError) as exc:
+        raise CalibrationDataError(
+            f"task {task!r}: calibration batches cannot be joined for live feature recomputation ({exc}); "
+            "pad them to one shape or use cached features"
+        ) from None
+
+
+def _slice(batch: Batch, idx: torch.Tensor) -> Batch:
+    if isinstance(batch, torch.Tensor):
+        return batch[idx]
+    return {k: v[idx] if isinstance(v, torch.Tensor) and v.dim() else v for k, v in batch.items()}
+
+
+def live_task_data(
+    merged: nn.Module,
+    experts: Mapping[str, nn.Module],
+    calibration: Mapping[str, list[Batch]],
+    feature_fn: FeatureFn,
+) -> dict[str, TaskData]:
+    """Training data recomputed every step by the frozen merged model and expert t, as the authors' code
+    does: the same optimisation as the cached features, at the published method's real cost."""
+    out = {}
+    for task, expert in experts.items():
+        examples = _concat(calibration[task], task)
+
+        @torch.no_grad()
+        def sample(idx, examples=examples, expert=expert):
+            sub = _slice(examples, idx)
+            fm = feature_fn(merged, to_device(sub, model_device(merged))).float().cpu()
+            fe = feature_fn(expert, to_device(sub, model_device(expert))).float().cpu()
+            return fm, fe
+
+        n = sum(batch_size(b) for b in calibration[task])
+        probe_m, probe_e = sample(torch.arange(1))
+        if probe_m.shape != probe_e.shape or probe_m.dim() != 2:
+            raise CalibrationDataError(
+                f"task {task!r}: features must both be [N, d]; merged {tuple(probe_m.shape)}, expert {tuple(probe_e.shape)}"
+            )
+        out[task] = TaskData(n, probe_m.shape[1], sample)
+    return out
+
+
 def train_module(
     module: nn.Module,
     loss_fn: Callable[[torch.Tensor, torch.Tensor, torch.Generator], torch.Tensor],
-    merged: torch.Tensor,
-    expert: torch.Tensor,
+    data: TaskData,
     *,
     lr: float,
     steps: int,
@@ -96,14 +166,40 @@ def train_module(
     opt = torch.optim.Adam(module.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=0.0)
     history: list[float] = []
     module.train()
-    for idx in tqdm(batch_indices(merged.shape[0], batch_size, steps, generator), total=steps, desc=desc, leave=False):
-        loss = loss_fn(merged[idx], expert[idx], generator)
+    for idx in tqdm(batch_indices(data.n, batch_size, steps, generator), total=steps, desc=desc, leave=False):
+        merged, expert = data.sample(idx)
+        loss = loss_fn(merged, expert, generator)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         history.append(float(loss.detach()))
     module.eval()
     return history
+
+
+def fit_modules(
+    data: Mapping[str, TaskData],
+    make_module: Callable[[int, torch.Generator], nn.Module],
+    make_loss: Callable[[nn.Module], Callable],
+    *,
+    lr: float,
+    steps: int,
+    batch_size: int,
+    seed: int,
+    desc: str,
+) -> tuple[dict[str, nn.Module], dict[str, list[float]]]:
+    """One module per task, each with its own generator (init, batch order, noise): see task_generator."""
+    if not data:
+        raise CalibrationDataError("no tasks to train surgery modules for")
+    modules, history = {}, {}
+    for task, d in data.items():
+        g = task_generator(seed, task)
+        module = make_module(d.dim, g)
+        history[task] = train_module(
+            module, make_loss(module), d, lr=lr, steps=steps, batch_size=batch_size, generator=g, desc=f"{desc} {task}"
+        )
+        modules[task] = module
+    return modules, history
 
 
 @torch.no_grad()
