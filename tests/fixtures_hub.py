@@ -49,7 +49,8 @@ def clip_tokenizer(directory: Path) -> T.CLIPTokenizer:
     vocab["<|endoftext|>"] = len(vocab)
     (directory / "vocab.json").write_text(json.dumps(vocab))
     (directory / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
-    return T.CLIPTokenizer(vocab=str(directory / "vocab.json"), merges=str(directory / "merges.txt"))
+    return T.CLIPTokenizer(vocab=str(directory / "vocab.json"), merges=str(directory / "merges.txt"),
+                           model_max_length=77)
 
 
 def word_tokenizer(texts: list[str], *, eos: bool = True) -> T.PreTrainedTokenizerFast:

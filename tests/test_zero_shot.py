@@ -135,3 +135,14 @@ def test_templates_and_class_counts_of_the_eight_tasks():
     assert len(CLIP_TEMPLATES["resisc45"]) == 18 and CLIP_TEMPLATES["resisc45"][1] == "aerial imagery of {}."
     with pytest.raises(ConfigError, match="cifar10"):
         clip_prompts("cifar10")
+
+
+def test_long_class_names_are_cut_at_the_text_towers_length(tiny_clip):
+    model, tok = tiny_clip
+    saved = tok.model_max_length
+    tok.model_max_length = 10**6  # a tokenizer that does not know the tower's limit
+    try:
+        head = build_text_head(model, tok, ["red and white triangle " * 20, "stop"], ['a photo of a "{}" sign.'])
+    finally:
+        tok.model_max_length = saved
+    assert head.shape == (2, 16) and torch.allclose(head.norm(dim=-1), torch.ones(2))

@@ -34,12 +34,15 @@ def build_text_head(
     if not classnames or not templates:
         raise ConfigError("a zero-shot head needs at least one class name and one template")
     clip_model = clip_model.to(device).eval()
+    # long class names (GTSRB) must be cut at the text tower's positions, whatever the tokenizer's limit
+    max_length = getattr(getattr(getattr(clip_model, "config", None), "text_config", None), "max_position_embeddings", None)
     rows = []
     for name in tqdm(classnames, desc="zero-shot head", leave=False, disable=len(classnames) < 50):
         texts = [t.format(name) for t in templates]
         embs = []
         for start in range(0, len(texts), batch_size):
-            tok = tokenizer(texts[start : start + batch_size], padding=True, truncation=True, return_tensors="pt")
+            tok = tokenizer(texts[start : start + batch_size], padding=True, truncation=True, max_length=max_length,
+                            return_tensors="pt")
             tok = {k: v.to(device) for k, v in tok.items() if k in ("input_ids", "attention_mask")}
             embs.append(_as_tensor(clip_model.get_text_features(**tok)).float())
         emb = F.normalize(torch.cat(embs), dim=-1).mean(dim=0)

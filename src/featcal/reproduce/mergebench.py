@@ -66,6 +66,7 @@ class MergeBenchPipeline(Pipeline):
         tok = AutoTokenizer.from_pretrained(self.base_dir)
         if tok.pad_token is None:
             tok.pad_token = tok.eos_token  # padding is masked out; Llama ships without a pad token
+        tok.padding_side = "right"  # real tokens keep positions 0..n-1, as in unpadded fine-tuning
         return tok
 
     def write_merged(self, tmp: Path) -> None:
