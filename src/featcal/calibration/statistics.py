@@ -117,7 +117,7 @@ class TaskSums:
         xw = _weighted(x, w)
         g.sw += _total(x, w)
         g.sx += xw.sum(0)
-        g.sxx += xw.T @ x
+        g.sxx.addmm_(xw.T, x)  # in place: no in×in temporary per batch
 
     def add_linear(self, name: str, group: str, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor | None) -> None:
         """Accumulate Σ w·x yᵀ and Σ w·y for Linear `name`: x its merged input, y the expert's output."""
@@ -126,7 +126,7 @@ class TaskSums:
         s = self.linears.get(name)
         if s is None:
             s = self.linears[name] = LinearSums(group, x.new_zeros(x.shape[1], y.shape[1]), y.new_zeros(y.shape[1]))
-        s.sxy += x.T @ yw
+        s.sxy.addmm_(x.T, yw)
         s.sy += yw.sum(0)
 
     def add_norm(self, name: str, z: torch.Tensor, w: torch.Tensor | None) -> None:
