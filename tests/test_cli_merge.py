@@ -12,6 +12,15 @@ from featcal.io.checkpoint import CheckpointReader
 from tiny import make_family
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """These tensors are tiny: one intra-op thread is faster, and kinder to a shared 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def clip(tmp_path_factory):
     return make_family("clip", tmp_path_factory.mktemp("clip"), n_experts=2)

@@ -12,6 +12,15 @@ from featcal.io.validate import dtype_class, validate_expert_names, validate_fam
 from tiny import make_family, save, tiny_model
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """These tensors are tiny: one intra-op thread is faster, and kinder to a shared 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _readers(base, experts):
     return CheckpointReader(base), {n: CheckpointReader(p) for n, p in experts.items()}
 
