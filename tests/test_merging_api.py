@@ -140,6 +140,13 @@ def test_ties_threshold_is_global_per_expert():
     assert torch.equal(merged["b"], torch.tensor([2.0, 2.0]))
 
 
+def test_plain_module_base_cannot_be_written(tmp_path, no_work):
+    base, expert = TwoTensors([1.0, 1.0, 1.0], [2.0, 2.0]), TwoTensors([1.5, 1.0, 1.0], [2.0, 2.0])
+    with pytest.raises(CheckpointError, match="no transformers config"):
+        merge(base, {"e": expert}, out=tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
 def test_non_floating_tensors_come_from_the_base(tmp_path):
     base, experts = make_family("bert", tmp_path, n_experts=2)
     _rewrite(base, lambda sd: sd.update({"embeddings.position_ids": torch.arange(64)[None]}))

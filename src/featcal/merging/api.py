@@ -61,6 +61,34 @@ def _refuse_input_as_output(out: Path, inputs: Mapping[str, Any]) -> None:
             raise ConfigError(f"the output directory {out} is an input ({label}); choose another output")
 
 
+def _write_output(
+    out: Path, overwrite: bool, merged: dict[str, Tensor], merger, family: Family, *, seconds: dict[str, float],
+    total: Timer,
+) -> None:
+    """The checkpoint directory: the base's side files, the weights, then featcal.json, atomically."""
+    save = Timer()
+    with atomic_output_dir(out, overwrite) as tmp:
+        if isinstance(family.base, ModuleSource):
+            family.base.save_config(tmp)
+        else:
+            copy_side_files(family.base.path, tmp)
+        files = save_state_dict(merged, tmp)
+        copied = [n for n in family.names if not family.is_floating(n)]
+        report = build_report(
+            "merge",
+            merger.params(),
+            inputs={"base": _describe(family.base), "experts": {n: _describe(s) for n, s in family.experts.items()}},
+            output={"path": str(out), "files": files, "sha256": checkpoint_hashes(tmp)},
+            tensors={"total": len(family.names), "merged": len(family.names) - len(copied), "copied_from_base": copied},
+        )
+        report["seconds"] = {
+            **{k: round(v, 3) for k, v in seconds.items()}, "save": round(save.seconds, 3), "total": round(total.seconds, 3),
+        }
+        report["peak_rss_mb"] = round(peak_rss_mb(), 1)
+        write_report(tmp, report)
+    log.info("merged checkpoint written to %s", out)
+
+
 def merge(
     base: MergeInput,
     experts: Mapping[str, MergeInput],
@@ -92,6 +120,8 @@ def merge(
 
     base_src = open_source(base, label="base", allow_pickle=allow_pickle)
     expert_srcs = {n: open_source(e, label=f"expert {n!r}", allow_pickle=allow_pickle) for n, e in experts.items()}
+    if out is not None and isinstance(base_src, ModuleSource):
+        base_src.check_can_save()
     validate_family(base_src, expert_srcs, progress=progress)
     validate_seconds = total.seconds
 
@@ -103,26 +133,6 @@ def merge(
     log.info("merged %d experts with %s in %.2f s", len(expert_srcs), cfg.method, merge_seconds)
 
     if out is not None:
-        save = Timer()
-        with atomic_output_dir(out, overwrite) as tmp:
-            if isinstance(base_src, ModuleSource):
-                base_src.save_config(tmp)
-            else:
-                copy_side_files(base_src.path, tmp)
-            files = save_state_dict(merged, tmp)
-            copied = [n for n in family.names if not family.is_floating(n)]
-            report = build_report(
-                "merge",
-                merger.params(),
-                inputs={"base": _describe(base_src), "experts": {n: _describe(s) for n, s in expert_srcs.items()}},
-                output={"path": str(Path(out)), "files": files, "sha256": checkpoint_hashes(tmp)},
-                tensors={"total": len(family.names), "merged": len(family.names) - len(copied), "copied_from_base": copied},
-            )
-            report["seconds"] = {
-                "validate": round(validate_seconds, 3), "merge": round(merge_seconds, 3),
-                "save": round(save.seconds, 3), "total": round(total.seconds, 3),
-            }
-            report["peak_rss_mb"] = round(peak_rss_mb(), 1)
-            write_report(tmp, report)
-        log.info("merged checkpoint written to %s", out)
+        _write_output(Path(out), overwrite, merged, merger, family,
+                      seconds={"validate": validate_seconds, "merge": merge_seconds}, total=total)
     return merged

@@ -8,6 +8,7 @@ would write, so that a module and its saved checkpoint are interchangeable input
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from pathlib import Path
@@ -127,11 +128,19 @@ class ModuleSource:
             raise CheckpointError(f"{self.path}: tensor {name!r} is missing")
         return self._state[name]
 
-    def save_config(self, directory: Path) -> None:
-        """Write config.json (and generation_config.json for generative models) into `directory`."""
+    def check_can_save(self) -> None:
+        """A checkpoint needs a transformers config: refuse plain torch modules as the base of `out`."""
         config = getattr(self.module, "config", None)
         if config is None or not hasattr(config, "save_pretrained"):
-            raise CheckpointError(f"{self.path} has no transformers config; cannot write a checkpoint from it")
+            raise CheckpointError(
+                f"base {self.path} has no transformers config, so no checkpoint directory can be written "
+                "from it; merge without `out` to get the state dict"
+            )
+
+    def save_config(self, directory: Path) -> None:
+        """Write config.json (and generation_config.json for generative models) into `directory`."""
+        self.check_can_save()
+        config = copy.deepcopy(self.module.config)  # do not touch the caller's model
         config.architectures = [type(self.module).__name__]
         config.save_pretrained(directory)
         gen = getattr(self.module, "generation_config", None)
