@@ -3,9 +3,9 @@
 Notation: θ0 the base tensor, θ1..θT the experts' tensors of the same name, τt = θt − θ0 the task
 vectors. All arithmetic runs in float32 (float64 for a float64 base) and the caller casts back to
 the base dtype. The whole-tensor functions (`average`, `task_arithmetic`, `ties`, `dare_ta`,
-`dare_ties`) are the reference definitions; the streaming driver (featcal.merging.streaming) builds
-the same results from the accumulators below (`DisjointMean`) while reading one expert tensor at a
-time, and is tested against these functions.
+`dare_ties`) are the reference definitions; the streaming mergers (featcal.merging.mergers) build
+the same results from the same pieces (`task_vector`, `dare`, `DisjointMean`) while reading one
+expert tensor at a time, and are tested against these functions.
 
 - average:          θ = (1/T) Σt θt
 - task_arithmetic:  θ = θ0 + s · Σt τt                                     (Ilharco et al., 2023)
