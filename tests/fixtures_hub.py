@@ -169,8 +169,7 @@ def build_glue_hub(root: Path, tasks: tuple[str, ...] = ("rte", "stsb"), *, n_tr
     """(model_dir, data_dir) for `flan-t5-base-glue-ta8` restricted to `tasks`."""
     import datasets
 
-    from featcal.evaluation.glue import eval_split
-    from featcal.evaluation.templates import GLUE_PROMPTS
+    from featcal.evaluation.templates import GLUE_PROMPTS, glue_eval_split
 
     models, data = root / "models", root / "data"
     texts = [p.template for p in GLUE_PROMPTS.values()] + list(WORDS)
@@ -192,7 +191,7 @@ def build_glue_hub(root: Path, tasks: tuple[str, ...] = ("rte", "stsb"), *, n_tr
         label = datasets.Value("float32") if task == "stsb" else datasets.ClassLabel(num_classes=GLUE_CLASSES[task])
         features = datasets.Features({**{c: datasets.Value("string") for c in GLUE_COLUMNS[task]},
                                       "label": label, "idx": datasets.Value("int32")})
-        splits = {"train": _glue_split(task, n_train, rng), eval_split(task): _glue_split(task, n_val, rng)}
+        splits = {"train": _glue_split(task, n_train, rng), glue_eval_split(task): _glue_split(task, n_val, rng)}
         _save_dataset(splits, features, data / "nyu-mll" / "glue" / task)
     return models, data
 

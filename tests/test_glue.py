@@ -11,14 +11,13 @@ from featcal.errors import CalibrationDataError, ConfigError
 from featcal.evaluation.glue import (
     STSB_FALLBACK,
     calibration_batches,
-    eval_split,
     evaluate_glue,
     exact_match,
     parse_similarity,
     score,
     spearman,
 )
-from featcal.evaluation.templates import GLUE_PROMPTS, glue_prompt
+from featcal.evaluation.templates import GLUE_PROMPTS, glue_eval_split, glue_prompt
 from fixtures_hub import word_tokenizer
 
 
@@ -63,7 +62,7 @@ def test_prompts_fill_the_hub_columns():
     assert glue_prompt("stsb").target_text(3.26) == "3.3"
     assert glue_prompt("stsb").target_text(4) == "4.0"
     assert set(GLUE_PROMPTS) == {"cola", "mnli", "mrpc", "qnli", "qqp", "rte", "sst2", "stsb"}
-    assert eval_split("mnli") == "validation_matched" and eval_split("cola") == "validation"
+    assert glue_eval_split("mnli") == "validation_matched" and glue_eval_split("cola") == "validation"
     with pytest.raises(ConfigError, match="premise"):
         glue_prompt("mnli").input_text({"hypothesis": "x"})
     with pytest.raises(ConfigError):

@@ -24,12 +24,6 @@ from featcal.evaluation.templates import glue_prompt
 STSB_FALLBACK = 0.0
 _NUMBER = re.compile(r"[-+]?(?:\d+\.\d*|\.\d+|\d+)")
 
-# validation split used for evaluation (GLUE test labels are hidden)
-EVAL_SPLITS: dict[str, str] = {"mnli": "validation_matched"}
-
-
-def eval_split(task: str) -> str:
-    return EVAL_SPLITS.get(task, "validation")
 
 
 def normalise_answer(text: str) -> str:

@@ -807,3 +807,11 @@ def glue_prompt(task: str) -> GluePrompt:
     if task not in GLUE_PROMPTS:
         raise ConfigError(f"no GLUE prompt for task {task!r}; known: {', '.join(GLUE_PROMPTS)}")
     return GLUE_PROMPTS[task]
+
+
+# the split each GLUE task is evaluated on (GLUE's test labels are hidden)
+GLUE_EVAL_SPLITS: dict[str, str] = {"mnli": "validation_matched"}
+
+
+def glue_eval_split(task: str) -> str:
+    return GLUE_EVAL_SPLITS.get(task, "validation")

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from featcal.errors import ConfigError
+from featcal.evaluation.templates import glue_eval_split
 
 Family = Literal["clip", "glue", "mergebench"]
 
@@ -123,9 +124,7 @@ GLUE_TASKS = ("cola", "mnli", "mrpc", "qnli", "qqp", "rte", "sst2", "stsb")
 
 
 def _glue_ref(task: str) -> DatasetRef:
-    from featcal.evaluation.glue import eval_split
-
-    return DatasetRef("nyu-mll/glue", task, calibration_split="train", eval_split=eval_split(task))
+    return DatasetRef("nyu-mll/glue", task, calibration_split="train", eval_split=glue_eval_split(task))
 
 
 # ---------------------------------------------------------------- Llama, MergeBench, Task Arithmetic
