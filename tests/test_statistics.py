@@ -97,3 +97,45 @@ def test_a_task_with_no_weighted_token_is_refused():
     _fill(sums, xs, xe, wt, bt, torch.zeros_like(w))
     with pytest.raises(CalibrationDataError, match="task 'empty'"):
         NormalisedSums(0.25).add_task("empty", sums, {"q": {"weight": wt, "bias": bt}, "k": {"weight": wt}}, rms=set())
+
+
+def test_cross_form_equals_output_form():
+    """E[xs xeᵀ] Wtᵀ (one in×in moment per group) and Σ xs yeᵀ (per module) give the same sums."""
+    xs, xe, wt, bt, w = _data()
+    params = {"q": {"weight": wt, "bias": bt}, "k": {"weight": 2 * wt, "bias": bt}}
+    by_output, by_cross = TaskSums(), TaskSums()
+    by_output.add_gram("q", xs, w)
+    by_cross.add_gram("q", xs, w)
+    for name in ("q", "k"):
+        by_output.add_linear(name, "q", xs, xe @ params[name]["weight"].T + bt, w)
+        by_cross.add_cross_linear(name, "q")
+    by_cross.add_cross("q", xs, xe, w)
+    a, b = NormalisedSums(0.3), NormalisedSums(0.3)
+    a.add_task("t", by_output, params, rms=set())
+    b.add_task("t", by_cross, params, rms=set())
+    for name in ("q", "k"):
+        torch.testing.assert_close(a.linears[name].target, b.linears[name].target, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a.linears[name].bias_target, b.linears[name].bias_target, rtol=1e-5, atol=1e-5)
+
+
+def test_block_plan_groups_shared_inputs_and_picks_the_cheaper_form():
+    import tiny
+    from featcal.calibration.adapters import adapter_for
+    from featcal.calibration.engine import calibrated_modules
+    from featcal.calibration.hooks import ExpertRecorder, plan_block
+
+    model = tiny.tiny_model("clip")
+    block = model.encoder.layers[0]
+    linears = {c.name: c.module for c in calibrated_modules(block, adapter_for(model)) if c.kind == "linear"}
+    with torch.no_grad(), ExpertRecorder(linears, None) as rec:
+        block(torch.randn(2, 17, 32), None)
+    plan = plan_block(linears, rec.calls, kind=lambda name: ())
+    assert {plan[n].group for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")} == {"self_attn.q_proj"}
+    assert plan["self_attn.q_proj"].mode == "cross"  # 32 in < 96 out
+    assert plan["self_attn.out_proj"].mode == "output"  # 32 in, 32 out
+    assert plan["mlp.fc1"].mode == "cross" and plan["mlp.fc2"].mode == "output"  # 32 < 64; 64 > 32
+    # class-token-weighted last block: q weighs tokens differently from k/v, so it has its own group
+    kv = {"self_attn.k_proj", "self_attn.v_proj"}
+    split = plan_block(linears, rec.calls, kind=lambda name: name in kv)
+    assert split["self_attn.q_proj"].group == "self_attn.q_proj" and split["self_attn.q_proj"].mode == "output"
+    assert split["self_attn.v_proj"].group == split["self_attn.k_proj"].group != "self_attn.q_proj"

@@ -23,16 +23,17 @@ from __future__ import annotations
 import inspect
 import logging
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
 from featcal.calibration import solver
 from featcal.calibration.adapters import Adapter, Stack
 from featcal.calibration.chains import ChainStore
+from featcal.calibration.hooks import ExpertRecorder, MergedFolder, plan_block
 from featcal.calibration.sources import ParamSource, load_into
 from featcal.calibration.statistics import NormalisedSums, TaskSums
 from featcal.config import FeatCalConfig
@@ -72,13 +73,6 @@ def calibrated_modules(block: nn.Module, adapter: Adapter) -> list[Calibrated]:
 def _hidden(output: Any) -> torch.Tensor:
     """Blocks return a tensor (CLIP, Llama in transformers 5) or a tuple whose first item is it (T5)."""
     return output[0] if isinstance(output, (tuple, list)) else output
-
-
-def _keep_output(store: dict[str, torch.Tensor], name: str, out: torch.Tensor) -> None:
-    """Expert-side hook: keep a Linear's output for this batch; a module called twice is ambiguous."""
-    if name in store:
-        raise FeatCalError(f"module {name} runs more than once per block forward; FeatCal cannot calibrate it")
-    store[name] = out
 
 
 def _to_device(batch: Batch, device: torch.device) -> Batch:
@@ -231,7 +225,7 @@ class FeatCalEngine:
                     self.chains.put_context(key, ctx)
 
     def _weights(
-        self, stack: Stack, layer: int, n_blocks: int, name: str, x: torch.Tensor, batch: Batch
+        self, stack: Stack, layer: int, n_blocks: int, name: str, x: torch.Tensor, *, batch: Batch
     ) -> torch.Tensor | None:
         """Token weights (B, S) for module `name`'s input x (B, S, d), SPEC §2.3; None when all are 1."""
         cross = self.adapter.is_cross_module(stack, name)
@@ -263,32 +257,30 @@ class FeatCalEngine:
         total = sum(len(self._batches(t)) for t in self.tasks) * 2
         bar = tqdm(total=total, desc=f"featcal {stack.name} block {layer}", disable=not self.progress, leave=False)
 
+        linears_e = {c.name: c.module for c in mods_e.values() if c.kind == "linear"}
+
+        def kind(name: str) -> tuple:  # what a module's token weights depend on
+            return self.adapter.is_cross_module(stack, name), self._class_token_weighted(stack, layer, n_blocks, name)
+
+        plan = None  # Linear groups and statistics form, made from the block's first expert forward
         for t in self.tasks:
             load_into(self.template, names, self.experts[t])
             task_sums = TaskSums()
             for b, batch in enumerate(self._batches(t)):
                 batch = _to_device(batch, self.device)
-                # expert side: its block output and every calibrated Linear's output ye
-                ye: dict[str, torch.Tensor] = {}
-                hooks = [
-                    c.module.register_forward_hook(lambda _m, _i, out, n=c.name, d=ye: _keep_output(d, n, out))
-                    for c in mods_e.values() if c.kind == "linear"
-                ]
-                try:
+                # expert side: its block output, and what its Linears feed the statistics
+                with ExpertRecorder(linears_e, plan) as recorder:
                     ctx_e = self.chains.context(("e", t, b))
                     raw_e = block_e(self.chains.hidden(("e", t, b)), **ctx_e)
-                finally:
-                    for h in hooks:
-                        h.remove()
+                if plan is None:
+                    plan = plan_block(linears_e, recorder.calls, kind)
+                    recorder.adopt(plan)
                 he_next = _hidden(raw_e)
-                # merged side, block as merged: fold statistics
-                hooks = self._stat_hooks(mods_m, task_sums, ye, stack, layer, n_blocks, batch)
-                try:
+                # merged side, block as merged: fold this batch into the task's sums
+                weights = partial(self._weights, stack, layer, n_blocks, batch=batch)
+                with MergedFolder(mods_m, plan, recorder, task_sums, weights):
                     hm_out = _hidden(block_m(self.chains.hidden(("m", t, b)), **self.chains.context(("m", t, b))))
-                finally:
-                    for h in hooks:
-                        h.remove()
-                del ye
+                del recorder
                 mask = self.adapter.token_mask(stack, batch, he_next)
                 before.add(t, hm_out, he_next, mask)
                 self.chains.put_hidden(("e", t, b), he_next)
@@ -328,45 +320,6 @@ class FeatCalEngine:
             "featcal %s block %d: drift %.6g -> %.6g (mean ||hm-he||^2/||he||^2 over tokens and tasks)",
             stack.name, layer, record["before"], record["after"],
         )
-
-    def _stat_hooks(self, mods, task_sums: TaskSums, ye, stack, layer, n_blocks, batch) -> list:
-        """Forward hooks on the merged block's calibrated modules that fold one batch into `task_sums`."""
-        groups: dict[tuple, str] = {}  # (id(input), weight kind) -> the Gram group name
-        held: list[torch.Tensor] = []  # keeps inputs alive so that ids stay unique during the forward
-
-        def linear_hook(mod, inputs, _out, name):
-            x = inputs[0]
-            w = self._weights(stack, layer, n_blocks, name, x, batch)
-            kind = (self.adapter.is_cross_module(stack, name), self._class_token_weighted(stack, layer, n_blocks, name))
-            key = (id(x), kind)
-            group = groups.get(key)
-            if group is None:
-                group = groups[key] = name
-                held.append(x)
-                task_sums.add_gram(group, x, w)
-            if name not in ye:
-                raise FeatCalError(f"expert block did not run module {name}")
-            task_sums.add_linear(name, group, x, ye[name], w)
-
-        def norm_hook(mod, inputs, _out, name, rms):
-            x = inputs[0]
-            w = self._weights(stack, layer, n_blocks, name, x, batch)
-            xf = x.float()
-            if rms:
-                eps = getattr(mod, "variance_epsilon", getattr(mod, "eps", 1e-6))
-                z = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-            else:
-                z = F.layer_norm(xf, mod.normalized_shape, eps=mod.eps)
-            task_sums.add_norm(name, z, w)
-
-        hooks = []
-        for c in mods:
-            if c.kind == "linear":
-                hooks.append(c.module.register_forward_hook(lambda m, i, o, n=c.name: linear_hook(m, i, o, n)))
-            else:
-                rms = c.kind == "rmsnorm"
-                hooks.append(c.module.register_forward_hook(lambda m, i, o, n=c.name, r=rms: norm_hook(m, i, o, n, r)))
-        return hooks
 
     def _base(self, name: str) -> torch.Tensor | None:
         return None if self.base is None else self.base.get(name).to(self.device)

@@ -12,6 +12,8 @@ The teacher input x~ = α·xe + (1−α)·xs is never formed. Its only uses are 
 where W_t xe = ye − b_t is the expert module's own output (already computed by the expert forward)
 minus its bias. So a Linear needs only Σ w·xs, Σ w·xs xsᵀ (shared by modules reading the same input:
 q/k/v, gate/up), Σ w·xs yeᵀ and Σ w·ye — no in×in cross Gram, no second copy of the inputs.
+When a group's input is narrower than its summed outputs (q/k/v, gate/up, fc1), one in×in cross
+moment Σ w·xs xeᵀ (then E[xs xeᵀ] W_tᵀ) is cheaper and equally exact; `CrossSums` holds it.
 """
 
 from __future__ import annotations
@@ -74,16 +76,32 @@ class GramSums:
 
 
 @dataclass
+class CrossSums:
+    """Σ w·xe and Σ w·xs xeᵀ of one group's inputs: X_t W_tᵀ for all its Linears from one in×in product."""
+
+    sxe: torch.Tensor
+    sxxe: torch.Tensor
+
+    def merge_(self, other: CrossSums) -> None:
+        self.sxe += other.sxe
+        self.sxxe += other.sxxe
+
+
+@dataclass
 class LinearSums:
-    """Σ w·xs yeᵀ and Σ w·ye of one Linear; `group` names its input's GramSums."""
+    """Σ w·xs yeᵀ and Σ w·ye of one Linear ("output" form), or None when its group's CrossSums serve.
+
+    `group` names its input's GramSums (and CrossSums).
+    """
 
     group: str
-    sxy: torch.Tensor
-    sy: torch.Tensor
+    sxy: torch.Tensor | None = None
+    sy: torch.Tensor | None = None
 
     def merge_(self, other: LinearSums) -> None:
-        self.sxy += other.sxy
-        self.sy += other.sy
+        if self.sxy is not None:
+            self.sxy += other.sxy
+            self.sy += other.sy
 
 
 @dataclass
@@ -105,6 +123,7 @@ class TaskSums:
     """Raw weighted sums of one task over one block, accumulated batch by batch (float32)."""
 
     grams: dict[str, GramSums] = field(default_factory=dict)
+    cross: dict[str, CrossSums] = field(default_factory=dict)
     linears: dict[str, LinearSums] = field(default_factory=dict)
     norms: dict[str, NormSums] = field(default_factory=dict)
 
@@ -129,6 +148,22 @@ class TaskSums:
         s.sxy.addmm_(x.T, yw)
         s.sy += yw.sum(0)
 
+    def add_cross(self, group: str, xs: torch.Tensor, xe: torch.Tensor, w: torch.Tensor | None) -> None:
+        """Accumulate Σ w·xe and Σ w·xs xeᵀ for `group` (merged input xs, expert input xe)."""
+        xs, w, xe = _prepare(xs, w, xe)
+        c = self.cross.get(group)
+        if c is None:
+            d = xs.shape[1]
+            c = self.cross[group] = CrossSums(xe.new_zeros(xe.shape[1]), xs.new_zeros(d, xe.shape[1]))
+        xew = _weighted(xe, w)
+        c.sxe += xew.sum(0)
+        c.sxxe.addmm_(xs.T, xew)
+
+    def add_cross_linear(self, name: str, group: str) -> None:
+        """Register Linear `name` as served by its group's CrossSums."""
+        if name not in self.linears:
+            self.linears[name] = LinearSums(group)
+
     def add_norm(self, name: str, z: torch.Tensor, w: torch.Tensor | None) -> None:
         """Accumulate the per-channel moments of a norm's normalised input z."""
         z, w = _prepare(z, w)
@@ -143,7 +178,7 @@ class TaskSums:
 
     def merge_(self, other: TaskSums) -> None:
         """Add another shard's sums (other batches, another rank) of the same task into these."""
-        for kind in ("grams", "linears", "norms"):
+        for kind in ("grams", "cross", "linears", "norms"):
             mine, theirs = getattr(self, kind), getattr(other, kind)
             for k, v in theirs.items():
                 if k in mine:
@@ -207,8 +242,13 @@ class NormalisedSums:
             wt = expert_params[name]["weight"].to(_F64)
             bt = expert_params[name].get("bias")
             bt = torch.zeros(wt.shape[0], dtype=_F64, device=wt.device) if bt is None else bt.to(_F64)
-            mean_y = lin.sy.to(_F64) / sw  # E[ye] = E[Wt xe] + bt
-            p = lin.sxy.to(_F64) / sw - torch.outer(mu_s, bt)  # E[xs (Wt xe)ᵀ]
+            if lin.sxy is None:  # "cross" form: E[xs (Wt xe)ᵀ] = E[xs xeᵀ] Wtᵀ
+                cr = sums.cross[lin.group]
+                p = (cr.sxxe.to(_F64) / sw) @ wt.T
+                mean_y = wt @ (cr.sxe.to(_F64) / sw) + bt
+            else:  # "output" form: from the expert module's output ye = Wt xe + bt
+                mean_y = lin.sy.to(_F64) / sw
+                p = lin.sxy.to(_F64) / sw - torch.outer(mu_s, bt)
             target = a * p + (1 - a) * (c @ wt.T)
             bias_target = a * mean_y + (1 - a) * (wt @ mu_s + bt)  # bt + Wt μ~t
             inv = 1.0 / s_t

@@ -1,0 +1,160 @@
+"""Forward hooks that turn one batch's block forwards into statistics, keeping nothing past the batch.
+
+Linears reading the same input tensor with the same token weights form a group (q/k/v, gate/up,
+T5's cross-attention k/v) and share one Gram. For the teacher term X_t W_tᵀ each group takes the
+cheaper of two exact forms (statistics.py), chosen once per block from the module shapes:
+
+- "output": Σ w·xs yeᵀ per module, from the expert module's own output ye (cost in·out per module);
+- "cross":  Σ w·xs xeᵀ once per group, from the expert group's input xe (cost in·in per group),
+  then E[xs xeᵀ] W_tᵀ at the end of the task — cheaper when in < Σ out (q/k/v, gate/up, fc1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from featcal.calibration.statistics import TaskSums
+from featcal.errors import FeatCalError
+
+WeightFn = Callable[[str, torch.Tensor], "torch.Tensor | None"]  # (module name, its input) -> token weights
+KindFn = Callable[[str], tuple]  # module name -> what its token weights depend on
+
+
+@dataclass(frozen=True)
+class LinearPlan:
+    group: str  # the first module (in execution order) of the group
+    mode: str  # "output" | "cross"
+
+
+def _group_inputs(calls: list[tuple[str, torch.Tensor]], kind: KindFn) -> dict[str, str]:
+    """Module -> group name, from (name, input) pairs in execution order (same tensor, same weights)."""
+    first: dict[tuple, str] = {}
+    out = {}
+    for name, x in calls:
+        out[name] = first.setdefault((id(x), kind(name)), name)
+    return out
+
+
+def plan_block(linears: dict[str, nn.Linear], calls: list[tuple[str, torch.Tensor]], kind: KindFn) -> dict[str, LinearPlan]:
+    """Group the block's Linears and pick, per group, the cheaper form of the teacher statistics."""
+    groups = _group_inputs(calls, kind)
+    out_sum: dict[str, int] = {}
+    for name, g in groups.items():
+        out_sum[g] = out_sum.get(g, 0) + linears[name].out_features
+    mode = {g: ("cross" if linears[g].in_features < total else "output") for g, total in out_sum.items()}
+    return {name: LinearPlan(g, mode[g]) for name, g in groups.items()}
+
+
+class ExpertRecorder:
+    """Hooks on the expert block's Linears keeping, for one forward, what the merged side will need.
+
+    Without a plan (the block's first batch) it keeps every input and output, so that the plan can
+    be made from them (`adopt`); with a plan it keeps only xe of "cross" groups and ye of "output" ones.
+    """
+
+    def __init__(self, linears: dict[str, nn.Linear], plan: dict[str, LinearPlan] | None) -> None:
+        self.linears, self.plan = linears, plan
+        self.inputs: dict[str, torch.Tensor] = {}  # group (or, while planning, module) -> xe
+        self.outputs: dict[str, torch.Tensor] = {}  # module -> ye
+        self.calls: list[tuple[str, torch.Tensor]] = []  # (module, input) in execution order
+        self._handles: list = []
+
+    def _hook(self, name: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        if any(n == name for n, _ in self.calls):
+            raise FeatCalError(f"module {name} runs more than once per block forward; FeatCal cannot calibrate it")
+        self.calls.append((name, x))
+        if self.plan is None:
+            self.inputs[name], self.outputs[name] = x, y
+            return
+        p = self.plan.get(name)
+        if p is None:
+            raise FeatCalError(f"module {name} ran in this batch but not in the block's first batch")
+        if p.mode == "output":
+            self.outputs[name] = y
+        elif name == p.group:
+            self.inputs[name] = x
+
+    def adopt(self, plan: dict[str, LinearPlan]) -> None:
+        """After the planning forward: keep only what `plan` needs, as a planned forward would have."""
+        self.plan = plan
+        self.inputs = {g: x for g, x in self.inputs.items() if plan[g].group == g and plan[g].mode == "cross"}
+        self.outputs = {n: y for n, y in self.outputs.items() if plan[n].mode == "output"}
+
+    def __enter__(self) -> ExpertRecorder:
+        for name, mod in self.linears.items():
+            self._handles.append(mod.register_forward_hook(lambda _m, i, o, n=name: self._hook(n, i[0], o)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+def normalised_input(mod: nn.Module, x: torch.Tensor, rms: bool) -> torch.Tensor:
+    """A norm's input without its affine: (x−mean)/std for LayerNorm, x/rms for RMS norms (float32)."""
+    xf = x.float()
+    if rms:
+        eps = getattr(mod, "variance_epsilon", getattr(mod, "eps", 1e-6))
+        return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return F.layer_norm(xf, mod.normalized_shape, eps=mod.eps)
+
+
+class MergedFolder:
+    """Hooks on the merged block's calibrated modules folding one forward into `sums`."""
+
+    def __init__(
+        self,
+        modules: list,  # engine.Calibrated
+        plan: dict[str, LinearPlan],
+        expert: ExpertRecorder,
+        sums: TaskSums,
+        weights: WeightFn,
+    ) -> None:
+        self.modules, self.plan, self.expert = modules, plan, expert
+        self.sums, self.weights = sums, weights
+        self._held: dict[str, torch.Tensor] = {}  # group -> merged input seen this forward
+        self._handles: list = []
+
+    def _linear(self, name: str, x: torch.Tensor) -> None:
+        p = self.plan.get(name)
+        if p is None:
+            raise FeatCalError(f"module {name} ran on the merged side but not on the expert side")
+        w = self.weights(name, x)
+        held = self._held.get(p.group)
+        if held is None:
+            self._held[p.group] = x
+            self.sums.add_gram(p.group, x, w)
+            if p.mode == "cross":
+                self.sums.add_cross(p.group, x, self.expert.inputs[p.group], w)
+        elif held is not x:
+            raise FeatCalError(f"module {name} does not share its group's input on the merged side")
+        if p.mode == "output":
+            self.sums.add_linear(name, p.group, x, self.expert.outputs[name], w)
+        else:
+            self.sums.add_cross_linear(name, p.group)
+
+    def _norm(self, mod: nn.Module, name: str, x: torch.Tensor, rms: bool) -> None:
+        self.sums.add_norm(name, normalised_input(mod, x, rms), self.weights(name, x))
+
+    def __enter__(self) -> MergedFolder:
+        for c in self.modules:
+            if c.kind == "linear":
+                self._handles.append(c.module.register_forward_hook(lambda _m, i, _o, n=c.name: self._linear(n, i[0])))
+            else:
+                rms = c.kind == "rmsnorm"
+                self._handles.append(
+                    c.module.register_forward_hook(lambda m, i, _o, n=c.name, r=rms: self._norm(m, n, i[0], r))
+                )
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._held.clear()
