@@ -5,9 +5,9 @@ For each stack (one for encoders and decoders, two for T5) the engine
 1. captures what block 0 is called with, on the merged side and on each expert side: a forward
    pre-hook (with_kwargs) records the positional and keyword arguments and stops the forward;
 2. for block l, task by task: loads expert t's block-l weights into an expert "template" model, runs
-   it on he(t) batch by batch (forward hooks keep each calibrated Linear's output ye for that batch),
-   then runs the merged block l AS MERGED on hm(t) (hooks fold xs, ye and the normalised inputs of
-   the norms into float32 sums; nothing is kept past the batch), and advances he(t);
+   it on he(t) batch by batch (hooks.py keeps, for that batch only, each group's expert input xe or
+   each Linear's expert output ye), then runs the merged block l AS MERGED on hm(t) (hooks fold xs,
+   xe / ye and the norms' normalised inputs into float32 sums), and advances he(t);
 3. folds each finished task into per-task-normalised float64 sums, solves every Linear / LayerNorm /
    RMSNorm of the block in closed form, loads the solution, and propagates hm(t) through the
    CALIBRATED block.
