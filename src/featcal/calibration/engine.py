@@ -246,18 +246,39 @@ class FeatCalEngine:
         return stack.class_token_head and layer == n_blocks - 1 and not self.adapter.is_kv(name)
 
     def _calibrate_block(self, stack: Stack, layer: int, n_blocks: int) -> None:
-        cfg = self.cfg
-        block_m = stack.blocks(self.merged)[layer]
-        block_e = stack.blocks(self.template)[layer]
-        mods_m = calibrated_modules(block_m, self.adapter)
-        mods_e = {c.name: c for c in calibrated_modules(block_e, self.adapter)}
-        names = self.block_param_names(stack, layer)
-        sums = NormalisedSums(cfg.teacher_interp_alpha)
-        before, after = _Drift(), _Drift()
+        """SPEC §2.2 for one block: statistics task by task, solve and load, then propagate."""
         total = sum(len(self._batches(t)) for t in self.tasks) * 2
         bar = tqdm(total=total, desc=f"featcal {stack.name} block {layer}", disable=not self.progress, leave=False)
+        block_m = stack.blocks(self.merged)[layer]
+        mods_m = calibrated_modules(block_m, self.adapter)
+        sums, before = self._gather(stack, layer, n_blocks, mods_m, bar)
+        self._solve_and_load(stack, layer, mods_m, sums)
+        after = self._propagate(stack, layer, block_m, bar)
+        bar.close()
+        record = {
+            "block": self._block_counter, "stack": stack.name, "layer": layer,
+            "before": before.mean(), "after": after.mean(),
+        }
+        self._block_counter += 1
+        self.drift.append(record)
+        log.info(
+            "featcal %s block %d: drift %.6g -> %.6g (mean ||hm-he||^2/||he||^2 over tokens and tasks)",
+            stack.name, layer, record["before"], record["after"],
+        )
 
+    def _gather(self, stack: Stack, layer: int, n_blocks: int, mods_m: list[Calibrated], bar) -> tuple:
+        """Run expert t's block and the merged block (as merged) batch by batch; fold the statistics.
+
+        Advances every expert chain he(t) through its block. Returns (NormalisedSums, drift before).
+        """
+        block_m = stack.blocks(self.merged)[layer]
+        block_e = stack.blocks(self.template)[layer]
+        mods_e = {c.name: c for c in calibrated_modules(block_e, self.adapter)}
         linears_e = {c.name: c.module for c in mods_e.values() if c.kind == "linear"}
+        rms = {c.name for c in mods_e.values() if c.kind == "rmsnorm"}
+        names = self.block_param_names(stack, layer)
+        sums = NormalisedSums(self.cfg.teacher_interp_alpha)
+        before = _Drift()
 
         def kind(name: str) -> tuple:  # what a module's token weights depend on
             return self.adapter.is_cross_module(stack, name), self._class_token_weighted(stack, layer, n_blocks, name)
@@ -281,8 +302,7 @@ class FeatCalEngine:
                 with MergedFolder(mods_m, plan, recorder, task_sums, weights):
                     hm_out = _hidden(block_m(self.chains.hidden(("m", t, b)), **self.chains.context(("m", t, b))))
                 del recorder
-                mask = self.adapter.token_mask(stack, batch, he_next)
-                before.add(t, hm_out, he_next, mask)
+                before.add(t, hm_out, he_next, self.adapter.token_mask(stack, batch, he_next))
                 self.chains.put_hidden(("e", t, b), he_next)
                 new_ctx = self.adapter.next_context(stack, layer, ctx_e, raw_e)
                 if new_ctx is not ctx_e:
@@ -291,12 +311,13 @@ class FeatCalEngine:
             expert_params = {
                 c.name: {"weight": c.module.weight, "bias": getattr(c.module, "bias", None)} for c in mods_e.values()
             }
-            rms = {c.name for c in mods_e.values() if c.kind == "rmsnorm"}
             sums.add_task(t, task_sums, expert_params, rms)
             del task_sums
+        return sums, before
 
-        self._solve_and_load(stack, layer, mods_m, sums)
-
+    def _propagate(self, stack: Stack, layer: int, block_m: nn.Module, bar) -> _Drift:
+        """hm(t) <- calibrated block(hm(t)) for every batch; returns the drift after calibration."""
+        after = _Drift()
         for t in self.tasks:
             for b, batch in enumerate(self._batches(t)):
                 ctx_m = self.chains.context(("m", t, b))
@@ -309,17 +330,7 @@ class FeatCalEngine:
                 if new_ctx is not ctx_m:
                     self.chains.put_context(("m", t, b), new_ctx)
                 bar.update(1)
-        bar.close()
-        record = {
-            "block": self._block_counter, "stack": stack.name, "layer": layer,
-            "before": before.mean(), "after": after.mean(),
-        }
-        self._block_counter += 1
-        self.drift.append(record)
-        log.info(
-            "featcal %s block %d: drift %.6g -> %.6g (mean ||hm-he||^2/||he||^2 over tokens and tasks)",
-            stack.name, layer, record["before"], record["after"],
-        )
+        return after
 
     def _base(self, name: str) -> torch.Tensor | None:
         return None if self.base is None else self.base.get(name).to(self.device)
