@@ -221,14 +221,16 @@ def test_batches_that_do_not_fit_the_model_are_refused(small):
         calibrate(merged, base=base, experts=experts, calibration=no_ids, progress=False)
 
 
-def test_mismatched_expert_is_named(small):
+def test_mismatched_expert_is_named(small, tmp_path):
     import tiny
 
     base, experts, merged, data = small
     other = tiny.tiny_model("bert")
     other.resize_token_embeddings(120)
     with pytest.raises(CheckpointError, match="expert 'task1'.*embeddings.word_embeddings.weight"):
-        calibrate(merged, base=base, experts={**experts, "task1": other}, calibration=data, progress=False)
+        calibrate(merged, base=base, experts={**experts, "task1": other}, calibration=data, progress=False,
+                  config=FeatCalConfig(spill_dir=tmp_path / "spill"))
+    assert not (tmp_path / "spill").exists()  # refused before any work: nothing spilled
 
 
 def test_non_finite_solution_is_refused_naming_the_parameter():

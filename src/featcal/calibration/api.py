@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from featcal.calibration.adapters import adapter_for
-from featcal.calibration.engine import FeatCalEngine
+from featcal.calibration.engine import FeatCalEngine, needed_param_names
 from featcal.calibration.sources import CheckpointSource, ModelSource, ParamSource, validate_source
 from featcal.config import FeatCalConfig
 from featcal.errors import CalibrationDataError, ConfigError
@@ -152,16 +152,16 @@ def calibrate(
             base, template, "base", allow_pickle=allow_pickle
         )
 
+    stem_names, block_names = needed_param_names(model, stacks)
+    for src in sources.values():
+        validate_source(src, model, stem_names + block_names)
+    if base_src is not None:
+        validate_source(base_src, model, block_names)
+
     origin = next(model.parameters()).device
     model.to(device).eval()
     template.to(device).eval()
     engine = FeatCalEngine(model, template, adapter, sources, base_src, data, config, device, progress)
-    needed = engine.all_needed_names()
-    for src in sources.values():
-        validate_source(src, model, needed)
-    if base_src is not None:
-        block_names = [n for n in needed if n not in set(engine.stem_param_names())]
-        validate_source(base_src, model, block_names)
     log.info(
         "featcal: %s (%s adapter), %d task(s), %d batch(es), device %s",
         type(model).__name__, adapter.name, len(data), sum(len(v) for v in data.values()), device,

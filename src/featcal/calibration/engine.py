@@ -112,6 +112,31 @@ def capture_block_input(module: nn.Module, block: nn.Module, kwargs: dict[str, A
     return bound.arguments[hidden_name], ctx
 
 
+def block_param_names(model: nn.Module, stack: Stack, layer: int) -> list[str]:
+    """Full names of block `layer`'s parameters (tied aliases included)."""
+    block = stack.blocks(model)[layer]
+    prefix = f"{stack.blocks_path}.{layer}."
+    return [prefix + n for n, _ in block.named_parameters(remove_duplicate=False)]
+
+
+def stem_param_names(model: nn.Module, stacks: list[Stack]) -> list[str]:
+    """Parameters outside every block but under a stack entry: what a forward to block 0 reads."""
+    entries = [s.entry_path for s in stacks]
+    blocks = [s.blocks_path + "." for s in stacks]
+    names = []
+    for n, _ in model.named_parameters(remove_duplicate=False):
+        under_entry = any(e == "" or n.startswith(e + ".") for e in entries)
+        if under_entry and not any(n.startswith(b) for b in blocks):
+            names.append(n)
+    return names
+
+
+def needed_param_names(model: nn.Module, stacks: list[Stack]) -> tuple[list[str], list[str]]:
+    """(stem names, block names): every parameter an expert must provide; the base, the block ones."""
+    blocks = [n for s in stacks for layer in range(len(s.blocks(model))) for n in block_param_names(model, s, layer)]
+    return stem_param_names(model, stacks), blocks
+
+
 class _Drift:
     """Σ over tokens of ‖hm−he‖²/‖he‖² and token counts per task, for one block."""
 
@@ -160,27 +185,10 @@ class FeatCalEngine:
 
     # --- parameter bookkeeping -----------------------------------------------------------------
     def block_param_names(self, stack: Stack, layer: int) -> list[str]:
-        block = stack.blocks(self.merged)[layer]
-        prefix = f"{stack.blocks_path}.{layer}."
-        return [prefix + n for n, _ in block.named_parameters(remove_duplicate=False)]
+        return block_param_names(self.merged, stack, layer)
 
     def stem_param_names(self) -> list[str]:
-        """Parameters outside every block but under a stack entry: what a forward to block 0 reads."""
-        entries = [s.entry_path for s in self.stacks]
-        blocks = [s.blocks_path + "." for s in self.stacks]
-        names = []
-        for n, _ in self.merged.named_parameters(remove_duplicate=False):
-            under_entry = any(e == "" or n.startswith(e + ".") for e in entries)
-            if under_entry and not any(n.startswith(b) for b in blocks):
-                names.append(n)
-        return names
-
-    def all_needed_names(self) -> list[str]:
-        names = self.stem_param_names()
-        for s in self.stacks:
-            for layer in range(len(s.blocks(self.merged))):
-                names += self.block_param_names(s, layer)
-        return names
+        return stem_param_names(self.merged, self.stacks)
 
     # --- the pass ------------------------------------------------------------------------------
     @torch.no_grad()
