@@ -185,3 +185,21 @@ def test_block_lists_are_found_in_the_4x_module_layout():
 
     stacks = adapter_for(Old()).stacks(Old())
     assert stacks[0].blocks_path == "vit.encoder.layer" and stacks[0].entry_path == "vit"
+
+
+def test_clipmodel_checkpoint_serves_as_base_of_a_vision_model(tmp_path):
+    """The demo's base is a full CLIPModel checkpoint while the experts are CLIPVisionModels."""
+    cfg = T.CLIPConfig(
+        text_config=dict(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2),
+        vision_config=tiny.tiny_config("clip").to_dict(), projection_dim=8,
+    )
+    torch.manual_seed(0)
+    full = T.CLIPModel(cfg).eval()
+    full.save_pretrained(tmp_path / "clip-full")
+    vision = T.CLIPVisionModel(tiny.tiny_config("clip")).eval()
+    vision.load_state_dict(full.vision_model.state_dict())
+    base, experts, merged = _family(vision)
+    data = {t: [tiny.sample_inputs("clip", seed=i)] for i, t in enumerate(experts)}
+    a = calibrate(merged, base=base, experts=experts, calibration=data, progress=False)
+    b = calibrate(merged, base=tmp_path / "clip-full", experts=experts, calibration=data, progress=False)
+    assert max_abs_diff(a, b)[0] == 0.0
