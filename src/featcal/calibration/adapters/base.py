@@ -9,6 +9,7 @@ norms are weight-only RMS norms. Calibrated modules inside a block are found by 
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,8 +48,8 @@ class Stack:
         return mod
 
 
-class Adapter:
-    """Base adapter: single-stack models whose blocks are called with the stack entry's batch."""
+class Adapter(ABC):
+    """Base adapter: defaults for models whose stack entry is called with the batch as keywords."""
 
     name = "base"
     model_types: tuple[str, ...] = ()
@@ -56,8 +57,9 @@ class Adapter:
     kv_names: tuple[str, ...] = ("k_proj", "v_proj", "key", "value", "k", "v")
     capture_kwargs: dict[str, Any] = {}
 
+    @abstractmethod
     def stacks(self, model: nn.Module) -> list[Stack]:
-        raise NotImplementedError
+        """The model's stacks of blocks, in forward order."""
 
     # --- inputs -------------------------------------------------------------------------
     def main_input(self, model: nn.Module, stack: Stack) -> str:
