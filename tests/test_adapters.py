@@ -203,3 +203,12 @@ def test_clipmodel_checkpoint_serves_as_base_of_a_vision_model(tmp_path):
     a = calibrate(merged, base=base, experts=experts, calibration=data, progress=False)
     b = calibrate(merged, base=tmp_path / "clip-full", experts=experts, calibration=data, progress=False)
     assert max_abs_diff(a, b)[0] == 0.0
+
+
+def test_mixed_attention_layer_types_are_refused():
+    cfg = T.Qwen2Config(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, use_sliding_window=True, sliding_window=4, max_window_layers=1)
+    model = T.Qwen2ForCausalLM(cfg)
+    assert len(set(cfg.layer_types)) == 2
+    with pytest.raises(FeatCalError, match="Qwen2ForCausalLM mixes attention layer types"):
+        calibrate(model, base=model, experts={"a": model}, calibration={"a": [_ids()]}, progress=False)

@@ -19,6 +19,12 @@ class LlamaAdapter(Adapter):
     capture_kwargs = {"use_cache": False}
 
     def stacks(self, model: nn.Module) -> list[Stack]:
+        layer_types = getattr(model.config, "layer_types", None) or []
+        if len(set(layer_types)) > 1:  # e.g. Qwen2 with sliding-window layers: one mask per layer type
+            raise FeatCalError(
+                f"{type(model).__name__} mixes attention layer types {sorted(set(layer_types))}; FeatCal reuses "
+                "block 0's attention mask for every block, so only uniform layer types are supported"
+            )
         for prefix in ("model.", ""):
             path = first_existing(model, [prefix + "layers"])
             if path is not None:
