@@ -212,3 +212,24 @@ def test_mixed_attention_layer_types_are_refused():
     assert len(set(cfg.layer_types)) == 2
     with pytest.raises(FeatCalError, match="Qwen2ForCausalLM mixes attention layer types"):
         calibrate(model, base=model, experts={"a": model}, calibration={"a": [_ids()]}, progress=False)
+
+
+def test_context_replay_check_catches_per_block_masks():
+    """Independently of the adapter's own guard, a block-1 call that differs from the replay is caught."""
+    from featcal.calibration.adapters import Stack
+    from featcal.calibration.adapters.llama import LlamaAdapter
+    from featcal.calibration.engine import capture_block_input, check_context_replay
+
+    cfg = T.Qwen2Config(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, use_sliding_window=True, sliding_window=2, max_window_layers=1)
+    model = T.Qwen2ForCausalLM(cfg).eval()
+    adapter, stack = LlamaAdapter(), Stack("decoder", "model.layers", "model")
+    mod, kw = adapter.stack_call(model, stack, _ids(seq=8), None)
+    with torch.no_grad():
+        h, ctx = capture_block_input(mod, stack.blocks(model)[0], kw)
+        with pytest.raises(FeatCalError, match="block 1 is called with another 'attention_mask'"):
+            check_context_replay(adapter, stack, model, mod, kw, h, ctx)
+        uniform = T.LlamaForCausalLM(tiny.tiny_config("llama")).eval()  # same check passes where replay is exact
+        mod, kw = adapter.stack_call(uniform, stack, _ids(seq=8), None)
+        h, ctx = capture_block_input(mod, stack.blocks(uniform)[0], kw)
+        check_context_replay(adapter, stack, uniform, mod, kw, h, ctx)

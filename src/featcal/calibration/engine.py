@@ -112,6 +112,39 @@ def capture_block_input(module: nn.Module, block: nn.Module, kwargs: dict[str, A
     return bound.arguments[hidden_name], ctx
 
 
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.shape != b.shape:
+            return False
+        return bool(torch.equal(a, b)) or (a.is_floating_point() and torch.allclose(a, b, rtol=1e-5, atol=1e-6))
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return a is b or a == b
+
+
+def check_context_replay(adapter: Adapter, stack: Stack, model: nn.Module, module: nn.Module,
+                         kwargs: dict[str, Any], hidden: torch.Tensor, ctx: dict[str, Any]) -> None:
+    """Check once, on one batch, that block 1 is called with what the engine would replay.
+
+    The engine calls every block with block 0's context (updated by `adapter.next_context`). An
+    architecture that gives each block its own mask or bias would be calibrated silently wrong, so
+    the model's own call of block 1 is captured and compared, argument by argument.
+    """
+    blocks = stack.blocks(model)
+    if len(blocks) < 2:
+        return
+    predicted = adapter.next_context(stack, 0, ctx, blocks[0](hidden, **ctx))
+    _, actual = capture_block_input(module, blocks[1], kwargs)
+    for name in sorted(set(predicted) | set(actual)):
+        if not _same(predicted.get(name), actual.get(name)):
+            raise FeatCalError(
+                f"{type(model).__name__}: {stack.name} block 1 is called with another {name!r} than block 0 passes on; "
+                "FeatCal replays block 0's context in every block, so this architecture is not supported"
+            )
+
+
 def block_param_names(model: nn.Module, stack: Stack, layer: int) -> list[str]:
     """Full names of block `layer`'s parameters (tied aliases included)."""
     block = stack.blocks(model)[layer]
@@ -229,6 +262,8 @@ class FeatCalEngine:
                         up = self.adapter.stack_output(model, previous, self.chains.hidden(key))
                     mod, kw = self.adapter.stack_call(model, stack, batch, up)
                     h, ctx = capture_block_input(mod, block0, kw)
+                    if side == "m" and t == self.tasks[0] and b == 0:
+                        check_context_replay(self.adapter, stack, self.merged, mod, kw, h, ctx)
                     self.chains.put_hidden(key, h)
                     self.chains.put_context(key, ctx)
 
