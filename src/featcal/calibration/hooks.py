@@ -61,14 +61,16 @@ class ExpertRecorder:
         self.linears, self.plan = linears, plan
         self.inputs: dict[str, torch.Tensor] = {}  # group (or, while planning, module) -> xe
         self.outputs: dict[str, torch.Tensor] = {}  # module -> ye
-        self.calls: list[tuple[str, torch.Tensor]] = []  # (module, input) in execution order
+        self.calls: list[tuple[str, torch.Tensor]] = []  # (module, input) in execution order, when planning
+        self._seen: set[str] = set()
         self._handles: list = []
 
     def _hook(self, name: str, x: torch.Tensor, y: torch.Tensor) -> None:
-        if any(n == name for n, _ in self.calls):
+        if name in self._seen:
             raise FeatCalError(f"module {name} runs more than once per block forward; FeatCal cannot calibrate it")
-        self.calls.append((name, x))
+        self._seen.add(name)
         if self.plan is None:
+            self.calls.append((name, x))
             self.inputs[name], self.outputs[name] = x, y
             return
         p = self.plan.get(name)
@@ -82,6 +84,7 @@ class ExpertRecorder:
     def adopt(self, plan: dict[str, LinearPlan]) -> None:
         """After the planning forward: keep only what `plan` needs, as a planned forward would have."""
         self.plan = plan
+        self.calls = []
         self.inputs = {g: x for g, x in self.inputs.items() if plan[g].group == g and plan[g].mode == "cross"}
         self.outputs = {n: y for n, y in self.outputs.items() if plan[n].mode == "output"}
 
