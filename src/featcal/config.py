@@ -16,10 +16,13 @@ from featcal.errors import ConfigError
 
 MergeMethod = Literal["average", "task_arithmetic", "ties", "dare_ta", "dare_ties"]
 MERGE_METHODS: tuple[str, ...] = MergeMethod.__args__  # type: ignore[attr-defined]
+# seeds feed torch.Generator.manual_seed (64-bit) and sha256-derived per-tensor seeds
+MAX_SEED = 2**63 - 1
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+    # allow_inf_nan=False: `--lambda-ratio inf` or a NaN ρ would pass every bound check and poison the solves
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False, allow_inf_nan=False)
 
 
 class MergeConfig(_Strict):
@@ -29,14 +32,16 @@ class MergeConfig(_Strict):
     scaling: float = Field(0.3, gt=0.0, le=10.0, description="s in θ0 + s·Σ(θt−θ0) (TA, TIES, DARE)")
     density: float = Field(0.2, gt=0.0, le=1.0, description="TIES: fraction of each task vector kept")
     drop_rate: float = Field(0.5, ge=0.0, lt=1.0, description="DARE: probability p of dropping an entry")
-    seed: int = Field(0, ge=0, description="DARE: random seed of the drop masks")
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="DARE: random seed of the drop masks")
 
 
 class FeatCalConfig(_Strict):
     """FeatCal hyperparameters (defaults: the authors' demo, ../shared/SPEC.md §2)."""
 
     lambda_ratio: float = Field(0.05, ge=0.0, description="ridge λ toward the anchor")
-    anchor_blend_rho: float = Field(2.2, description="anchor Ā = ρ·θm + (1−ρ)·θ0")
+    anchor_blend_rho: float = Field(
+        2.2, ge=0.0, le=10.0, description="anchor Ā = ρ·θm + (1−ρ)·θ0 (0: the base, 1: the merge, >1 extrapolates)"
+    )
     teacher_interp_alpha: float = Field(0.25, ge=0.0, le=1.0, description="x~ = α·xe + (1−α)·xs")
     covariance_eps: float = Field(1e-8, ge=0.0, description="ε added to the Gram diagonal")
     calibrate_bias: bool = True
@@ -44,7 +49,7 @@ class FeatCalConfig(_Strict):
     num_calibration_examples: int = Field(256, ge=1, description="examples per task")
     calibration_batch_size: int = Field(16, ge=1)
     cls_token_weight: float = Field(0.01, ge=0.0, le=1.0, description="weight of non-class tokens, last CLIP/ViT block")
-    seed: int = Field(0, ge=0, description="which calibration examples are drawn")
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="which calibration examples are drawn")
     chain_dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="dtype in which block-input chains are stored between blocks"
     )

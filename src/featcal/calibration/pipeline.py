@@ -1,9 +1,10 @@
 """Calibrate a merged checkpoint on disk into a new checkpoint directory, with its featcal.json report.
 
 The order is what makes the command safe to run on big models: every input is checked first
-(checkpoints exist and are safetensors, task names agree, the output directory is free, the data
-loads for this model), then the models are loaded and calibrated, and only then is anything
-written, through a temporary directory renamed into place.
+(`check_calibration_inputs`: task names agree, options are usable, the output directory is free,
+checkpoints are safetensors of one architecture with the same tensors and no NaN/Inf, the data fits
+this model), then the models are loaded and calibrated, the result is checked for NaN/Inf, and only
+then is anything written, through a temporary directory renamed into place.
 """
 
 from __future__ import annotations
@@ -11,15 +12,17 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import shutil
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from featcal.config import FeatCalConfig
-from featcal.data.calibration import load_calibration_batches, load_model_config
+from featcal.data.calibration import check_calibration_source, load_calibration_batches, load_model_config
 from featcal.data.preprocess import (
     IMAGE_PROCESSOR_FILES,
     TOKENIZER_FILES,
@@ -30,8 +33,10 @@ from featcal.data.preprocess import (
 from featcal.errors import CalibrationDataError, CheckpointError, ConfigError
 from featcal.io.atomic import atomic_output_dir, check_output_dir
 from featcal.io.checkpoint import CheckpointReader, copy_side_files, resolve_checkpoint
-from featcal.io.models import load_model
+from featcal.io.models import load_config, load_model
 from featcal.io.report import Timer, build_report, checkpoint_hashes, peak_rss_mb, write_report
+from featcal.io.validate import check_finite_state, check_same_config, check_same_tensors, scan_finite
+from featcal.merging.sources import UnmappedReader
 
 log = logging.getLogger(__name__)
 
@@ -69,12 +74,113 @@ def _model_type(path: Path) -> str | None:
         return None
 
 
-def _check_same_architecture(inputs: Mapping[str, Path]) -> None:
+def _check_same_architecture(inputs: Mapping[str, Path], reference: str = "merged") -> None:
     types = {label: _model_type(p) for label, p in inputs.items()}
-    reference = types["merged"]
-    odd = [f"{label} ({t})" for label, t in types.items() if t != reference]
+    ref_type = types[reference]
+    odd = [f"{label} ({t})" for label, t in types.items() if t != ref_type]
     if odd:
-        raise CheckpointError(f"all checkpoints must share the merged model's type ({reference}); these differ: {', '.join(odd)}")
+        raise CheckpointError(
+            f"all checkpoints must share the {reference} model's type ({ref_type}); these differ: {', '.join(odd)}"
+        )
+
+
+def _check_same_tensors(inputs: Mapping[str, Path], reference: str, allow_pickle: bool) -> None:
+    """Headers only: every checkpoint has the reference's config class, tensor names, shapes, dtype classes."""
+    readers = {label: CheckpointReader(p, allow_pickle=allow_pickle) for label, p in inputs.items()}
+    ref = readers[reference]
+    for label, reader in readers.items():
+        if label != reference:
+            check_same_config(ref, label, reader, what=label, reference=f"the {reference} model")
+            check_same_tensors(ref, label, reader, what=label, reference=f"the {reference} model")
+
+
+def check_options(config: FeatCalConfig, max_length: int) -> None:
+    """Options whose problems would otherwise surface only after data and models are loaded."""
+    from featcal.calibration.api import resolve_device
+
+    if not isinstance(config, FeatCalConfig):
+        raise ConfigError(f"config must be a FeatCalConfig, not {type(config).__name__}")
+    if max_length < 1:
+        raise ConfigError(f"max_length must be at least 1, got {max_length}")
+    resolve_device(config.device)  # e.g. cuda asked for on a machine without it
+    spill = config.spill_dir
+    if spill is not None:
+        spill = Path(spill).expanduser()
+        if spill.exists() and not spill.is_dir():
+            raise ConfigError(f"spill_dir {spill} exists and is not a directory")
+        existing = next(p for p in (spill, *spill.parents) if p.exists())
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise ConfigError(f"spill_dir {spill}: cannot create files under {existing} (permission denied)")
+
+
+@dataclass(frozen=True)
+class CheckedInputs:
+    """What check_calibration_inputs established: resolved directories, in task order."""
+
+    tasks: list[str]
+    out: Path
+    merged: Path | None
+    base: Path
+    experts: dict[str, Path]
+    data_dir: Path
+
+
+def check_calibration_inputs(
+    merged: str | Path | None,
+    *,
+    base: str | Path,
+    experts: Mapping[str, str | Path],
+    calibration_sources: Mapping[str, str | Path],
+    config: FeatCalConfig,
+    out: str | Path,
+    overwrite: bool = False,
+    allow_pickle: bool = False,
+    max_length: int = 128,
+    allow_fewer: bool = False,
+    check_finite: bool = True,
+    progress: bool = False,
+) -> CheckedInputs:
+    """Every check that needs no model loaded, cheapest first; raises a FeatCalError naming the culprit.
+
+    Task names agree, the options are usable, the output directory is free and is no input, every
+    checkpoint is safetensors (or allowed pickle) with the same architecture, tensor names and
+    shapes, the config loads without custom code, each task's data exists and fits the model's
+    modality and size, and (`check_finite`) no checkpoint holds NaN/Inf. `merged=None` checks
+    everything but the merged model, against the base (what `featcal run` does before merging).
+    """
+    tasks = check_task_names(experts, calibration_sources)
+    check_options(config, max_length)
+    out_path = check_output_dir(out, overwrite)
+    merged_dir = _checkpoint("merged model", merged, allow_pickle) if merged is not None else None
+    base_dir = _checkpoint("base model", base, allow_pickle)
+    expert_dirs = {t: _checkpoint(f"expert {t!r}", experts[t], allow_pickle) for t in tasks}
+    inputs = {"base": base_dir, **{f"expert {t!r}": d for t, d in expert_dirs.items()}}
+    if merged_dir is not None:
+        inputs = {"merged": merged_dir, **inputs}
+    reference = "merged" if merged_dir is not None else "base"
+    _check_same_architecture(inputs, reference)
+    clash = [label for label, d in inputs.items() if d.resolve() == out_path.resolve()]
+    if clash:
+        raise ConfigError(f"the output directory {out_path} is an input ({', '.join(clash)}); choose another --out")
+    _check_same_tensors(inputs, reference, allow_pickle)
+    model_config = load_config(inputs[reference])
+    for t in tasks:
+        if not Path(calibration_sources[t]).expanduser().exists():
+            raise CalibrationDataError(f"calibration data for task {t!r}: {calibration_sources[t]} does not exist")
+    data_dir = processor_dir(inputs[reference], base_dir)
+    for t in tasks:
+        try:
+            check_calibration_source(
+                calibration_sources[t], model_dir=data_dir, num_examples=config.num_calibration_examples,
+                allow_fewer=allow_fewer, config=model_config,
+            )
+        except CalibrationDataError as exc:
+            raise CalibrationDataError(f"task {t!r}: {exc}") from None
+    if check_finite:
+        for label, d in inputs.items():
+            scan_finite(label if label.startswith("expert") else f"{label} model", UnmappedReader(d, allow_pickle=allow_pickle),
+                        progress=progress)
+    return CheckedInputs(tasks, out_path, merged_dir, base_dir, expert_dirs, data_dir)
 
 
 def processor_dir(merged: Path, base: Path) -> Path:
@@ -107,6 +213,26 @@ def _count(batches: list[Batch]) -> int:
     return sum(int(next(iter(b.values())).shape[0]) for b in batches)
 
 
+class _WarningLog(logging.Handler):
+    """Collects featcal's warnings during a run (solver fallbacks, data shortfalls) for the report."""
+
+    def __init__(self, limit: int = 200) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+        self.limit = limit
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if len(self.messages) < self.limit:
+            self.messages.append(f"{record.name}: {record.getMessage()}")
+
+    def __enter__(self) -> _WarningLog:
+        logging.getLogger("featcal").addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        logging.getLogger("featcal").removeHandler(self)
+
+
 def calibrate_to_dir(
     merged: str | Path,
     *,
@@ -120,51 +246,52 @@ def calibrate_to_dir(
     progress: bool = True,
     max_length: int = 128,
     allow_fewer: bool = False,
+    check_finite: bool = True,
 ) -> dict[str, Any]:
     """Calibrate the merged checkpoint toward its experts and write the result (+ featcal.json) to `out`.
 
-    Returns the report that was written. Nothing is written if anything fails.
+    Returns the report that was written; its `warnings` list what featcal warned about during the run
+    (e.g. a Gram matrix that needed the pseudo-inverse fallback). Nothing is written if anything fails,
+    and the calibrated weights are checked for NaN/Inf before anything is. `check_finite=False` skips
+    the NaN/Inf scan of the inputs (for callers that just scanned them, as `featcal run` does).
     """
     total = Timer()
-    tasks = check_task_names(experts, calibration_sources)
-    out_path = check_output_dir(out, overwrite)
-    merged_dir = _checkpoint("merged model", merged, allow_pickle)
-    base_dir = _checkpoint("base model", base, allow_pickle)
-    expert_dirs = {t: _checkpoint(f"expert {t!r}", experts[t], allow_pickle) for t in tasks}
-    inputs = {"merged": merged_dir, "base": base_dir, **{f"expert {t!r}": d for t, d in expert_dirs.items()}}
-    _check_same_architecture(inputs)
-    clash = [label for label, d in inputs.items() if d.resolve() == out_path.resolve()]
-    if clash:
-        raise ConfigError(f"the output directory {out_path} is an input ({', '.join(clash)}); choose another --out")
-    for t in tasks:
-        if not Path(calibration_sources[t]).expanduser().exists():
-            raise CalibrationDataError(f"calibration data for task {t!r}: {calibration_sources[t]} does not exist")
-
-    load = Timer()
-    data_dir = processor_dir(merged_dir, base_dir)
-    calibration: dict[str, list[Batch]] = {}
-    for t in tasks:
-        try:
-            calibration[t] = load_calibration_batches(
-                calibration_sources[t], model_dir=data_dir, num_examples=config.num_calibration_examples,
-                batch_size=config.calibration_batch_size, seed=config.seed, max_length=max_length,
-                allow_fewer=allow_fewer, progress=progress,
-            )
-        except CalibrationDataError as exc:
-            raise CalibrationDataError(f"task {t!r}: {exc}") from None
-    data_seconds = load.seconds
-    merged_model = load_model(merged_dir, allow_pickle=allow_pickle)
-    load_seconds = load.seconds
-
-    from featcal.calibration.api import calibrate
-
-    work = Timer()
-    with torch.no_grad():
-        calibrated = calibrate(
-            merged_model, base=str(base_dir), experts={t: str(d) for t, d in expert_dirs.items()},
-            calibration=calibration, config=config, progress=progress, inplace=True, allow_pickle=allow_pickle,
+    if merged is None:
+        raise ConfigError("calibrate_to_dir needs the merged checkpoint to calibrate")
+    with _WarningLog() as warnings:
+        checked = check_calibration_inputs(
+            merged, base=base, experts=experts, calibration_sources=calibration_sources, config=config, out=out,
+            overwrite=overwrite, allow_pickle=allow_pickle, max_length=max_length, allow_fewer=allow_fewer,
+            check_finite=check_finite, progress=progress,
         )
-    calibrate_seconds = work.seconds
+        tasks, out_path, data_dir = checked.tasks, checked.out, checked.data_dir
+        merged_dir, base_dir, expert_dirs = Path(checked.merged or merged), checked.base, checked.experts
+
+        load = Timer()
+        calibration: dict[str, list[Batch]] = {}
+        for t in tasks:
+            try:
+                calibration[t] = load_calibration_batches(
+                    calibration_sources[t], model_dir=data_dir, num_examples=config.num_calibration_examples,
+                    batch_size=config.calibration_batch_size, seed=config.seed, max_length=max_length,
+                    allow_fewer=allow_fewer, progress=progress,
+                )
+            except CalibrationDataError as exc:
+                raise CalibrationDataError(f"task {t!r}: {exc}") from None
+        data_seconds = load.seconds
+        merged_model = load_model(merged_dir, allow_pickle=allow_pickle)
+        load_seconds = load.seconds
+
+        from featcal.calibration.api import calibrate
+
+        work = Timer()
+        with torch.no_grad():
+            calibrated = calibrate(
+                merged_model, base=str(base_dir), experts={t: str(d) for t, d in expert_dirs.items()},
+                calibration=calibration, config=config, progress=progress, inplace=True, allow_pickle=allow_pickle,
+            )
+        calibrate_seconds = work.seconds
+        check_finite_state("the calibrated model", calibrated.state_dict())
 
     hashing = Timer()
     inputs_report = {
@@ -191,6 +318,7 @@ def calibrate_to_dir(
             {**config.model_dump(mode="json"), "max_length": max_length, "allow_fewer": allow_fewer},
             inputs=inputs_report,
             drift=getattr(calibrated, "featcal_drift", None),
+            warnings=warnings.messages,
             output={"path": str(out_path), "sha256": checkpoint_hashes(tmp)},
         )
         report["seconds"] = {  # load includes load_data; save excludes the final fsync and rename

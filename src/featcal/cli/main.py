@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import signal
 import sys
+import threading
 
 from featcal.errors import FeatCalError
 
@@ -30,20 +32,53 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, turned into an interrupt so that the same cleanup runs (temporary output removed)."""
+
+
+def _on_sigterm(signum, frame):  # pragma: no cover - exercised through os.kill in the tests
+    raise Terminated()
+
+
+def one_line(exc: BaseException) -> str:
+    """The error message on one line (some come from libraries with paragraphs in them)."""
+    return " ".join(str(exc).split())
+
+
+def interrupted_message(args: argparse.Namespace, exc: KeyboardInterrupt) -> str:
+    what = "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted"
+    out = getattr(args, "out", None)
+    where = f"the output directory {out}" if out else "the output directory"
+    return (
+        f"featcal: {what}; {where} was left untouched (absent, or its previous content intact) and no temporary "
+        "files remain. Nothing can be resumed: rerun the same command to start again."
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s"
     )
+    previous = signal.getsignal(signal.SIGTERM)
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    if in_main_thread:
+        signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         return int(args.func(args) or 0)
     except FeatCalError as exc:
-        print(f"featcal: error: {exc}", file=sys.stderr)
+        print(f"featcal: error: {one_line(exc)}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("featcal: interrupted; the output directory was left untouched.", file=sys.stderr)
+    except OSError as exc:  # the environment (a file vanished, permissions): one line, not a traceback
+        print(f"featcal: error: {one_line(exc)}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt as exc:
+        print(interrupted_message(args, exc), file=sys.stderr)
         return 130
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":  # pragma: no cover

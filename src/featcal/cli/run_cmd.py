@@ -13,8 +13,9 @@
 
 Relative paths are taken relative to the YAML file's directory (so a run file works from any
 working directory); an input that does not exist there is passed on as given (e.g. a hub id).
-Everything is validated before work starts. With `calibrate:`, the merge goes to a temporary
-directory beside `out`, is calibrated into `out`, and is then removed.
+Everything is validated before work starts, the calibration's inputs included (against the base,
+before merging). With `calibrate:`, the merge goes to a temporary directory beside `out`, is
+calibrated into `out`, and is then removed, whether the run succeeds, fails or is interrupted.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import tempfile
 from pathlib import Path
 
 from featcal.config import RunConfig, load_run_file
-from featcal.errors import CalibrationDataError
 from featcal.io.atomic import check_output_dir
 
 
@@ -66,13 +66,14 @@ def execute(run: RunConfig, *, progress: bool = True) -> Path:
               allow_pickle=run.allow_pickle, progress=progress)
         return out
 
-    from featcal.calibration.pipeline import calibrate_to_dir, check_task_names
+    from featcal.calibration.pipeline import calibrate_to_dir, check_calibration_inputs
 
     featcal_config = run.calibrate.featcal_config()
-    check_task_names(run.merge.experts, run.calibrate.calibration)
-    for task, source in run.calibrate.calibration.items():
-        if not Path(source).exists():
-            raise CalibrationDataError(f"calibration data for task {task!r}: {source} does not exist")
+    # everything the calibration will check, against the base, BEFORE the merge (the merge scans for NaN)
+    check_calibration_inputs(
+        None, base=run.merge.base, experts=run.merge.experts, calibration_sources=run.calibrate.calibration,
+        config=featcal_config, out=out, overwrite=run.overwrite, allow_pickle=run.allow_pickle, check_finite=False,
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".featcal-merge-{out.name}-", dir=out.parent))
     try:
@@ -82,7 +83,7 @@ def execute(run: RunConfig, *, progress: bool = True) -> Path:
         calibrate_to_dir(
             merged=merged_dir, base=run.merge.base, experts=run.merge.experts,
             calibration_sources=run.calibrate.calibration, config=featcal_config, out=out,
-            overwrite=run.overwrite, allow_pickle=run.allow_pickle, progress=progress,
+            overwrite=run.overwrite, allow_pickle=run.allow_pickle, progress=progress, check_finite=False,
         )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

@@ -41,6 +41,35 @@ def load_model_config(model_dir: str | Path):
         raise CalibrationDataError(f"cannot read the model config in {path}: {exc}") from None
 
 
+def check_calibration_source(
+    source: str | Path, *, model_dir: str | Path, num_examples: int, allow_fewer: bool = False, config=None,
+):
+    """Open `source` and check it can feed the model in `model_dir`, reading no example.
+
+    Refuses an empty set, the wrong modality, and fewer examples than asked (unless `allow_fewer`).
+    Returns (source, modality the model takes, number of examples that will be drawn). `config` is
+    the model's transformers config when the caller already has it.
+    """
+    config = config if config is not None else load_model_config(model_dir)
+    wanted = model_modality(config)
+    src = open_source(source)
+    if len(src) == 0:
+        raise CalibrationDataError(f"calibration data {src.path} ({src.kind}) holds no examples")
+    if wanted not in src.modalities:
+        held = " and ".join(_NOUN[m] for m in src.modalities) or "no image or text column"
+        raise CalibrationDataError(
+            f"calibration data {src.path} ({src.kind}) holds {held}, but the model in {model_dir} "
+            f"({config.model_type}) takes {_NOUN[wanted]}"
+        )
+    available = len(src)
+    if available < num_examples:
+        message = f"calibration data {src.path} holds {available} examples, fewer than the {num_examples} asked for"
+        if not allow_fewer:
+            raise CalibrationDataError(message + " (pass --allow-fewer, allow_fewer=True, to use them all)")
+        log.warning("%s; using all %d", message, available)
+    return src, wanted, min(num_examples, available)
+
+
 def load_calibration_batches(
     source: str | Path,
     *,
@@ -62,24 +91,11 @@ def load_calibration_batches(
             f"num_examples, batch_size and max_length must be >= 1 (got {num_examples}, {batch_size}, {max_length})"
         )
     config = load_model_config(model_dir)
-    wanted = model_modality(config)
-    src = open_source(source)
-    if len(src) == 0:
-        raise CalibrationDataError(f"calibration data {src.path} ({src.kind}) holds no examples")
-    if wanted not in src.modalities:
-        held = " and ".join(_NOUN[m] for m in src.modalities) or "no image or text column"
-        raise CalibrationDataError(
-            f"calibration data {src.path} ({src.kind}) holds {held}, but the model in {model_dir} "
-            f"({config.model_type}) takes {_NOUN[wanted]}"
-        )
-    available = len(src)
-    if available < num_examples:
-        message = f"calibration data {src.path} holds {available} examples, fewer than the {num_examples} asked for"
-        if not allow_fewer:
-            raise CalibrationDataError(message + " (pass --allow-fewer, allow_fewer=True, to use them all)")
-        log.warning("%s; using all %d", message, available)
+    src, wanted, count = check_calibration_source(
+        source, model_dir=model_dir, num_examples=num_examples, allow_fewer=allow_fewer, config=config
+    )
     preprocess = make_preprocessor(model_dir, config, max_length)
-    indices = sample_indices(available, min(num_examples, available), seed)
+    indices = sample_indices(len(src), count, seed)
     chunks = [indices[i : i + batch_size] for i in range(0, len(indices), batch_size)]
     return [
         preprocess(src.fetch(chunk, wanted))

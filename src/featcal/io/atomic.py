@@ -1,7 +1,9 @@
 """Atomic output directories: write into a temporary sibling, rename into place only on success.
 
 A crash, Ctrl-C or full disk therefore never leaves a half-written checkpoint at the target path,
-and an existing non-empty directory is never replaced unless the caller asked for it.
+and an existing non-empty directory is never replaced unless the caller asked for it. When it is
+replaced, the old content is moved aside first and moved back if the swap fails, so it is either the
+old or the new checkpoint that sits at the target, never neither.
 """
 
 from __future__ import annotations
@@ -13,7 +15,17 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from featcal.errors import OutputExistsError
+from featcal.errors import FeatCalError, OutputExistsError
+
+TMP_PREFIX = ".featcal-tmp-"
+
+
+class OutputWriteError(FeatCalError, OSError):
+    """Writing an output failed (full disk, permissions, ...); nothing was left at the target.
+
+    An OSError too, so callers that catch OSError keep working; a FeatCalError, so the CLI prints it
+    as one line.
+    """
 
 
 def check_output_dir(out: str | os.PathLike, overwrite: bool = False) -> Path:
@@ -28,28 +40,82 @@ def check_output_dir(out: str | os.PathLike, overwrite: bool = False) -> Path:
     return path
 
 
+def _make_parents(directory: Path) -> list[Path]:
+    """mkdir -p `directory`; return the directories it created, deepest first (to undo on failure)."""
+    created = []
+    for d in [directory, *directory.parents]:
+        if d.exists():
+            break
+        created.append(d)
+    directory.mkdir(parents=True, exist_ok=True)
+    return created
+
+
+def _fsync_tree(root: Path) -> None:
+    for f in root.rglob("*"):
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Persist a rename (best effort: not every platform can open a directory)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _swap_in(tmp: Path, target: Path, overwrite: bool) -> None:
+    """Move `tmp` to `target`; an existing target is set aside and restored if the move fails."""
+    if not target.exists():
+        os.replace(tmp, target)
+        return
+    check_output_dir(target, overwrite)  # re-check: something may have appeared meanwhile
+    trash = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}old-{target.name}-", dir=target.parent))
+    old = trash / "old"
+    os.replace(target, old)
+    try:
+        os.replace(tmp, target)
+    except BaseException:
+        if not target.exists():
+            os.replace(old, target)  # the previous checkpoint goes back where it was
+        shutil.rmtree(trash, ignore_errors=True)
+        raise
+    shutil.rmtree(trash, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def atomic_output_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a fresh temporary directory next to `out`; on success it replaces `out` atomically."""
+    """Yield a fresh temporary directory next to `out`; on success it replaces `out` atomically.
+
+    On any failure (an exception in the body, Ctrl-C, a failed fsync or rename) the temporary
+    directory and any parent directories created for `out` are removed and `out` is as it was. An
+    OSError (e.g. ENOSPC) is re-raised as OutputWriteError, which names `out` and says so.
+    """
     target = check_output_dir(out, overwrite)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".featcal-tmp-{target.name}-", dir=target.parent))
+    created = _make_parents(target.parent)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{target.name}-", dir=target.parent))
     try:
         yield tmp
-        for f in tmp.rglob("*"):
-            if f.is_file():
-                with open(f, "rb") as fh:
-                    os.fsync(fh.fileno())
-        if target.exists():
-            check_output_dir(target, overwrite)  # re-check: something may have appeared meanwhile
-            trash = Path(tempfile.mkdtemp(prefix=f".featcal-tmp-old-{target.name}-", dir=target.parent))
-            os.replace(target, trash / "old")
-            os.replace(tmp, target)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.replace(tmp, target)
-    except BaseException:
+        _fsync_tree(tmp)
+        _swap_in(tmp, target, overwrite)
+        _fsync_dir(target.parent)
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        for d in created:  # deepest first; stops at the first one something else has written into
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        if isinstance(exc, OSError) and not isinstance(exc, FeatCalError):
+            kept = "; its previous content is intact" if target.exists() else ""
+            error = OutputWriteError(
+                f"could not write {target}: {exc.strerror or exc}; nothing was written there "
+                f"(the temporary directory was removed){kept}"
+            )
+            error.errno = exc.errno
+            raise error from exc
         raise
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -62,7 +63,9 @@ class CheckpointReader:
         index = self.path / SAFE_INDEX
         single = self.path / SAFE_SINGLE
         if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = _read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{index} has no weight_map: not a safetensors shard index")
             self._files = {k: self.path / v for k, v in weight_map.items()}
         elif single.exists():
             self._files = {k: single for k in self._handle(single).keys()}
@@ -97,14 +100,23 @@ class CheckpointReader:
     def _load_pickled(self) -> dict[str, torch.Tensor]:
         files = [self.path / PICKLE_SINGLE]
         if (self.path / PICKLE_INDEX).exists():
-            wm = json.loads((self.path / PICKLE_INDEX).read_text())["weight_map"]
+            wm = _read_json(self.path / PICKLE_INDEX).get("weight_map") or {}
             files = sorted({self.path / v for v in wm.values()})
         out: dict[str, torch.Tensor] = {}
         for f in files:
             try:
-                out.update(torch.load(f, map_location="cpu", weights_only=True))
+                loaded = torch.load(f, map_location="cpu", weights_only=True)
+            except pickle.UnpicklingError as exc:
+                raise CheckpointError(
+                    f"refusing {f}: it holds more than plain tensors ({_unpickling_reason(exc)}), and unpickling "
+                    "that could run code; torch.load(weights_only=True) refused it, and so does featcal. "
+                    "Convert the checkpoint to safetensors where you trust its source."
+                ) from None
             except Exception as exc:
-                raise CheckpointError(f"cannot load {f} with weights_only=True: {exc}") from None
+                raise CheckpointError(f"cannot load {f} with torch.load(weights_only=True): {exc}") from None
+            if not isinstance(loaded, dict) or not all(isinstance(v, torch.Tensor) for v in loaded.values()):
+                raise CheckpointError(f"{f} is not a state dict (a mapping of tensor names to tensors)")
+            out.update(loaded)
         return out
 
     @property
@@ -112,7 +124,7 @@ class CheckpointReader:
         cfg = self.path / "config.json"
         if not cfg.exists():
             raise CheckpointError(f"{self.path} has no config.json")
-        return json.loads(cfg.read_text())
+        return _read_json(cfg)
 
     def keys(self) -> list[str]:
         return sorted(self._pickled) if self._pickled is not None else sorted(self._files)
@@ -141,6 +153,26 @@ class CheckpointReader:
     def items(self) -> Iterator[tuple[str, torch.Tensor]]:
         for k in self.keys():
             yield k, self.get(k)
+
+
+def _read_json(path: Path) -> dict:
+    """A JSON object from `path`, or a CheckpointError naming the file."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"cannot read {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} does not hold a JSON object")
+    return data
+
+
+def _unpickling_reason(exc: Exception) -> str:
+    """The one informative line of torch's multi-paragraph weights_only error."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    for line in lines:
+        if line.startswith("Unsupported") or "GLOBAL" in line:
+            return line
+    return lines[-1] if lines else type(exc).__name__
 
 
 _DTYPES = {

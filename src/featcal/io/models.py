@@ -22,6 +22,19 @@ def model_class_for(config) -> type:
     return transformers.AutoModel
 
 
+def load_config(path: str | os.PathLike):
+    """The transformers config of a local checkpoint directory, never running code shipped with it."""
+    import transformers
+
+    try:
+        return transformers.AutoConfig.from_pretrained(path, trust_remote_code=False)
+    except Exception as exc:  # unknown model_type, custom code (auto_map), broken config.json
+        reason = " ".join(str(exc).split())
+        if "trust_remote_code" in reason:
+            reason = "its config needs custom code shipped with the checkpoint, and featcal never runs such code"
+        raise CheckpointError(f"cannot load the config of {Path(path)}: {reason}") from None
+
+
 def load_model(
     path_or_id: str | os.PathLike,
     *,
@@ -30,11 +43,9 @@ def load_model(
     dtype: torch.dtype | None = torch.float32,
 ):
     """Load a model safely: safetensors only unless `allow_pickle`, never remote code."""
-    import transformers
-
     path = resolve_checkpoint(path_or_id, allow_pickle=allow_pickle)
     CheckpointReader(path, allow_pickle=allow_pickle)  # validates weights exist and are allowed
-    config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=False)
+    config = load_config(path)
     cls = model_class or model_class_for(config)
     try:
         model = cls.from_pretrained(

@@ -75,11 +75,15 @@ def _where(source: TensorSource) -> str:
     return str(p) if isinstance(p, (str, os.PathLike)) else repr(p)
 
 
-def check_same_config(base: TensorSource, name: str, expert: TensorSource) -> None:
+def check_same_config(
+    base: TensorSource, name: str, expert: TensorSource, *, what: str | None = None, reference: str = "the base"
+) -> None:
     """model_type and architectures of `expert` must equal the base's (when both declare them).
 
     model_type is what picks the config class in transformers, so it stands for the config class too.
+    `what` / `reference` label the two sides in messages (default: "expert NAME" / "the base").
     """
+    what = what or f"expert {name!r}"
     bcfg, ecfg = base.config, expert.config
     for field in IDENTITY_FIELDS:
         b, e = bcfg.get(field), ecfg.get(field)
@@ -87,7 +91,7 @@ def check_same_config(base: TensorSource, name: str, expert: TensorSource) -> No
             continue  # an undeclared field cannot disagree; names and shapes still have to match
         if b != e:
             raise CheckpointError(
-                f"expert {name!r} ({_where(expert)}): config {field} is {e!r} but the base has {b!r}; "
+                f"{what} ({_where(expert)}): config {field} is {e!r} but {reference} has {b!r}; "
                 "experts must be fine-tunes of the base architecture"
             )
 
@@ -102,33 +106,36 @@ def _prefix_hint(missing: str, present: Iterable[str]) -> str:
     return ""
 
 
-def check_same_tensors(base: TensorSource, name: str, expert: TensorSource) -> None:
+def check_same_tensors(
+    base: TensorSource, name: str, expert: TensorSource, *, what: str | None = None, reference: str = "the base"
+) -> None:
     """Same parameter names, shapes and dtype classes as the base, from headers only."""
+    what = what or f"expert {name!r}"
     bkeys, ekeys = base.keys(), expert.keys()
     bset, eset = set(bkeys), set(ekeys)
     missing = sorted(bset - eset)
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         raise CheckpointError(
-            f"expert {name!r} ({_where(expert)}) is missing tensor {missing[0]!r}{more} that the base has"
+            f"{what} ({_where(expert)}) is missing tensor {missing[0]!r}{more} that {reference} has"
             + _prefix_hint(missing[0], sorted(eset - bset))
         )
     extra = sorted(eset - bset)
     if extra:
         more = f" and {len(extra) - 1} more" if len(extra) > 1 else ""
         raise CheckpointError(
-            f"expert {name!r} ({_where(expert)}) has tensor {extra[0]!r}{more} that the base does not have"
+            f"{what} ({_where(expert)}) has tensor {extra[0]!r}{more} that {reference} does not have"
         )
     for key in sorted(bkeys):
         bshape, bdtype = base.meta(key)
         eshape, edtype = expert.meta(key)
         if tuple(bshape) != tuple(eshape):
             raise CheckpointError(
-                f"expert {name!r}: tensor {key!r} has shape {tuple(eshape)} but the base has {tuple(bshape)}"
+                f"{what}: tensor {key!r} has shape {tuple(eshape)} but {reference} has {tuple(bshape)}"
             )
         if dtype_class(bdtype) != dtype_class(edtype):
             raise CheckpointError(
-                f"expert {name!r}: tensor {key!r} is {edtype} ({dtype_class(edtype)}) but the base has "
+                f"{what}: tensor {key!r} is {edtype} ({dtype_class(edtype)}) but {reference} has "
                 f"{bdtype} ({dtype_class(bdtype)})"
             )
 
@@ -170,3 +177,21 @@ def validate_family(
         scan_finite("base", base, progress=progress)
         for name, expert in experts.items():
             scan_finite(f"expert {name!r}", expert, progress=progress)
+
+
+def check_finite_state(label: str, state: Mapping[str, torch.Tensor]) -> None:
+    """Refuse an in-memory result (merged or calibrated weights) holding NaN/Inf, naming the first tensor.
+
+    The last guard before anything is written: finite inputs can still overflow (a large scaling of an
+    fp16 checkpoint), and a checkpoint with NaN in it would only fail later, in someone's evaluation.
+    """
+    for key in sorted(state):
+        t = state[key]
+        if not t.is_floating_point():
+            continue
+        finite = torch.isfinite(t.float() if t.element_size() == 1 else t)
+        if not bool(finite.all()):
+            raise CheckpointError(
+                f"{label}: tensor {key!r} has {int((~finite).sum())} non-finite value(s) (NaN or Inf); "
+                "nothing was written"
+            )

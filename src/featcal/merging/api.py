@@ -1,8 +1,9 @@
 """`featcal.merge`: validate the inputs, stream the merge, optionally write a checkpoint + featcal.json.
 
 Order matters for big models: the configuration, the expert names, the output directory and the
-whole family (configs, names, shapes, dtypes, finite values) are checked before any merging, and the
-output is written through a temporary directory that only replaces `out` once complete.
+whole family (configs, names, shapes, dtypes, finite values) are checked before any merging, the
+merged tensors are checked for NaN/Inf before anything is written, and the output is written
+through a temporary directory that only replaces `out` once complete.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from featcal.errors import ConfigError
 from featcal.io.atomic import atomic_output_dir, check_output_dir
 from featcal.io.checkpoint import CheckpointReader, copy_side_files
 from featcal.io.report import Timer, build_report, checkpoint_hashes, peak_rss_mb, write_report
-from featcal.io.validate import validate_expert_names, validate_family
+from featcal.io.validate import check_finite_state, validate_expert_names, validate_family
 from featcal.merging.family import Family
 from featcal.merging.registry import check_method, make_merger
 from featcal.merging.sources import MergeInput, ModuleSource, open_source
@@ -129,6 +130,7 @@ def merge(
     family = Family(base_src, expert_srcs)
     work = Timer()
     merged = merge_family(merger, family, progress=progress)
+    check_finite_state(f"the {cfg.method} merge", merged)  # finite inputs can still overflow the base dtype
     merge_seconds = work.seconds
     log.info("merged %d experts with %s in %.2f s", len(expert_srcs), cfg.method, merge_seconds)
 
