@@ -10,7 +10,6 @@ then is anything written, through a temporary directory renamed into place.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import shutil
@@ -32,8 +31,8 @@ from featcal.data.preprocess import (
 )
 from featcal.errors import CalibrationDataError, CheckpointError, ConfigError
 from featcal.io.atomic import atomic_output_dir, check_output_dir
-from featcal.io.checkpoint import CheckpointReader, copy_side_files, resolve_checkpoint
-from featcal.io.models import load_config, load_model
+from featcal.io.checkpoint import CheckpointReader, copy_side_files, read_json, resolve_checkpoint
+from featcal.io.models import hf_progress_bars, load_config, load_model
 from featcal.io.report import Timer, build_report, checkpoint_hashes, peak_rss_mb, write_report
 from featcal.io.validate import check_finite_state, check_same_config, check_same_tensors, scan_finite
 from featcal.merging.sources import UnmappedReader
@@ -67,15 +66,18 @@ def _checkpoint(label: str, path_or_id: str | Path, allow_pickle: bool) -> Path:
     return path
 
 
-def _model_type(path: Path) -> str | None:
+def _model_type(label: str, path: Path) -> str | None:
+    config = path / "config.json"
+    if not config.is_file():
+        raise CheckpointError(f"{label}: {path} has no config.json")
     try:
-        return json.loads((path / "config.json").read_text()).get("model_type")
-    except (OSError, json.JSONDecodeError):
-        return None
+        return read_json(config).get("model_type")
+    except CheckpointError as exc:
+        raise CheckpointError(f"{label}: {exc}") from None
 
 
 def _check_same_architecture(inputs: Mapping[str, Path], reference: str = "merged") -> None:
-    types = {label: _model_type(p) for label, p in inputs.items()}
+    types = {label: _model_type(label, p) for label, p in inputs.items()}
     ref_type = types[reference]
     odd = [f"{label} ({t})" for label, t in types.items() if t != ref_type]
     if odd:
@@ -255,6 +257,19 @@ def calibrate_to_dir(
     and the calibrated weights are checked for NaN/Inf before anything is. `check_finite=False` skips
     the NaN/Inf scan of the inputs (for callers that just scanned them, as `featcal run` does).
     """
+    with hf_progress_bars(progress):
+        return _calibrate_to_dir(
+            merged, base=base, experts=experts, calibration_sources=calibration_sources, config=config, out=out,
+            overwrite=overwrite, allow_pickle=allow_pickle, progress=progress, max_length=max_length,
+            allow_fewer=allow_fewer, check_finite=check_finite,
+        )
+
+
+def _calibrate_to_dir(
+    merged: str | Path, *, base: str | Path, experts: Mapping[str, str | Path],
+    calibration_sources: Mapping[str, str | Path], config: FeatCalConfig, out: str | Path, overwrite: bool,
+    allow_pickle: bool, progress: bool, max_length: int, allow_fewer: bool, check_finite: bool,
+) -> dict[str, Any]:
     total = Timer()
     if merged is None:
         raise ConfigError("calibrate_to_dir needs the merged checkpoint to calibrate")

@@ -63,7 +63,7 @@ class CheckpointReader:
         index = self.path / SAFE_INDEX
         single = self.path / SAFE_SINGLE
         if index.exists():
-            weight_map = _read_json(index).get("weight_map")
+            weight_map = read_json(index).get("weight_map")
             if not isinstance(weight_map, dict):
                 raise CheckpointError(f"{index} has no weight_map: not a safetensors shard index")
             self._files = {k: self.path / v for k, v in weight_map.items()}
@@ -100,7 +100,7 @@ class CheckpointReader:
     def _load_pickled(self) -> dict[str, torch.Tensor]:
         files = [self.path / PICKLE_SINGLE]
         if (self.path / PICKLE_INDEX).exists():
-            wm = _read_json(self.path / PICKLE_INDEX).get("weight_map") or {}
+            wm = read_json(self.path / PICKLE_INDEX).get("weight_map") or {}
             files = sorted({self.path / v for v in wm.values()})
         out: dict[str, torch.Tensor] = {}
         for f in files:
@@ -124,7 +124,7 @@ class CheckpointReader:
         cfg = self.path / "config.json"
         if not cfg.exists():
             raise CheckpointError(f"{self.path} has no config.json")
-        return _read_json(cfg)
+        return read_json(cfg)
 
     def keys(self) -> list[str]:
         return sorted(self._pickled) if self._pickled is not None else sorted(self._files)
@@ -155,7 +155,7 @@ class CheckpointReader:
             yield k, self.get(k)
 
 
-def _read_json(path: Path) -> dict:
+def read_json(path: Path) -> dict:
     """A JSON object from `path`, or a CheckpointError naming the file."""
     try:
         data = json.loads(path.read_text())

@@ -2,13 +2,34 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from featcal.errors import CheckpointError
 from featcal.io.checkpoint import CheckpointReader, resolve_checkpoint
+
+
+@contextlib.contextmanager
+def hf_progress_bars(enabled: bool) -> Iterator[None]:
+    """With `enabled=False`, silence transformers' own bars (loading, saving) for the duration.
+
+    So that `--no-progress` means no bars at all, not only featcal's; the previous state is restored.
+    """
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    if enabled or not was:
+        yield
+        return
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.enable_progress_bar()
 
 
 def model_class_for(config) -> type:
