@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -167,12 +168,10 @@ def read_json(path: Path) -> dict:
 
 
 def _unpickling_reason(exc: Exception) -> str:
-    """The one informative line of torch's multi-paragraph weights_only error."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    for line in lines:
-        if line.startswith("Unsupported") or "GLOBAL" in line:
-            return line
-    return lines[-1] if lines else type(exc).__name__
+    """The informative clause of torch's multi-paragraph weights_only error (not its allowlisting advice)."""
+    text = " ".join(str(exc).split())
+    found = re.search(r"Unsupported .*?(?= was not|\. |\.$|$)", text)
+    return found.group(0) if found else type(exc).__name__
 
 
 _DTYPES = {
