@@ -55,6 +55,10 @@ class FeatCalConfig(_Strict):
     )
     spill_dir: Path | None = Field(None, description="spill block-input chains to this directory instead of RAM")
     device: str = Field("cpu", description="torch device for the block forwards and solves")
+    resume: bool = Field(True, description="checkpoint after every block so that rerunning a killed run resumes it")
+    resume_dir: Path | None = Field(
+        None, description="where the per-block checkpoints go (featcal calibrate: .<out>.featcal-resume beside --out)"
+    )
 
     @field_validator("device")
     @classmethod

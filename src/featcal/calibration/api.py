@@ -11,7 +11,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from featcal.calibration import resume as resume_mod
 from featcal.calibration.adapters import adapter_for
+from featcal.calibration.distributed import RankGroup, current_group
 from featcal.calibration.engine import FeatCalEngine, needed_param_names
 from featcal.calibration.sources import CheckpointSource, ModelSource, ParamSource, validate_source
 from featcal.config import FeatCalConfig
@@ -99,6 +101,34 @@ def _check_tasks(experts: Mapping[str, Any], calibration: Mapping[str, Any]) -> 
         raise CalibrationDataError(f"calibration task(s) {no_expert} have no expert (experts are {list(experts)})")
 
 
+def _identity(source: ModelLike) -> str:
+    """What identifies an input for resuming: its weights in memory, its files on disk."""
+    if isinstance(source, nn.Module):
+        return resume_mod.module_digest(source)
+    path = os.fspath(source)
+    return resume_mod.files_digest(path) if os.path.isdir(path) else f"id:{path}"
+
+
+def resume_store(
+    config: FeatCalConfig, model: nn.Module, base: ModelLike | None, experts: Mapping[str, ModelLike],
+    data: Mapping[str, list[dict[str, torch.Tensor]]], group: RankGroup,
+) -> resume_mod.ResumeStore | None:
+    """The per-block checkpoint store for this run, when `config.resume` and a `resume_dir` are set."""
+    if not config.resume or config.resume_dir is None:
+        return None
+    fingerprint = {
+        "config": resume_mod.config_digest(config),
+        "merged": resume_mod.module_digest(model),
+        "base": "none" if base is None else _identity(base),
+        "tasks": ",".join(experts),
+        "ranks": str(group.world),
+        **{f"expert {t}": _identity(e) for t, e in experts.items()},
+        **{f"data {t}": resume_mod.batches_digest(b) for t, b in data.items()},
+    }
+    return resume_mod.ResumeStore(config.resume_dir, fingerprint, rank=group.rank, world=group.world,
+                                  barrier=group.barrier)
+
+
 def calibrate(
     merged: ModelLike,
     *,
@@ -109,6 +139,7 @@ def calibrate(
     progress: bool = True,
     inplace: bool = False,
     allow_pickle: bool = False,
+    keep_resume_state: bool = False,
 ) -> nn.Module:
     """Calibrate a merged model toward its experts with FeatCal (SPEC §2); returns the calibrated model.
 
@@ -117,6 +148,11 @@ def calibrate(
     a list of batches (a tensor for the model's main input, or a dict of keyword inputs). The result
     is the merged model's class, with `featcal_drift = [{"block", "stack", "layer", "before", "after"}]`.
     A model passed as `merged` is copied unless `inplace=True`.
+
+    With `config.resume_dir` every finished block is checkpointed there and a rerun with the same inputs
+    continues after the last finished block; the state is deleted on success unless `keep_resume_state`
+    (the caller deletes it once its output is written). Under an initialised torch.distributed process
+    group the batches are shared out over the ranks and the statistics all-reduced (distributed.py).
     """
     config = config if config is not None else FeatCalConfig()
     if not isinstance(config, FeatCalConfig):
@@ -138,7 +174,13 @@ def calibrate(
     data = {t: _normalise_batches(t, calibration[t], main) for t in experts}
     for t, batches in data.items():
         _check_batches(t, batches, main, getattr(model, "config", None))
+    group = current_group()
+    for t, batches in data.items():
+        group.shard(len(batches), t)  # enough batches for every rank, checked before any work
 
+    store = resume_store(config, model, base, experts, data, group)
+    if store is not None:
+        store.available()  # refuses, before any work, a state left by a run with other inputs
     template = copy.deepcopy(model)  # expert t's weights are loaded into this, block by block
     sources: dict[str, ParamSource] = {}
     for t, e in experts.items():
@@ -161,13 +203,18 @@ def calibrate(
     origin = next(model.parameters()).device
     model.to(device).eval()
     template.to(device).eval()
-    engine = FeatCalEngine(model, template, adapter, sources, base_src, data, config, device, progress)
+    engine = FeatCalEngine(model, template, adapter, sources, base_src, data, config, device, progress,
+                           group=group, resume=store)
     log.info(
         "featcal: %s (%s adapter), %d task(s), %d batch(es), device %s",
         type(model).__name__, adapter.name, len(data), sum(len(v) for v in data.values()), device,
     )
-    drift = engine.run()
+    with resume_mod.discard_on_error(store):
+        drift = engine.run()
+    if store is not None and not keep_resume_state:
+        store.delete()
     del template
     model.to(origin)
     model.featcal_drift = drift
+    model.featcal_resume_store = store if keep_resume_state else None  # the caller deletes it after writing
     return model

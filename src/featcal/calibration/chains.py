@@ -89,6 +89,16 @@ class ChainStore:
             h = load_file(str(self._file("h", key)))["h"]
         return h.to(device=self.device, dtype=self.compute_dtype)
 
+    def raw_hidden(self, key: tuple) -> torch.Tensor:
+        """The hidden states exactly as stored (chain dtype, on the CPU or the store's device): for checkpoints."""
+        if self.dir is None:
+            return self._ram[key]
+        return load_file(str(self._file("h", key)))["h"]
+
+    def keys(self) -> list[tuple]:
+        """Every (side, task, batch) entry held, in insertion order."""
+        return list(self._ctx)
+
     def put_context(self, key: tuple, ctx: dict[str, Any]) -> None:
         if self.dir is None:
             self._ctx[key] = ctx

@@ -33,7 +33,9 @@ from tqdm.auto import tqdm
 from featcal.calibration import solver
 from featcal.calibration.adapters import Adapter, Stack
 from featcal.calibration.chains import ChainStore
+from featcal.calibration.distributed import RankGroup, current_group
 from featcal.calibration.hooks import ExpertRecorder, MergedFolder, plan_block
+from featcal.calibration.resume import Position, ResumeStore, common_position
 from featcal.calibration.sources import ParamSource, load_into
 from featcal.calibration.statistics import NormalisedSums, TaskSums
 from featcal.config import FeatCalConfig
@@ -188,6 +190,15 @@ class _Drift:
         vals = [self.sum[t] / max(self.count[t], 1.0) for t in self.sum]
         return sum(vals) / max(len(vals), 1)
 
+    def reduce(self, group: RankGroup, tasks: list[str]) -> _Drift:
+        """Sum the per-task sums and counts over the ranks (in place; a no-op in one process)."""
+        if group.active:
+            vals = torch.tensor([[self.sum.get(t, 0.0), self.count.get(t, 0.0)] for t in tasks], dtype=torch.float64)
+            vals = group.reduce_values(vals).tolist()
+            self.sum = {t: v[0] for t, v in zip(tasks, vals, strict=True)}
+            self.count = {t: v[1] for t, v in zip(tasks, vals, strict=True)}
+        return self
+
 
 class FeatCalEngine:
     """Calibrates `merged` in place toward the experts, block by block (see the module docstring)."""
@@ -203,13 +214,20 @@ class FeatCalEngine:
         config: FeatCalConfig,
         device: torch.device,
         progress: bool = True,
+        group: RankGroup | None = None,
+        resume: ResumeStore | None = None,
     ) -> None:
         self.merged, self.template, self.adapter = merged, template, adapter
         self.experts, self.base, self.cfg = experts, base, config
-        self.calibration = calibration
-        self.device = device
-        self.progress = progress
+        self.group = group if group is not None else current_group()
+        self.resume = resume
         self.tasks = list(calibration)
+        # this rank's share of every task's batches, with their global indices (the chain keys)
+        self.calibration = {
+            t: [(b, calibration[t][b]) for b in self.group.shard(len(calibration[t]), t)] for t in self.tasks
+        }
+        self.device = device
+        self.progress = progress and self.group.is_main
         self.stacks = adapter.stacks(merged)
         dtype = next(merged.parameters()).dtype
         self.chains = ChainStore(config.chain_dtype, config.spill_dir, compute_dtype=dtype, device=device)
@@ -227,18 +245,70 @@ class FeatCalEngine:
     @torch.no_grad()
     def run(self) -> list[dict[str, Any]]:
         try:
-            previous: Stack | None = None
-            for stack in self.stacks:
-                self._capture(stack, previous)
+            start = self._restore()
+            for si, stack in enumerate(self.stacks):
+                if si < start.stack:
+                    continue
+                first = start.layer if si == start.stack else 0
+                if first == 0:
+                    self._capture(stack, self.stacks[si - 1] if si > 0 else None)
                 n_blocks = len(stack.blocks(self.merged))
-                for layer in range(n_blocks):
+                for layer in range(first, n_blocks):
                     self._calibrate_block(stack, layer, n_blocks)
-                previous = stack
+                    self._commit(si, layer, n_blocks)
             return self.drift
         finally:
             self.chains.close()
 
-    def _batches(self, task: str) -> list[Batch]:
+    # --- resume ----------------------------------------------------------------------------------
+    def _restore(self) -> Position:
+        """Continue from the newest checkpoint every rank holds, if any; else from the first block."""
+        start = Position(0, 0, [])
+        if self.resume is None:
+            return start
+        mine = self.resume.available()
+        done = common_position(self.group.all_gather([(p.blocks_done, p.stack, p.layer) for p in mine]))
+        if done is None:
+            return start
+        position = next(p for p in mine if p.blocks_done == done)
+        names = [self._block_names(k) for k in range(done)]
+        params = dict(self.merged.named_parameters(remove_duplicate=False))
+
+        def put_block(k: int, tensors: dict[str, torch.Tensor]) -> None:
+            for n in names[k]:
+                params[n].copy_(tensors[n].to(device=params[n].device, dtype=params[n].dtype))
+
+        def put_chain(key: tuple, hidden: torch.Tensor, ctx: Any) -> None:
+            self.chains.put_hidden(tuple(key), hidden)
+            self.chains.put_context(tuple(key), ctx)
+
+        self.resume.restore(position, put_block, put_chain, self.device)
+        self.drift = [dict(r) for r in position.drift]
+        self._block_counter = done
+        log.info("featcal: resuming from %s: %d block(s) already calibrated, continuing at block %d",
+                 self.resume.root, done, done)
+        return position
+
+    def _block_names(self, k: int) -> list[str]:
+        """Parameter names of the k-th calibrated block, over all stacks in forward order."""
+        for stack in self.stacks:
+            n = len(stack.blocks(self.merged))
+            if k < n:
+                return self.block_param_names(stack, k)
+            k -= n
+        raise IndexError(k)
+
+    def _commit(self, si: int, layer: int, n_blocks: int) -> None:
+        if self.resume is None:
+            return
+        nxt = (si, layer + 1) if layer + 1 < n_blocks else (si + 1, 0)
+        params = dict(self.merged.named_parameters(remove_duplicate=False))
+        block = {n: params[n] for n in self.block_param_names(self.stacks[si], layer)}
+        chains = ((key, self.chains.raw_hidden(key), self.chains.context(key)) for key in self.chains.keys())
+        self.resume.commit(Position(*nxt, [dict(r) for r in self.drift]), block, chains)
+
+    def _batches(self, task: str) -> list[tuple[int, Batch]]:
+        """(global batch index, batch) of this rank's share of `task`."""
         return self.calibration[task]
 
     def _capture(self, stack: Stack, previous: Stack | None) -> None:
@@ -253,7 +323,7 @@ class FeatCalEngine:
         stem = self.stem_param_names()
         for t in self.tasks:
             load_into(self.template, stem, self.experts[t])
-            for b, batch in enumerate(self._batches(t)):
+            for b, batch in self._batches(t):
                 batch = _to_device(batch, self.device)
                 for side, model, block0 in (("m", self.merged, block0_m), ("e", self.template, block0_e)):
                     key = (side, t, b)
@@ -262,7 +332,7 @@ class FeatCalEngine:
                         up = self.adapter.stack_output(model, previous, self.chains.hidden(key))
                     mod, kw = self.adapter.stack_call(model, stack, batch, up)
                     h, ctx = capture_block_input(mod, block0, kw)
-                    if side == "m" and t == self.tasks[0] and b == 0:
+                    if side == "m" and t == self.tasks[0] and b == self._batches(t)[0][0]:
                         check_context_replay(self.adapter, stack, self.merged, mod, kw, h, ctx)
                     self.chains.put_hidden(key, h)
                     self.chains.put_context(key, ctx)
@@ -330,7 +400,7 @@ class FeatCalEngine:
         for t in self.tasks:
             load_into(self.template, names, self.experts[t])
             task_sums = TaskSums()
-            for b, batch in enumerate(self._batches(t)):
+            for b, batch in self._batches(t):
                 batch = _to_device(batch, self.device)
                 # expert side: its block output, and what its Linears feed the statistics
                 with ExpertRecorder(linears_e, plan) as recorder:
@@ -354,15 +424,16 @@ class FeatCalEngine:
             expert_params = {
                 c.name: {"weight": c.module.weight, "bias": getattr(c.module, "bias", None)} for c in mods_e.values()
             }
+            self.group.reduce_task_sums(task_sums, t)  # the full task's moments, before normalising by st
             sums.add_task(t, task_sums, expert_params, rms)
             del task_sums
-        return sums, before
+        return sums, before.reduce(self.group, self.tasks)
 
     def _propagate(self, stack: Stack, layer: int, block_m: nn.Module, bar) -> _Drift:
         """hm(t) <- calibrated block(hm(t)) for every batch; returns the drift after calibration."""
         after = _Drift()
         for t in self.tasks:
-            for b, batch in enumerate(self._batches(t)):
+            for b, batch in self._batches(t):
                 ctx_m = self.chains.context(("m", t, b))
                 raw = block_m(self.chains.hidden(("m", t, b)), **ctx_m)
                 hm = _hidden(raw)
@@ -373,7 +444,7 @@ class FeatCalEngine:
                 if new_ctx is not ctx_m:
                     self.chains.put_context(("m", t, b), new_ctx)
                 bar.update(1)
-        return after
+        return after.reduce(self.group, self.tasks)
 
     def _base(self, name: str) -> torch.Tensor | None:
         return None if self.base is None else self.base.get(name).to(self.device)
@@ -420,3 +491,4 @@ class FeatCalEngine:
                     solved[c.module.weight], solved[c.module.bias] = g, b
         for p, value in solved.items():  # all solves read merged values first, then load
             p.copy_(value.to(dtype=p.dtype, device=p.device))
+        self.group.broadcast_([p.data for p in solved])  # every rank keeps rank 0's solution, bit for bit

@@ -280,6 +280,10 @@ def _calibrate_to_dir(
             check_finite=check_finite, progress=progress,
         )
         tasks, out_path, data_dir = checked.tasks, checked.out, checked.data_dir
+        if config.resume and config.resume_dir is None:  # killed runs resume from beside the output
+            from featcal.calibration.resume import default_resume_dir
+
+            config = config.model_copy(update={"resume_dir": default_resume_dir(out_path)})
         merged_dir, base_dir, expert_dirs = Path(checked.merged or merged), checked.base, checked.experts
 
         load = Timer()
@@ -304,6 +308,7 @@ def _calibrate_to_dir(
             calibrated = calibrate(
                 merged_model, base=str(base_dir), experts={t: str(d) for t, d in expert_dirs.items()},
                 calibration=calibration, config=config, progress=progress, inplace=True, allow_pickle=allow_pickle,
+                keep_resume_state=True,
             )
         calibrate_seconds = work.seconds
         check_finite_state("the calibrated model", calibrated.state_dict())
@@ -322,8 +327,18 @@ def _calibrate_to_dir(
     }
     hash_seconds = hashing.seconds
 
+    from featcal.calibration.distributed import current_group
+
+    group, store = current_group(), getattr(calibrated, "featcal_resume_store", None)
+    if not group.is_main:  # under torchrun only rank 0 writes; the others wait for it, then tidy up
+        group.barrier()
+        if store is not None:
+            store.delete()
+        return {"command": "calibrate", "drift": getattr(calibrated, "featcal_drift", None), "rank": group.rank}
     save = Timer()
-    with atomic_output_dir(out_path, overwrite) as tmp:
+    from featcal.calibration.resume import discard_on_error
+
+    with discard_on_error(store), atomic_output_dir(out_path, overwrite) as tmp:
         copy_side_files(merged_dir, tmp)  # tokenizer / processor files first: save_pretrained's config wins
         if data_dir != merged_dir:
             _copy_processor_files(data_dir, tmp)  # the output preprocesses like the data it was calibrated on
@@ -342,5 +357,8 @@ def _calibrate_to_dir(
         }
         report["peak_rss_mb"] = round(peak_rss_mb(), 1)
         write_report(tmp, report)
+    group.barrier()
+    if store is not None:  # the checkpoint is safely in place: the resume state has served
+        store.delete()
     log.info("calibrated checkpoint written to %s (%.1f s)", out_path, total.seconds)
     return report

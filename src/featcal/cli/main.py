@@ -49,9 +49,14 @@ def interrupted_message(args: argparse.Namespace, exc: KeyboardInterrupt) -> str
     what = "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted"
     out = getattr(args, "out", None)
     where = f"the output directory {out}" if out else "the output directory"
+    if getattr(args, "command", None) in ("calibrate", "run") and getattr(args, "cfg_resume", True):
+        again = ("Calibration checkpoints after every block: rerunning the same command resumes after the last "
+                 "calibrated block.")
+    else:
+        again = "Nothing can be resumed: rerun the same command to start again."
     return (
         f"featcal: {what}; {where} was left untouched (absent, or its previous content intact) and no temporary "
-        "files remain. Nothing can be resumed: rerun the same command to start again."
+        f"files remain. {again}"
     )
 
 

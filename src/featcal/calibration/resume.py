@@ -1,0 +1,295 @@
+"""Resumable calibration: after every block, an atomic checkpoint of what is needed to continue.
+
+Layout of a resume directory (one per rank under torch.distributed: `rank-R-of-W/`):
+
+    state.json               fingerprint, and the generations that can be resumed from
+    block-0003.safetensors   calibrated parameters of block 3 (written once, never rewritten)
+    chains-0003/             every chain entry (hidden states + block context) after block 3
+
+A block is committed in this order: its parameter file (temp file + rename), its chains directory
+(temp directory + rename), then `state.json` (temp file + rename). A kill at any point leaves the
+previous `state.json`, which names only complete files. The previous generation's chains are
+deleted only after every rank has committed the new one (a barrier), so ranks killed at different
+moments can still agree on a generation they all hold.
+
+The fingerprint hashes the config (less where things are stored), the merged model's starting
+weights, each expert's and the base's identity (tensor bytes in memory; file names, sizes and
+mtimes on disk), the calibration tensors, the tasks and the rank layout. A state made with other
+inputs is refused, naming what differs. Contexts are stored as tensors plus a JSON skeleton (no
+pickle): only None, bool, int, float, str, tuples, lists and dicts of them are accepted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import shutil
+import signal
+import tempfile
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from featcal.errors import ConfigError, FeatCalError
+from featcal.io.atomic import atomic_write_text
+
+log = logging.getLogger("featcal.calibration")
+
+STATE = "state.json"
+FORMAT = 1
+KILL_ENV = "FEATCAL_DEBUG_KILL_AFTER_BLOCK"  # tests only: SIGKILL this process once block N is committed
+
+
+class ResumeStateError(ConfigError):
+    """A resume directory holds state from another run (other inputs or options), or is unreadable."""
+
+
+# --- fingerprints -------------------------------------------------------------------------------
+def tensor_digest(h: Any, t: torch.Tensor) -> None:
+    """Feed a tensor's dtype, shape and raw bytes into hash `h` (works for bf16/fp16)."""
+    t = t.detach().contiguous().cpu()
+    h.update(f"{t.dtype}:{tuple(t.shape)}:".encode())
+    if t.numel():
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+
+
+def module_digest(model: nn.Module) -> str:
+    h = hashlib.sha256()
+    for name, p in model.state_dict().items():
+        h.update(name.encode())
+        tensor_digest(h, p)
+    return h.hexdigest()
+
+
+def files_digest(directory: str | os.PathLike) -> str:
+    """Identity of a checkpoint directory on disk: weight/config file names, sizes and mtimes (no reading)."""
+    d = Path(directory).expanduser().resolve()
+    h = hashlib.sha256(str(d).encode())
+    for f in sorted(d.iterdir()):
+        if f.is_file() and f.suffix in {".safetensors", ".json", ".bin"}:
+            st = f.stat()
+            h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()
+
+
+def batches_digest(batches: Iterable[Mapping[str, torch.Tensor]]) -> str:
+    h = hashlib.sha256()
+    for batch in batches:
+        for key in sorted(batch):
+            h.update(key.encode())
+            tensor_digest(h, batch[key])
+    return h.hexdigest()
+
+
+def config_digest(config: Any) -> str:
+    """The config's JSON, less the fields that say where things live (not what is computed)."""
+    data = config.model_dump(mode="json")
+    for k in ("spill_dir", "resume_dir", "resume"):
+        data.pop(k, None)
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+# --- context skeletons (JSON, no pickle) ---------------------------------------------------------
+def encode_context(obj: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        tensors[prefix] = obj.detach().contiguous().cpu()
+        return {"__tensor__": prefix}
+    if isinstance(obj, dict):
+        if not all(isinstance(k, str) for k in obj):
+            raise FeatCalError(f"block context {prefix}: non-string keys cannot be checkpointed for resume")
+        return {"__dict__": {k: encode_context(v, f"{prefix}.{k}", tensors) for k, v in obj.items()}}
+    if isinstance(obj, tuple):
+        return {"__tuple__": [encode_context(v, f"{prefix}.{i}", tensors) for i, v in enumerate(obj)]}
+    if isinstance(obj, list):
+        return [encode_context(v, f"{prefix}.{i}", tensors) for i, v in enumerate(obj)]
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    raise FeatCalError(
+        f"block context {prefix} holds a {type(obj).__name__}, which cannot be checkpointed for resume; "
+        "run without a resume directory (--no-resume)"
+    )
+
+
+def decode_context(obj: Any, tensors: dict[str, torch.Tensor], device: torch.device) -> Any:
+    if isinstance(obj, list):
+        return [decode_context(v, tensors, device) for v in obj]
+    if isinstance(obj, dict):
+        if "__tensor__" in obj:
+            return tensors[obj["__tensor__"]].to(device)
+        if "__tuple__" in obj:
+            return tuple(decode_context(v, tensors, device) for v in obj["__tuple__"])
+        return {k: decode_context(v, tensors, device) for k, v in obj["__dict__"].items()}
+    return obj
+
+
+# --- the store -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Position:
+    """Where a run continues: the next (stack index, layer) and the drift records so far."""
+
+    stack: int
+    layer: int
+    drift: list[dict[str, Any]]
+
+    @property
+    def blocks_done(self) -> int:
+        return len(self.drift)
+
+
+def _key_name(key: tuple) -> str:
+    return "-".join(str(k) for k in key)
+
+
+class ResumeStore:
+    """Reads and commits the per-block checkpoints of one rank (see the module docstring)."""
+
+    def __init__(self, root: str | os.PathLike, fingerprint: dict[str, str], *, rank: int = 0, world: int = 1,
+                 barrier: Callable[[], None] = lambda: None) -> None:
+        base = Path(root).expanduser()
+        self.dir = base / f"rank-{rank}-of-{world}" if world > 1 else base
+        self.root = base
+        self.fingerprint = dict(fingerprint)
+        self.barrier = barrier
+        self._state: dict[str, Any] | None = None
+
+    # reading
+    def _read_state(self) -> dict[str, Any] | None:
+        path = self.dir / STATE
+        if not path.is_file():
+            return None
+        try:
+            state = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ResumeStateError(f"resume state {path} is unreadable ({exc}); delete {self.root} to start again") from None
+        if state.get("format") != FORMAT:
+            raise ResumeStateError(f"resume state {path} has another format ({state.get('format')}); delete {self.root}")
+        theirs = state.get("fingerprint", {})
+        differ = sorted(k for k in set(theirs) | set(self.fingerprint) if theirs.get(k) != self.fingerprint.get(k))
+        if differ:
+            raise ResumeStateError(
+                f"resume state in {self.root} was made by a run with other inputs or options ({', '.join(differ)} "
+                f"differ); rerun with the same ones, or delete {self.root} (or choose another --resume-dir) to start again"
+            )
+        return state
+
+    def available(self) -> list[Position]:
+        """The generations this rank can resume from, newest last (empty: start from scratch)."""
+        state = self._read_state()
+        self._state = state
+        if state is None:
+            return []
+        out = []
+        for gen in state["generations"]:
+            if (self.dir / gen["chains"]).is_dir():
+                out.append(Position(gen["stack"], gen["layer"], gen["drift"]))
+        return out
+
+    def restore(self, position: Position, put_block: Callable[[int, dict[str, torch.Tensor]], None],
+                put_chain: Callable[[tuple, torch.Tensor, Any], None], device: torch.device) -> None:
+        """Load the calibrated parameters of every finished block and the chains of `position`."""
+        for k in range(position.blocks_done):
+            put_block(k, load_file(str(self.dir / f"block-{k:04d}.safetensors")))
+        chains = self.dir / _chains_name(position.blocks_done)
+        index = json.loads((chains / "index.json").read_text())
+        for entry in index:
+            key = tuple(entry["key"])
+            tensors = load_file(str(chains / f"{_key_name(key)}.safetensors"))
+            ctx = decode_context(entry["context"], tensors, device)
+            put_chain(key, tensors["__hidden__"], ctx)
+        self._cleanup(keep=_chains_name(position.blocks_done))
+
+    # writing
+    def commit(self, position: Position, block_params: dict[str, torch.Tensor],
+               chains: Iterable[tuple[tuple, torch.Tensor, Any]]) -> None:
+        """Checkpoint block `position.blocks_done - 1` and the chains that follow it, atomically."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        k = position.blocks_done - 1
+        _save_atomic(self.dir / f"block-{k:04d}.safetensors", {n: t.detach().contiguous().cpu() for n, t in block_params.items()})
+        name = _chains_name(position.blocks_done)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=self.dir))
+        index = []
+        for key, hidden, ctx in chains:
+            tensors: dict[str, torch.Tensor] = {}
+            skeleton = encode_context(ctx, "c", tensors)
+            tensors["__hidden__"] = hidden.detach().contiguous().cpu()
+            save_file(tensors, str(tmp / f"{_key_name(key)}.safetensors"))
+            index.append({"key": list(key), "context": skeleton})
+        (tmp / "index.json").write_text(json.dumps(index))
+        final = self.dir / name
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        previous = [g for g in (self._state or {}).get("generations", []) if g["chains"] != name][-1:]
+        gen = {"chains": name, "stack": position.stack, "layer": position.layer, "drift": position.drift}
+        self._state = {"format": FORMAT, "fingerprint": self.fingerprint, "generations": [*previous, gen]}
+        atomic_write_text(self.dir / STATE, json.dumps(self._state, indent=1))
+        _maybe_kill(k)
+        self.barrier()  # every rank now holds `name`: the older generation can go
+        self._state["generations"] = [gen]
+        atomic_write_text(self.dir / STATE, json.dumps(self._state, indent=1))
+        self._cleanup(keep=name)
+
+    def _cleanup(self, keep: str) -> None:
+        for p in self.dir.iterdir():
+            if (p.name.startswith(("chains-", ".chains-")) and p.name != keep) or p.name.endswith(".tmp"):
+                shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+
+    def delete(self) -> None:
+        """Remove the whole resume directory (after the calibrated checkpoint is safely written)."""
+        shutil.rmtree(self.dir, ignore_errors=True)
+        if self.dir != self.root and self.root.is_dir() and not any(self.root.iterdir()):
+            self.root.rmdir()
+
+
+def _chains_name(blocks_done: int) -> str:
+    return f"chains-{blocks_done:04d}"
+
+
+def _save_atomic(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp))
+    os.replace(tmp, path)
+
+
+def _maybe_kill(block: int) -> None:
+    """Test hook: `FEATCAL_DEBUG_KILL_AFTER_BLOCK=N` SIGKILLs the process right after block N is committed."""
+    want = os.environ.get(KILL_ENV)
+    if want is not None and want.strip() == str(block):
+        log.warning("%s=%s: killing this process (SIGKILL) after committing block %d", KILL_ENV, want, block)
+        logging.shutdown()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def common_position(per_rank: list[list[tuple[int, int, int]]]) -> int | None:
+    """The most blocks done that every rank can resume from (per rank: (blocks_done, stack, layer))."""
+    sets = [{p[0] for p in ps} for ps in per_rank]
+    common = set.intersection(*sets) if sets else set()
+    return max(common) if common else None
+
+
+def default_resume_dir(out: str | os.PathLike) -> Path:
+    """Where `featcal calibrate --out OUT` keeps its per-block checkpoints: a hidden sibling of OUT."""
+    out = Path(out).expanduser()
+    return out.parent / f".{out.name}.featcal-resume"
+
+
+@contextlib.contextmanager
+def discard_on_error(store: ResumeStore | None) -> Iterator[None]:
+    """Delete the resume state when the body fails with an error (a rerun would fail the same way, and
+    the space may be what ran out); keep it on Ctrl-C / SIGTERM (KeyboardInterrupt), so a rerun resumes."""
+    try:
+        yield
+    except ResumeStateError:
+        raise  # the state belongs to another run: never delete it on the user's behalf
+    except Exception:
+        if store is not None:
+            store.delete()
+        raise

@@ -1,0 +1,118 @@
+"""Resumable calibration: a run killed after block k continues from there and ends bit-identical."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from featcal import FeatCalConfig, calibrate
+from featcal.calibration import resume
+from featcal.calibration.resume import KILL_ENV, ResumeStateError, default_resume_dir
+from featcal.cli.main import main
+from reference_featcal import family_data, max_abs_diff, noisy_family
+from test_pipeline_support import clip_family
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _argv(fam, out, *extra):
+    argv = ["calibrate", "--base", str(fam["base"]), "--merged", str(fam["merged"]), "--out", str(out), "--no-progress",
+            "--num-calibration-examples", "4", "--calibration-batch-size", "2"]
+    for t, d in fam["experts"].items():
+        argv += ["--expert", f"{t}={d}"]
+    for t, d in fam["data"].items():
+        argv += ["--calib", f"{t}={d}"]
+    return argv + list(extra)
+
+
+def test_sigkilled_cli_run_resumes_bit_identical(tmp_path, caplog, capsys):
+    fam = clip_family(tmp_path / "fam")
+    main(_argv(fam, tmp_path / "straight"))
+    assert not default_resume_dir(tmp_path / "straight").exists()  # deleted after a successful write
+
+    out = tmp_path / "killed"
+    code = (f"import sys, torch; torch.set_num_threads({torch.get_num_threads()}); "
+            "from featcal.cli.main import main; sys.exit(main(sys.argv[1:]))")
+    env = {**os.environ, KILL_ENV: "0", "PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.run([sys.executable, "-c", code, *_argv(fam, out)], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    state = default_resume_dir(out)
+    assert (state / "block-0000.safetensors").is_file() and not (state / "block-0001.safetensors").exists()
+    assert not out.exists()
+
+    # other options: refused, naming what differs, and the state is kept
+    assert main(_argv(fam, out, "--lambda-ratio", "0.5")) == 2
+    assert "config differ" in capsys.readouterr().err
+    assert (state / "state.json").is_file()
+
+    with caplog.at_level(logging.INFO, logger="featcal"):
+        assert main(_argv(fam, out)) == 0
+    assert "1 block(s) already calibrated, continuing at block 1" in caplog.text
+    assert _sha(out / "model.safetensors") == _sha(tmp_path / "straight" / "model.safetensors")
+    assert not state.exists()
+
+
+class _Crash(KeyboardInterrupt):
+    pass
+
+
+@pytest.mark.parametrize(("kind", "kill_after", "chain_dtype"), [
+    ("t5", 1, "float32"),  # last encoder block: the resumed run starts by capturing the decoder
+    ("t5", 2, "bfloat16"),  # inside the decoder: position biases come back from the checkpoint
+    ("llama", 0, "float32"),  # rotary (cos, sin) tuples in the context
+])
+def test_interrupted_api_run_resumes_bit_identical(kind, kill_after, chain_dtype, tmp_path, monkeypatch):
+    base, experts, merged = noisy_family(kind)
+    data = family_data(kind, experts)
+    cfg = FeatCalConfig(chain_dtype=chain_dtype, resume_dir=tmp_path / "state")
+    straight = calibrate(merged, base=base, experts=experts, calibration=data, config=cfg.model_copy(
+        update={"resume_dir": None}), progress=False)
+
+    def crash(block: int) -> None:
+        if block == kill_after:
+            raise _Crash
+    monkeypatch.setattr(resume, "_maybe_kill", crash)
+    with pytest.raises(_Crash):
+        calibrate(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False)
+    assert (tmp_path / "state" / f"block-{kill_after:04d}.safetensors").is_file()
+
+    other = {t: [{k: v.clone() for k, v in b.items()} for b in bs] for t, bs in data.items()}
+    other["task0"][0][next(iter(other["task0"][0]))] = other["task1"][0][next(iter(other["task1"][0]))]
+    with pytest.raises(ResumeStateError, match="data task0"):
+        calibrate(merged, base=base, experts=experts, calibration=other, config=cfg, progress=False)
+
+    monkeypatch.setattr(resume, "_maybe_kill", lambda block: None)
+    resumed = calibrate(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False)
+    assert max_abs_diff(resumed, straight)[0] == 0.0
+    assert resumed.featcal_drift == straight.featcal_drift
+    assert not (tmp_path / "state").exists()
+
+
+def test_context_skeleton_round_trip_and_refusal():
+    ctx = {"mask": torch.ones(2, 3), "pos": (torch.arange(3), torch.zeros(1)), "flag": False, "n": None,
+           "lst": [1, "a"]}
+    tensors: dict[str, torch.Tensor] = {}
+    skeleton = resume.encode_context(ctx, "c", tensors)
+    back = resume.decode_context(skeleton, tensors, torch.device("cpu"))
+    assert isinstance(back["pos"], tuple) and torch.equal(back["pos"][0], ctx["pos"][0])
+    assert back["flag"] is False and back["n"] is None and back["lst"] == [1, "a"]
+    with pytest.raises(Exception, match="cannot be checkpointed"):
+        resume.encode_context({"cache": object()}, "c", {})
+
+
+def test_common_position_picks_newest_shared_generation():
+    assert resume.common_position([[(3, 0, 3), (4, 0, 4)], [(3, 0, 3)]]) == 3
+    assert resume.common_position([[(4, 0, 4)], [(4, 0, 4), (5, 1, 0)]]) == 4
+    assert resume.common_position([[], [(1, 0, 1)]]) is None
