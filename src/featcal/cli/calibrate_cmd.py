@@ -88,15 +88,19 @@ def drift_table(drift: list[dict] | None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from featcal.calibration.distributed import init_from_env
     from featcal.calibration.pipeline import calibrate_to_dir
 
     config = config_from_args(args, FeatCalConfig)
+    group = init_from_env(config.device)  # under torchrun: one rank per process, batches shared out
     report = calibrate_to_dir(
         args.merged, base=args.base, experts=parse_pairs(args.expert, "--expert"),
         calibration_sources=parse_pairs(args.calib, "--calib"), config=config, out=args.out,
         overwrite=args.overwrite, allow_pickle=args.allow_pickle, progress=not args.no_progress,
         max_length=args.max_length, allow_fewer=args.allow_fewer,
     )
+    if not group.is_main:
+        return 0  # rank 0 wrote the checkpoint and prints the summary
     print(drift_table(report.get("drift")))
     s = report["seconds"]
     print(
