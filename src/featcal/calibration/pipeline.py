@@ -87,13 +87,17 @@ def _check_same_architecture(inputs: Mapping[str, Path], reference: str = "merge
 
 
 def _check_same_tensors(inputs: Mapping[str, Path], reference: str, allow_pickle: bool) -> None:
-    """Headers only: every checkpoint has the reference's config class, tensor names, shapes, dtype classes."""
-    readers = {label: CheckpointReader(p, allow_pickle=allow_pickle) for label, p in inputs.items()}
-    ref = readers[reference]
-    for label, reader in readers.items():
+    """Headers only: every checkpoint has the reference's config class, tensor names, shapes, dtype classes.
+
+    One reader besides the reference is open at a time (an allowed pickle is held whole while open).
+    """
+    ref = CheckpointReader(inputs[reference], allow_pickle=allow_pickle)
+    for label, path in inputs.items():
         if label != reference:
+            reader = CheckpointReader(path, allow_pickle=allow_pickle)
             check_same_config(ref, label, reader, what=label, reference=f"the {reference} model")
             check_same_tensors(ref, label, reader, what=label, reference=f"the {reference} model")
+            del reader
 
 
 def check_options(config: FeatCalConfig, max_length: int) -> None:
@@ -178,10 +182,10 @@ def check_calibration_inputs(
             )
         except CalibrationDataError as exc:
             raise CalibrationDataError(f"task {t!r}: {exc}") from None
-    if check_finite:
+    if check_finite:  # the costliest check, last: reads every checkpoint once, one tensor at a time
         for label, d in inputs.items():
-            scan_finite(label if label.startswith("expert") else f"{label} model", UnmappedReader(d, allow_pickle=allow_pickle),
-                        progress=progress)
+            name = label if label.startswith("expert") else f"{label} model"
+            scan_finite(name, UnmappedReader(d, allow_pickle=allow_pickle), progress=progress)
     return CheckedInputs(tasks, out_path, merged_dir, base_dir, expert_dirs, data_dir)
 
 
