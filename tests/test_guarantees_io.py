@@ -22,6 +22,7 @@ import featcal.merging.api as merge_api
 import featcal.merging.writer as writer
 from featcal import merge
 from featcal.calibration.engine import FeatCalEngine
+from featcal.calibration.resume import default_resume_dir
 from featcal.io import atomic
 from featcal.io.atomic import OutputWriteError, atomic_output_dir
 from featcal.merging.mergers import TaskArithmetic
@@ -267,6 +268,7 @@ def test_ctrl_c_while_merging(clip, tmp_path, capsys, monkeypatch, old_output):
     out = tmp_path / "out"
     rc, _, err = cli(merge_argv(clip["base"], clip["experts"], out), capsys)
     _assert_interrupted(rc, err, out)
+    assert "no temporary files remain. Nothing can be resumed" in err
     assert count["n"] == 5 and not out.exists()
     before = snapshot(old_output)
     count["n"] = 0
@@ -293,11 +295,17 @@ def test_ctrl_c_while_calibrating(clip, tmp_path, capsys, monkeypatch, old_outpu
     before = snapshot(old_output)
     rc, _, err = cli(calibrate_argv(clip, old_output, "--overwrite"), capsys)
     _assert_interrupted(rc, err, old_output)
-    assert count["n"] == 2 and snapshot(old_output) == before
-    count["n"] = 0
+    state = default_resume_dir(old_output)
+    assert f"Calibration keeps a checkpoint after every block in {state}: rerunning the same command resumes" in err
+    assert count["n"] == 2 and snapshot(old_output) == before and state.is_dir()
+    rc, _, err = cli(calibrate_argv(clip, old_output, "--overwrite"), capsys)  # the rerun the message promises
+    assert rc == 0, err
+    assert snapshot(old_output) != before and not state.exists() and leftovers(tmp_path) == []
+
     out = tmp_path / "run-out"
+    count["n"] = 0
     rc, _, err = cli(["run", _run_file(clip, tmp_path, out), "--no-progress"], capsys)
-    assert rc == 130 and "left untouched" in err
+    assert rc == 130 and "left untouched" in err and "beside the output" in err
     assert not out.exists() and leftovers(tmp_path) == []  # the scratch merge is removed too
 
 

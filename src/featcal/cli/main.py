@@ -46,18 +46,23 @@ def one_line(exc: BaseException) -> str:
 
 
 def interrupted_message(args: argparse.Namespace, exc: KeyboardInterrupt) -> str:
+    """What an interrupt left behind, and how to carry on."""
     what = "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted"
     out = getattr(args, "out", None)
     where = f"the output directory {out}" if out else "the output directory"
+    head = f"featcal: {what}; {where} was left untouched (absent, or its previous content intact)"
     if getattr(args, "command", None) in ("calibrate", "run") and getattr(args, "cfg_resume", True):
-        again = ("Calibration checkpoints after every block: rerunning the same command resumes after the last "
-                 "calibrated block.")
-    else:
-        again = "Nothing can be resumed: rerun the same command to start again."
-    return (
-        f"featcal: {what}; {where} was left untouched (absent, or its previous content intact) and no temporary "
-        f"files remain. {again}"
-    )
+        state = getattr(args, "cfg_resume_dir", None)
+        if state is None and out:
+            from featcal.calibration.resume import default_resume_dir
+
+            state = default_resume_dir(out)
+        kept = f" in {state}" if state else " beside the output"
+        return (
+            f"{head}. Calibration keeps a checkpoint after every block{kept}: rerunning the same command resumes "
+            "after the last calibrated block (or starts again if none was reached)."
+        )
+    return f"{head} and no temporary files remain. Nothing can be resumed: rerun the same command to start again."
 
 
 def main(argv: list[str] | None = None) -> int:
