@@ -97,7 +97,7 @@ class ClipPipeline(Pipeline):
     def processor(self) -> Any:
         import transformers as T
 
-        return T.CLIPProcessor.from_pretrained(self.base_dir)
+        return T.CLIPProcessor.from_pretrained(self.base_dir, trust_remote_code=False)
 
     @cached_property
     def base_vision(self) -> nn.Module:

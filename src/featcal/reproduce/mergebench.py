@@ -63,7 +63,7 @@ class MergeBenchPipeline(Pipeline):
     def tokenizer(self) -> Any:
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(self.base_dir)
+        tok = AutoTokenizer.from_pretrained(self.base_dir, trust_remote_code=False)
         if tok.pad_token is None:
             tok.pad_token = tok.eos_token  # padding is masked out; Llama ships without a pad token
         tok.padding_side = "right"  # real tokens keep positions 0..n-1, as in unpadded fine-tuning

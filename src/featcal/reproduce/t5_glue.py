@@ -35,7 +35,7 @@ class T5GluePipeline(Pipeline):
     def tokenizer(self) -> Any:
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(self.base_dir)
+        return AutoTokenizer.from_pretrained(self.base_dir, trust_remote_code=False)
 
     def write_merged(self, tmp: Path) -> None:
         merge_paths(self.base_dir, self.expert_dirs(), self.scaling, tmp)
@@ -74,6 +74,6 @@ class T5GluePipeline(Pipeline):
 def _decoder_start(model_dir: Path) -> int:
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(model_dir)
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
     start = getattr(config, "decoder_start_token_id", None)
     return int(start if start is not None else config.pad_token_id)
