@@ -83,11 +83,18 @@ class ModelSource(ParamSource):
 
 
 class CheckpointSource(ParamSource):
-    """A checkpoint directory or hub id, read one tensor at a time (memory-mapped safetensors)."""
+    """A checkpoint directory or hub id, read one tensor at a time.
+
+    With plain file reads (UnmappedReader), not the memory map: pages read through a map stay in the
+    process's RSS while the reader is open, so T open experts would cost T checkpoints of RSS by the
+    last block although only one block is ever needed.
+    """
 
     def __init__(self, path: str | os.PathLike, template: nn.Module, label: str, *, allow_pickle: bool = False) -> None:
+        from featcal.merging.sources import UnmappedReader
+
         self.label = label
-        self.reader = CheckpointReader(path, allow_pickle=allow_pickle)
+        self.reader: CheckpointReader = UnmappedReader(path, allow_pickle=allow_pickle)
         self.key_map = checkpoint_key_map(template, self.reader.keys())
         aliases = parameter_aliases(template)
         for name, names in aliases.items():  # a tied parameter may be saved under one alias only

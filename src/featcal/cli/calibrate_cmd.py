@@ -92,6 +92,11 @@ def run(args: argparse.Namespace) -> int:
     from featcal.calibration.pipeline import calibrate_to_dir
 
     config = config_from_args(args, FeatCalConfig)
+    if args.dry_run or args.max_memory is not None:
+        from featcal.cli.plan_cmd import check_plan
+
+        if check_plan(args, config, show=args.dry_run):
+            return 0  # --dry-run: the plan was the whole job
     group = init_from_env(config.device)  # under torchrun: one rank per process, batches shared out
     report = calibrate_to_dir(
         args.merged, base=args.base, experts=parse_pairs(args.expert, "--expert"),
@@ -116,6 +121,13 @@ def register(subparsers) -> None:
         description="Calibrate a merged checkpoint block by block toward its experts with closed-form "
         "ridge solves, using a small unlabeled calibration set per task.",
     )
+    add_arguments(p)
+    p.add_argument("--dry-run", action="store_true", help="print the memory plan (featcal plan) and stop")
+    p.set_defaults(func=run)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The calibrate arguments, shared with `featcal plan`."""
     p.add_argument("--base", required=True, help="pretrained base checkpoint (directory or hub id)")
     p.add_argument("--merged", required=True, help="merged checkpoint to calibrate")
     p.add_argument("--expert", action="append", metavar="NAME=PATH", required=True,
@@ -129,5 +141,6 @@ def register(subparsers) -> None:
     p.add_argument("--allow-fewer", action="store_true",
                    help="use all examples of a task holding fewer than --num-calibration-examples (with a warning)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--max-memory", metavar="SIZE", default=None,
+                   help="refuse to start when the estimated peak memory per process exceeds SIZE (e.g. 16GiB)")
     add_config_flags(p, FeatCalConfig, "FeatCal options")
-    p.set_defaults(func=run)

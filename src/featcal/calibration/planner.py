@@ -1,0 +1,277 @@
+"""Peak-memory plan of a calibration, from checkpoint headers and configs only (no weights, no data read).
+
+What a `featcal calibrate` process holds at its peak (during a block, models and chains resident):
+
+- the process baseline: Python + torch + transformers + featcal, measured (RSS of the planning
+  process after those imports; `featcal plan` runs in a fresh process, so it sees what calibrate sees);
+- the merged model and one expert "template" of the same architecture, as loaded (float32);
+- the calibration inputs of every task (pixel values, or token ids + masks at --max-length);
+- the chains: tasks × examples × tokens × hidden × bytes(chain_dtype) × 2 sides (merged, expert),
+  plus their block contexts (attention masks; T5's position bias), for this rank's share of the batches;
+- one block's transients: an expert block read, float64 base anchors, the statistics (float32 per
+  task, float64 across tasks, solver temporaries of the largest Linear) and one batch's activations.
+
+Text lengths use --max-length (batches are padded to their longest text, so this is an upper bound).
+Linears are grouped by shared input (q/k/v, gate/up) by a naming rule; the engine groups by the
+actual input tensor, so the statistics line can differ slightly from the run's.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from featcal.calibration.adapters import adapter_for
+from featcal.calibration.chains import DTYPES
+from featcal.config import FeatCalConfig
+from featcal.errors import ConfigError
+
+_OUTPUT_PROJECTIONS = {"out_proj", "o_proj", "o", "wo"}  # read the attention output, not the block input
+_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
+          "g": 2**30, "gb": 10**9, "gib": 2**30, "t": 2**40, "tb": 10**12, "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """'8GiB', '500MB', '1.5g', '1024' (bytes) -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise ConfigError(f"--max-memory expects a size such as 8GiB or 500MB, got {text!r}")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def fmt(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def current_rss() -> int:
+    """Resident set size of this process now, in bytes (Linux /proc; ru_maxrss elsewhere)."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):  # pragma: no cover - non-Linux
+        from featcal.io.report import peak_rss_mb
+
+        return int(peak_rss_mb() * 2**20)
+
+
+# --- the model's shape ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BlockShape:
+    linears: tuple[tuple[str, int, int], ...]  # (name, in, out)
+    norm_channels: tuple[int, ...]
+    param_count: int
+
+
+@dataclass(frozen=True)
+class StackShape:
+    name: str
+    blocks: tuple[BlockShape, ...]
+    hidden: int
+    heads: int
+    tokens: int  # per example
+    context_bytes: int  # per example per side: masks, position bias, rotary tables
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    param_count: int  # parameters + buffers
+    stacks: tuple[StackShape, ...]
+    input_bytes: int  # per example, as the calibration batches hold it
+
+
+def _block_shape(block: nn.Module, adapter) -> BlockShape:
+    from featcal.calibration.engine import calibrated_modules
+
+    linears, norms = [], []
+    for c in calibrated_modules(block, adapter):
+        if c.kind == "linear":
+            linears.append((c.name, c.module.in_features, c.module.out_features))
+        else:
+            norms.append(int(c.module.weight.numel()))
+    return BlockShape(tuple(linears), tuple(norms), sum(p.numel() for p in block.parameters()))
+
+
+def model_shape(config, max_length: int) -> ModelShape:
+    """The shapes that drive memory, from a transformers config (the model is built on the meta device)."""
+    from featcal.io.models import model_class_for
+
+    with torch.device("meta"):
+        model = model_class_for(config)(config)
+    adapter = adapter_for(model)
+    stacks = []
+    vision = hasattr(config, "image_size") or hasattr(getattr(config, "vision_config", None), "image_size")
+    vcfg = getattr(config, "vision_config", config)
+    if vision:
+        tokens = (int(vcfg.image_size) // int(vcfg.patch_size)) ** 2 + 1  # patches + class token
+        input_bytes = int(getattr(vcfg, "num_channels", 3)) * int(vcfg.image_size) ** 2 * 4
+    else:
+        tokens = int(max_length)
+        input_bytes = tokens * 8 * 2 * (2 if config.model_type in ("t5", "mt5") else 1)  # ids + mask (+ decoder)
+    for st in adapter.stacks(model):
+        blocks = st.blocks(model)
+        shapes = tuple(_block_shape(b, adapter) for b in blocks)
+        hidden = int(getattr(vcfg, "hidden_size", None) or config.d_model)
+        heads = int(getattr(vcfg, "num_attention_heads", None) or getattr(config, "num_heads", 1))
+        ctx = 0
+        if not vision:
+            ctx = tokens * tokens  # boolean (B, 1, S, S) mask
+            if config.model_type in ("t5", "mt5"):
+                ctx += heads * tokens * tokens * 4 * (2 if st.name == "decoder" else 1)  # position bias (+ cross)
+            if adapter.name == "llama":
+                ctx += 2 * tokens * (hidden // max(heads, 1)) * 4  # rotary cos, sin
+        stacks.append(StackShape(st.name, shapes, hidden, heads, tokens, ctx))
+    count = sum(t.numel() for t in model.state_dict().values())
+    return ModelShape(count, tuple(stacks), input_bytes)
+
+
+# --- the estimate --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Component:
+    name: str
+    bytes: int
+    detail: str
+
+
+@dataclass
+class MemoryPlan:
+    components: list[Component]
+    chain_bytes_total: int  # all ranks together: what --spill-dir would put on disk
+    settings: dict = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return sum(c.bytes for c in self.components)
+
+
+def _groups(linears: tuple[tuple[str, int, int], ...]) -> dict[tuple[str, int], list[tuple[str, int, int]]]:
+    """Linears reading the same input: same parent module and width, output projections apart."""
+    out: dict[tuple[str, int], list] = {}
+    for name, i, o in linears:
+        parent, _, leaf = name.rpartition(".")
+        key = (name if leaf in _OUTPUT_PROJECTIONS else parent, i)
+        out.setdefault(key, []).append((name, i, o))
+    return out
+
+
+def _statistics_bytes(block: BlockShape) -> tuple[int, str]:
+    task = 0  # float32, one task
+    for members in _groups(block.linears).values():
+        i = members[0][1]
+        outs = sum(o for _, _, o in members)
+        task += (i * i + i + 1) * 4
+        task += (i * i + i) * 4 if i < outs else sum(i * o + o for _, _, o in members) * 4
+    task += sum(3 * d for d in block.norm_channels) * 4
+    across = sum(i * i + i * o + o + i for _, i, o in block.linears) * 8 + sum(4 * d for d in block.norm_channels) * 8
+    solve = max((3 * i * i + 2 * i * o) * 8 for _, i, o in block.linears) if block.linears else 0
+    return task + across + solve, f"{fmt(task)} per task (float32) + {fmt(across)} across tasks (float64) + {fmt(solve)} solve"
+
+
+def estimate(shape: ModelShape, *, tasks: int, config: FeatCalConfig, baseline_bytes: int, world: int = 1) -> MemoryPlan:
+    """The peak-memory breakdown of one rank (see the module docstring); pure arithmetic."""
+    n, bs = config.num_calibration_examples, config.calibration_batch_size
+    batches = math.ceil(n / bs)
+    local = min(n, math.ceil(batches / world) * bs)  # examples per task on the busiest rank
+    model = shape.param_count * 4
+    chain_b = DTYPES[config.chain_dtype].itemsize
+    chains_all = max(2 * tasks * n * s.tokens * s.hidden * chain_b for s in shape.stacks)
+    chains_local = max(2 * tasks * local * s.tokens * s.hidden * chain_b for s in shape.stacks)
+    ctx_local = max(2 * tasks * local * s.context_bytes for s in shape.stacks)
+    spilled = config.spill_dir is not None
+    if spilled:  # one entry in RAM at a time; the skeletons stay
+        chains_local = max(bs * s.tokens * s.hidden * chain_b for s in shape.stacks)
+        ctx_local = max(bs * s.context_bytes for s in shape.stacks)
+    blocks = [(s, b) for s in shape.stacks for b in s.blocks]
+    block_params = max(b.param_count for _, b in blocks)
+    stats, stats_detail = max((_statistics_bytes(b) for _, b in blocks), key=lambda x: x[0])
+
+    def activations(s: StackShape, b: BlockShape) -> int:
+        per_token = sum(i + o for _, i, o in b.linears) * 4
+        attention = s.heads * s.tokens * 4 * 2  # scores and probabilities
+        return 2 * bs * s.tokens * (per_token + attention)  # expert outputs held while the merged side runs
+
+    act = max(activations(s, b) for s, b in blocks)
+    s0 = max(shape.stacks, key=lambda s: s.tokens * s.hidden)
+    comps = [
+        Component("process baseline", baseline_bytes, "python + torch + transformers + featcal (measured)"),
+        Component("merged model", model, f"{shape.param_count:,} parameters and buffers, float32"),
+        Component("expert template", model, "a second copy of the architecture, expert weights loaded block by block"),
+        Component("calibration inputs", tasks * n * shape.input_bytes, f"{tasks} task(s) × {n} examples"),
+        Component("chains", chains_local, (f"spilled to {config.spill_dir}: one batch in RAM" if spilled else
+                  f"2 sides × {tasks} task(s) × {local} examples × {s0.tokens} tokens × {s0.hidden} hidden × "
+                  f"{chain_b} B ({config.chain_dtype})")),
+        Component("chain contexts", ctx_local, "attention masks / position bias / rotary tables per batch"),
+        Component("expert block read", block_params * 4, "one block of one expert, read tensor by tensor"),
+        Component("base anchors", block_params * 8, "one block, float64"),
+        Component("statistics", stats, stats_detail),
+        Component("activations", act, f"one batch of {bs} through one block, both sides"),
+    ]
+    settings = {"chain_dtype": config.chain_dtype, "spill_dir": config.spill_dir, "batch_size": bs, "world": world}
+    return MemoryPlan(comps, chains_all, settings)
+
+
+def alternatives(shape: ModelShape, *, tasks: int, config: FeatCalConfig, baseline_bytes: int,
+                 world: int = 1) -> list[tuple[str, MemoryPlan]]:
+    """The same run with each memory option turned on (and all of them together)."""
+    def plan(cfg: FeatCalConfig, w: int = world) -> MemoryPlan:
+        return estimate(shape, tasks=tasks, config=cfg, baseline_bytes=baseline_bytes, world=w)
+
+    out = []
+    if config.chain_dtype == "float32":
+        out.append(("--chain-dtype bfloat16", plan(config.model_copy(update={"chain_dtype": "bfloat16"}))))
+    if config.spill_dir is None:
+        out.append(("--spill-dir DIR", plan(config.model_copy(update={"spill_dir": Path("DIR")}))))
+    if config.calibration_batch_size > 1:
+        half = max(1, config.calibration_batch_size // 2)
+        out.append((f"--calibration-batch-size {half}", plan(config.model_copy(update={"calibration_batch_size": half}))))
+    out.append((f"torchrun --nproc-per-node {2 * world}", plan(config, 2 * world)))
+    both = config.model_copy(update={"chain_dtype": "bfloat16", "spill_dir": config.spill_dir or Path("DIR")})
+    out.append(("--chain-dtype bfloat16 --spill-dir DIR", plan(both)))
+    return out
+
+
+def render(plan: MemoryPlan, options: list[tuple[str, MemoryPlan]], max_memory: int | None) -> str:
+    """The plan as the text `featcal plan` / `calibrate --dry-run` print."""
+    width = max(len(c.name) for c in plan.components)
+    lines = [f"estimated peak memory per process: {fmt(plan.total)}"]
+    for c in plan.components:
+        lines.append(f"  {c.name:<{width}}  {fmt(c.bytes):>11}  {c.detail}")
+    if plan.settings.get("spill_dir") is not None:
+        lines.append(f"  disk under spill_dir: {fmt(plan.chain_bytes_total)} (all chains)")
+    if max_memory is not None:
+        fits = plan.total <= max_memory
+        lines.append(f"--max-memory {fmt(max_memory)}: {'fits' if fits else 'does NOT fit'}")
+        if not fits:
+            good = [(name, p) for name, p in options if p.total <= max_memory]
+            if good:
+                lines.append("options that bring it under the limit:")
+                lines += [f"  {name:<40} {fmt(p.total)}" for name, p in good]
+            elif options:
+                name, p = min(options, key=lambda x: x[1].total)
+                lines.append(f"no option fits; the smallest is {name} at {fmt(p.total)}")
+    else:
+        lines.append("with memory options:")
+        lines += [f"  {name:<40} {fmt(p.total)}" for name, p in options]
+    return "\n".join(lines)
+
+
+def plan_for_checkpoint(merged: str | os.PathLike, *, tasks: int, config: FeatCalConfig, max_length: int = 128,
+                        baseline_bytes: int | None = None, world: int = 1) -> tuple[MemoryPlan, list]:
+    """Plan a calibration of the checkpoint at `merged` (reads its config.json only)."""
+    from featcal.io.models import load_config
+
+    shape = model_shape(load_config(merged), max_length)
+    base = current_rss() if baseline_bytes is None else baseline_bytes
+    kw = dict(tasks=tasks, config=config, baseline_bytes=base, world=world)
+    return estimate(shape, **kw), alternatives(shape, **kw)
+
+

@@ -1,0 +1,120 @@
+"""The memory planner: its estimate against a measured run, its options, and the CLI entry points."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers as T
+
+from featcal.calibration.planner import BlockShape, ModelShape, StackShape, estimate, parse_size
+from featcal.cli.main import main
+from featcal.config import FeatCalConfig
+from featcal.errors import ConfigError
+from test_data_support import save_image_processor, write_png_folder
+from test_pipeline_support import bert_family, clip_family
+from tiny import perturbed
+
+ROOT = Path(__file__).resolve().parents[1]
+MIB = 2**20
+
+
+def _argv(command, fam, out, *extra, n=4, bs=2):
+    argv = [command, "--base", str(fam["base"]), "--merged", str(fam["merged"]), "--out", str(out), "--no-progress",
+            "--num-calibration-examples", str(n), "--calibration-batch-size", str(bs)]
+    for t, d in fam["experts"].items():
+        argv += ["--expert", f"{t}={d}"]
+    for t, d in fam["data"].items():
+        argv += ["--calib", f"{t}={d}"]
+    return argv + list(extra)
+
+
+def _deep_clip_family(root: Path) -> dict:
+    """~57M parameters in 64 narrow blocks: the two model copies outweigh the interpreter, solves stay cheap."""
+    cfg = T.CLIPVisionConfig(hidden_size=384, intermediate_size=384, num_hidden_layers=64, num_attention_heads=8,
+                             image_size=8, patch_size=4)
+    torch.manual_seed(0)
+    base = T.CLIPVisionModel(cfg).eval()
+    base.save_pretrained(root / "base")
+    save_image_processor(root / "base", size=8)
+    perturbed(base, 100).save_pretrained(root / "expert")
+    base.save_pretrained(root / "merged")  # the merge's values do not matter for memory
+    return {"base": root / "base", "merged": root / "merged", "experts": {"t": root / "expert"},
+            "data": {"t": write_png_folder(root / "data", n_per_class=2)}}
+
+
+def _featcal(*argv) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    return subprocess.run([sys.executable, "-m", "featcal", *argv], env=env, capture_output=True, text=True, timeout=120)
+
+
+def _mib(text: str) -> float:
+    value, unit = re.search(r"estimated peak memory per process: ([0-9.]+) (GiB|MiB)", text).groups()
+    return float(value) * (1024 if unit == "GiB" else 1)
+
+
+def test_estimate_within_25_percent_of_measured_peak_rss(tmp_path):
+    fam = _deep_clip_family(tmp_path / "fam")
+    plan = _featcal(*_argv("plan", fam, tmp_path / "out"))
+    assert plan.returncode == 0, plan.stderr[-2000:]
+    estimated = _mib(plan.stdout)
+    models = [float(m) for m in re.findall(r"(?:merged model|expert template)\s+([0-9.]+) MiB", plan.stdout)]
+    baseline = float(re.search(r"process baseline\s+([0-9.]+) MiB", plan.stdout).group(1))
+    assert sum(models) > baseline  # the test measures the model, not the interpreter
+    run = _featcal(*_argv("calibrate", fam, tmp_path / "out", "--no-resume"))  # resume adds no memory, only time
+    assert run.returncode == 0, run.stderr[-2000:]
+    measured = json.loads((tmp_path / "out" / "featcal.json").read_text())["peak_rss_mb"]
+    assert abs(estimated - measured) / measured < 0.25, (estimated, measured, plan.stdout)
+
+
+def _shape(tokens=65, hidden=32, blocks=2) -> ModelShape:
+    block = BlockShape((("q", hidden, hidden), ("k", hidden, hidden), ("fc1", hidden, 4 * hidden)), (hidden,), 10_000)
+    return ModelShape(100_000, (StackShape("vision", (block,) * blocks, hidden, 4, tokens, 0),), 3 * 16 * 16 * 4)
+
+
+def test_options_shrink_what_they_should():
+    cfg = FeatCalConfig(num_calibration_examples=256, calibration_batch_size=16)
+    parts = {c.name: c.bytes for c in estimate(_shape(), tasks=8, config=cfg, baseline_bytes=0).components}
+    assert parts["chains"] == 2 * 8 * 256 * 65 * 32 * 4
+    bf16 = {c.name: c.bytes for c in estimate(_shape(), tasks=8, config=cfg.model_copy(
+        update={"chain_dtype": "bfloat16"}), baseline_bytes=0).components}
+    assert bf16["chains"] * 2 == parts["chains"] and bf16["merged model"] == parts["merged model"]
+    spilled = estimate(_shape(), tasks=8, config=cfg.model_copy(update={"spill_dir": Path("x")}), baseline_bytes=0)
+    assert {c.name: c.bytes for c in spilled.components}["chains"] == 16 * 65 * 32 * 4
+    assert spilled.chain_bytes_total == parts["chains"]
+    two = {c.name: c.bytes for c in estimate(_shape(), tasks=8, config=cfg, baseline_bytes=0, world=2).components}
+    assert two["chains"] * 2 == parts["chains"] and two["merged model"] == parts["merged model"]
+
+
+def test_parse_size():
+    assert parse_size("8GiB") == 8 * 2**30 and parse_size("500MB") == 500 * 10**6 and parse_size("1.5g") == int(1.5 * 2**30)
+    with pytest.raises(ConfigError, match="--max-memory expects a size"):
+        parse_size("lots")
+
+
+def test_dry_run_and_max_memory_act_before_any_work(tmp_path, capsys):
+    fam = clip_family(tmp_path / "fam")
+    assert main(_argv("calibrate", fam, tmp_path / "out", "--dry-run", "--max-memory", "1MiB")) == 0
+    printed = capsys.readouterr().out
+    assert "estimated peak memory per process" in printed and "does NOT fit" in printed
+    assert "chains" in printed and not (tmp_path / "out").exists()
+    assert main(_argv("calibrate", fam, tmp_path / "out", "--max-memory", "1MiB")) == 2
+    assert "exceeds --max-memory 1.00 MiB" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+    assert main(_argv("plan", fam, tmp_path / "out", "--chain-dtype", "bfloat16")) == 0
+    assert "2 B (bfloat16)" in capsys.readouterr().out
+
+
+def test_text_plan_counts_masks_at_max_length(tmp_path, capsys):
+    fam = bert_family(tmp_path / "fam")
+    assert main(_argv("plan", fam, tmp_path / "out", "--max-length", "16")) == 0
+    out = capsys.readouterr().out
+    assert "16 tokens × 32 hidden" in out
+    ctx = re.search(r"chain contexts\s+([0-9.]+) (KiB|B)", out)
+    assert ctx is not None and float(ctx.group(1)) > 0
