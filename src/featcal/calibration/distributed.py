@@ -49,6 +49,13 @@ class RankGroup:
             )
         return list(range(self.rank, n_batches, self.world))
 
+    @staticmethod
+    def comm_device() -> torch.device:
+        """Where collectives run: this rank's GPU under nccl (which only moves CUDA tensors), else the CPU."""
+        if dist.get_backend() == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
     def barrier(self) -> None:
         if self.active:
             dist.barrier()
@@ -70,8 +77,9 @@ class RankGroup:
             raise FeatCalError(f"task {task!r}: the ranks gathered different statistics (a model differs between ranks?)")
         if not tensors:
             return
-        flat = torch.cat([t.reshape(-1) for _, t in tensors])
+        flat = torch.cat([t.reshape(-1) for _, t in tensors]).to(self.comm_device())
         dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        flat = flat.to(tensors[0][1].device)
         offset = 0
         for _, t in tensors:
             n = t.numel()
@@ -81,14 +89,20 @@ class RankGroup:
     def reduce_values(self, values: torch.Tensor) -> torch.Tensor:
         """Sum a small float64 tensor (drift sums and counts) over the ranks."""
         if self.active:
-            dist.all_reduce(values, op=dist.ReduceOp.SUM)
+            moved = values.to(self.comm_device())
+            dist.all_reduce(moved, op=dist.ReduceOp.SUM)
+            values = moved.to(values.device)
         return values
 
     def broadcast_(self, tensors: list[torch.Tensor]) -> None:
         """Overwrite `tensors` on every rank with rank 0's values."""
         if self.active:
+            device = self.comm_device()
             for t in tensors:
-                dist.broadcast(t, src=0)
+                moved = t.to(device)
+                dist.broadcast(moved, src=0)
+                if moved is not t:
+                    t.copy_(moved)
 
 
 def _sum_tensors(sums: TaskSums) -> list[tuple[str, torch.Tensor]]:
