@@ -20,6 +20,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 CHILD = r"""
@@ -80,7 +81,7 @@ def main() -> int:
     parser.add_argument("--examples", type=int, nargs="+", default=[16, 64, 256])
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--chain-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--hidden-size", type=int, default=64)
+    parser.add_argument("--hidden-size", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--image-size", type=int, default=32)
     parser.add_argument("--patch-size", type=int, default=4)
@@ -90,6 +91,7 @@ def main() -> int:
     tokens = (args.image_size // args.patch_size) ** 2 + 1
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"}
     rows = []
+    t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="featcal-scaling-") as tmp:
         root = Path(tmp)
         fam = build_family(root, max(args.experts), sizes)
@@ -108,7 +110,7 @@ def main() -> int:
                 chains = 2 * k * n * tokens * args.hidden_size * {"float32": 4}.get(args.chain_dtype, 2) / 2**20
                 rows.append((k, n, result["seconds"], result["peak_rss_mb"], chains))
                 print(f"experts={k} examples={n}: {result['seconds']:.2f} s, {result['peak_rss_mb']:.0f} MiB", file=sys.stderr)
-    print(f"command: `python benchmarks/scaling.py {shlex.join(sys.argv[1:])}`".replace(" `", " `").rstrip())
+    print(f"command: `{shlex.join(['python', 'benchmarks/scaling.py', *sys.argv[1:]])}` ({time.perf_counter() - t0:.0f} s in all)")
     print(f"model: CLIPVisionModel hidden {args.hidden_size}, {args.layers} blocks, {tokens} tokens; batch "
           f"{args.batch_size}; chains {args.chain_dtype}; torch single-threaded\n")
     print("| experts | examples/task | calibrate (s) | peak RSS (MiB) | chains (MiB) |")
