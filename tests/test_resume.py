@@ -68,15 +68,17 @@ class _Crash(KeyboardInterrupt):
     pass
 
 
-@pytest.mark.parametrize(("kind", "kill_after", "chain_dtype"), [
-    ("t5", 1, "float32"),  # last encoder block: the resumed run starts by capturing the decoder
-    ("t5", 2, "bfloat16"),  # inside the decoder: position biases come back from the checkpoint
-    ("llama", 0, "float32"),  # rotary (cos, sin) tuples in the context
+@pytest.mark.parametrize(("kind", "kill_after", "chain_dtype", "spill"), [
+    ("t5", 1, "float32", False),  # last encoder block: the resumed run starts by capturing the decoder
+    ("t5", 2, "bfloat16", False),  # inside the decoder: position biases come back from the checkpoint
+    ("llama", 0, "float32", False),  # rotary (cos, sin) tuples in the context
+    ("bert", 0, "float16", True),  # chains spilled to disk, masks in the context
 ])
-def test_interrupted_api_run_resumes_bit_identical(kind, kill_after, chain_dtype, tmp_path, monkeypatch):
+def test_interrupted_api_run_resumes_bit_identical(kind, kill_after, chain_dtype, spill, tmp_path, monkeypatch):
     base, experts, merged = noisy_family(kind)
     data = family_data(kind, experts)
-    cfg = FeatCalConfig(chain_dtype=chain_dtype, resume_dir=tmp_path / "state")
+    cfg = FeatCalConfig(chain_dtype=chain_dtype, resume_dir=tmp_path / "state",
+                        spill_dir=tmp_path / "spill" if spill else None)
     straight = calibrate(merged, base=base, experts=experts, calibration=data, config=cfg.model_copy(
         update={"resume_dir": None}), progress=False)
 

@@ -172,8 +172,11 @@ def _statistics_bytes(block: BlockShape) -> tuple[int, str]:
         task += (i * i + i) * 4 if i < outs else sum(i * o + o for _, _, o in members) * 4
     task += sum(3 * d for d in block.norm_channels) * 4
     across = sum(i * i + i * o + o + i for _, i, o in block.linears) * 8 + sum(4 * d for d in block.norm_channels) * 8
-    solve = max((3 * i * i + 2 * i * o) * 8 for _, i, o in block.linears) if block.linears else 0
-    return task + across + solve, f"{fmt(task)} per task (float32) + {fmt(across)} across tasks (float64) + {fmt(solve)} solve"
+    # folding a task in (statistics.NormalisedSums.add_task) holds C, Wt, E[xs ye], C Wt, their blend and
+    # its scaled copy at once, in float64; the solve then needs the system, its Cholesky factor and the
+    # right-hand side: the larger of the two, for the widest Linear
+    fold = max((3 * i * i + 7 * i * o) * 8 for _, i, o in block.linears) if block.linears else 0
+    return task + across + fold, f"{fmt(task)} per task (float32) + {fmt(across)} across tasks (float64) + {fmt(fold)} fold/solve"
 
 
 def estimate(shape: ModelShape, *, tasks: int, config: FeatCalConfig, baseline_bytes: int, world: int = 1) -> MemoryPlan:
