@@ -73,6 +73,7 @@ class _Crash(KeyboardInterrupt):
     ("t5", 2, "bfloat16", False),  # inside the decoder: position biases come back from the checkpoint
     ("llama", 0, "float32", False),  # rotary (cos, sin) tuples in the context
     ("bert", 0, "float16", True),  # chains spilled to disk, masks in the context
+    ("clip", 1, "float32", False),  # after the last block: the rerun only restores
 ])
 def test_interrupted_api_run_resumes_bit_identical(kind, kill_after, chain_dtype, spill, tmp_path, monkeypatch):
     base, experts, merged = noisy_family(kind)
@@ -118,3 +119,14 @@ def test_common_position_picks_newest_shared_generation():
     assert resume.common_position([[(3, 0, 3), (4, 0, 4)], [(3, 0, 3)]]) == 3
     assert resume.common_position([[(4, 0, 4)], [(4, 0, 4), (5, 1, 0)]]) == 4
     assert resume.common_position([[], [(1, 0, 1)]]) is None
+
+
+def test_interrupt_message_says_a_rerun_resumes():
+    import argparse
+
+    from featcal.cli.main import interrupted_message
+
+    calibrate_args = argparse.Namespace(command="calibrate", out="o", cfg_resume=True)
+    assert "rerunning the same command resumes" in interrupted_message(calibrate_args, KeyboardInterrupt())
+    off = argparse.Namespace(command="calibrate", out="o", cfg_resume=False)
+    assert "Nothing can be resumed" in interrupted_message(off, KeyboardInterrupt())

@@ -315,7 +315,10 @@ def _calibrate_to_dir(
                 keep_resume_state=True,
             )
         calibrate_seconds = work.seconds
-        check_finite_state("the calibrated model", calibrated.state_dict())
+        from featcal.calibration.resume import discard_on_error
+
+        with discard_on_error(getattr(calibrated, "featcal_resume_store", None)):  # NaN: resuming cannot help
+            check_finite_state("the calibrated model", calibrated.state_dict())
 
     hashing = Timer()
     inputs_report = {
@@ -340,8 +343,6 @@ def _calibrate_to_dir(
             store.delete()
         return {"command": "calibrate", "drift": getattr(calibrated, "featcal_drift", None), "rank": group.rank}
     save = Timer()
-    from featcal.calibration.resume import discard_on_error
-
     with discard_on_error(store), atomic_output_dir(out_path, overwrite) as tmp:
         copy_side_files(merged_dir, tmp)  # tokenizer / processor files first: save_pretrained's config wins
         if data_dir != merged_dir:
