@@ -13,7 +13,7 @@ from featcal.errors import CheckpointError, ConfigError, OutputExistsError
 from featcal.evaluation.classification import LinearHead, accuracy, fit_linear_probe
 from featcal.zoo.build import build_zoo
 from featcal.zoo.presets import PRESETS, ModelShape, get_preset
-from featcal.zoo.pretrain import PretrainSettings, categories, pretraining_set
+from featcal.zoo.pretrain import PretrainSettings, categories, n_classes, pretraining_set
 from featcal.zoo.store import Zoo
 from featcal.zoo.tasks import TASKS, make_splits
 from featcal.zoo.train import FinetuneSettings, pixel_values
@@ -49,8 +49,8 @@ def test_real_digits_splits_are_disjoint_and_refuse_oversize():
 
 def test_pretraining_categories_are_fixed_by_seed_and_labelled():
     assert categories(5, 0) == categories(5, 0) != categories(5, 1)
-    x, y = pretraining_set(30, 10, seed=0)
-    assert x.shape == (30, 32, 32, 3) and sorted(set(y.tolist())) == list(range(10))
+    x, y = pretraining_set(300, 10, seed=0)
+    assert x.shape == (300, 32, 32, 3) and sorted(set(y.tolist())) == list(range(n_classes(10)))
 
 
 def test_linear_probe_fits_separable_features_and_round_trips(tmp_path):

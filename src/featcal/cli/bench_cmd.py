@@ -7,7 +7,7 @@ from pathlib import Path
 
 from featcal.config import MERGE_METHODS
 from featcal.errors import ConfigError
-from featcal.zoo.presets import PRESETS
+from featcal.zoo.presets import PRESETS, get_preset
 
 
 def _sizes(text: str) -> tuple[int, ...]:
@@ -27,10 +27,12 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    sizes = _sizes(args.calib_sizes) if args.calib_sizes else (min(256, get_preset(args.preset).calibration),)
     settings = BenchSettings(
-        preset=args.preset, seed=args.seed, calib_sizes=_sizes(args.calib_sizes),
+        preset=args.preset, seed=args.seed, calib_sizes=sizes,
         methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
         zoo_dir=Path(args.zoo_dir) if args.zoo_dir else None,
+        base_cache=Path(args.base_cache) if args.base_cache else None,
     )
     validate(settings)
     check_output_dir(args.out, args.overwrite)  # before any work
@@ -52,10 +54,13 @@ def register(subparsers) -> None:
     p.add_argument("--preset", choices=sorted(PRESETS), default="default")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="output directory: bench.json, table.md, drift.png")
-    p.add_argument("--calib-sizes", default="256", help="calibration examples per task, comma-separated (a sweep)")
+    p.add_argument("--calib-sizes", default=None,
+                   help="calibration examples per task, comma-separated for a sweep (default: 256, or the preset's pool)")
     p.add_argument("--methods", default="average,task_arithmetic,ties",
                    help=f"merge methods, comma-separated, from {', '.join(MERGE_METHODS)}")
     p.add_argument("--zoo-dir", default=None, help="zoo cache directory (default zoo-cache/<preset>-seed<seed>)")
+    p.add_argument("--base-cache", default="zoo-cache/pretrained",
+                   help="cache of pretrained bases used when the zoo is built ('' to disable)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--no-progress", action="store_true")

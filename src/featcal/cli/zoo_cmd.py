@@ -15,7 +15,8 @@ def _build(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    zoo = build_zoo(args.out, args.preset, args.seed, overwrite=args.overwrite, progress=not args.no_progress)
+    zoo = build_zoo(args.out, args.preset, args.seed, overwrite=args.overwrite, progress=not args.no_progress,
+                    base_cache=args.base_cache or None)
     print((zoo.root / "build.log").read_text(), end="")
     print(f"zoo ready: {zoo.root} ({len(zoo.tasks)} tasks: {', '.join(zoo.tasks)})")
     return 0
@@ -38,6 +39,8 @@ def register(subparsers) -> None:
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--out", required=True, help="zoo directory (reused when built from the same preset and seed)")
     b.add_argument("--overwrite", action="store_true", help="replace a zoo built from other settings")
+    b.add_argument("--base-cache", default="zoo-cache/pretrained",
+                   help="cache of pretrained bases, keyed by model and pretraining settings ('' to disable)")
     b.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     b.add_argument("--no-progress", action="store_true")
     b.set_defaults(func=_build)

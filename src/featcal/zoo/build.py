@@ -45,8 +45,12 @@ def cached(out: str | os.PathLike, preset: ZooPreset, seed: int) -> Zoo | None:
 
 
 def build_zoo(out: str | os.PathLike, preset: str | ZooPreset = "default", seed: int = 0, *,
-              overwrite: bool = False, progress: bool = True) -> Zoo:
-    """Return the zoo at `out`, building it first unless an identical one is already there."""
+              overwrite: bool = False, progress: bool = True, base_cache: str | os.PathLike | None = None) -> Zoo:
+    """Return the zoo at `out`, building it first unless an identical one is already there.
+
+    `base_cache`: a directory of pretrained bases keyed by `preset.pretrain_fingerprint(seed)`; the
+    pretraining stage (most of the build) is skipped when the key is there, and stored when not.
+    """
     p = get_preset(preset) if isinstance(preset, str) else preset
     hit = cached(out, p, seed)
     if hit is not None:
@@ -58,7 +62,7 @@ def build_zoo(out: str | os.PathLike, preset: str | ZooPreset = "default", seed:
         )
     check_output_dir(out, overwrite)
     with atomic_output_dir(out, overwrite) as tmp:
-        _build(tmp, p, seed, progress)
+        _build(tmp, p, seed, progress, Path(base_cache) if base_cache else None)
     return Zoo.open(out)
 
 
@@ -66,9 +70,26 @@ def _save(model, directory: Path) -> None:
     model.save_pretrained(directory, safe_serialization=True)
 
 
-def _build(root: Path, p: ZooPreset, seed: int, progress: bool) -> None:
+def _pretrained_base(p: ZooPreset, seed: int, progress: bool, cache: Path | None) -> tuple[object, dict, bool]:
+    """The pretrained base (from the cache when it holds this key), its metrics, and whether cached."""
     import transformers
 
+    from featcal.io.models import load_model
+
+    key = cache / f"base-{p.pretrain_fingerprint(seed)}" if cache else None
+    if key is not None and (key / "pretrain.json").exists():
+        return load_model(key), json.loads((key / "pretrain.json").read_text()), True
+    torch.manual_seed(seed)
+    base = transformers.CLIPVisionModel(p.model.config())
+    metrics = pretrain(base, p.pretrain, seed, progress)
+    if key is not None:
+        with atomic_output_dir(key, overwrite=True) as tmp:
+            _save(base, tmp)
+            (tmp / "pretrain.json").write_text(json.dumps(metrics) + "\n")
+    return base, metrics, False
+
+
+def _build(root: Path, p: ZooPreset, seed: int, progress: bool, base_cache: Path | None = None) -> None:
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
     lines: list[str] = []
@@ -100,13 +121,12 @@ def _build(root: Path, p: ZooPreset, seed: int, progress: bool) -> None:
 
     # 2. base: pretrained on distinct procedural categories
     t = time.perf_counter()
-    torch.manual_seed(seed)
-    base = transformers.CLIPVisionModel(p.model.config())
-    pre = pretrain(base, p.pretrain, seed, progress)
+    base, pre, reused = _pretrained_base(p, seed, progress, base_cache)
     _save(base, root / "base")
     timings["pretrain"] = time.perf_counter() - t
+    where = f"reused from {base_cache}" if reused else f"{timings['pretrain']:.0f}s"
     note(f"pretrain: {p.pretrain.steps} steps, final loss {pre['final_loss']:.3f}, "
-         f"train accuracy {pre['final_train_accuracy']:.3f} ({timings['pretrain']:.0f}s)")
+         f"train accuracy {pre['final_train_accuracy']:.3f} ({where})")
 
     # 3. heads: linear probes on the base's pooled features, then frozen
     t = time.perf_counter()
@@ -163,7 +183,7 @@ def _build(root: Path, p: ZooPreset, seed: int, progress: bool) -> None:
                       f"task_arithmetic_{s}_accuracy": ta_acc[n], "task_vector_relative_norm": tv_norm[n]}
                   for n in p.tasks},
         "regime": {**regime, "ordered": ok},
-        "pretrain": pre,
+        "pretrain": {**pre, "reused_from_cache": reused},
         "timings_s": {k: round(v, 2) for k, v in timings.items()},
         "threads": torch.get_num_threads(),
         "versions": package_versions(),

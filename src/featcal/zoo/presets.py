@@ -11,7 +11,8 @@ from featcal.zoo.pretrain import PretrainSettings
 from featcal.zoo.tasks import TASKS
 from featcal.zoo.train import FinetuneSettings
 
-ZOO_FORMAT = 1  # bump when the build changes what a preset produces, so stale caches are rebuilt
+ZOO_FORMAT = 2  # bump when the build changes what a preset produces, so stale caches are rebuilt
+PRETRAIN_FORMAT = 1  # bump when pretraining changes (keys the cache of pretrained bases)
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,12 @@ class ZooPreset:
     regime_scaling: float = 0.3  # Task Arithmetic scaling checked in the build log
     notes: dict = field(default_factory=dict)
 
+    def pretrain_fingerprint(self, seed: int) -> str:
+        """Identifies the pretrained base alone (shared by presets that differ only downstream)."""
+        blob = json.dumps({"format": PRETRAIN_FORMAT, "seed": seed, "model": asdict(self.model),
+                           "pretrain": asdict(self.pretrain)}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
     def fingerprint(self, seed: int) -> str:
         blob = json.dumps({"format": ZOO_FORMAT, "seed": seed, **asdict(self)}, sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -52,18 +59,18 @@ PRESETS: dict[str, ZooPreset] = {
     "tiny": ZooPreset(
         name="tiny",
         model=ModelShape(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2),
-        tasks=("stripes", "textures", "colours", "signs"),
+        tasks=("stripes", "landcover", "handwritten_digits", "textures"),
         train=300, calibration=64, test=200,
         pretrain=PretrainSettings(images=3000, categories=40, steps=150, batch_size=64, lr=2e-3),
-        finetune=FinetuneSettings(steps=80, batch_size=32, lr=1e-3),
+        finetune=FinetuneSettings(steps=120, batch_size=32, lr=3e-3, layer_decay=0.3),
     ),
     "default": ZooPreset(
         name="default",
         model=ModelShape(hidden_size=192, intermediate_size=768, num_hidden_layers=4, num_attention_heads=3),
         tasks=tuple(TASKS),
         train=1500, calibration=256, test=500,
-        pretrain=PretrainSettings(images=16000, categories=100, steps=600, batch_size=128, lr=1.5e-3),
-        finetune=FinetuneSettings(steps=150, batch_size=64, lr=1e-4),
+        pretrain=PretrainSettings(images=16000, categories=100, steps=800, batch_size=128, lr=1.5e-3),
+        finetune=FinetuneSettings(steps=250, batch_size=64, lr=5e-4),
     ),
 }
 

@@ -1,10 +1,14 @@
 """Pretraining of the zoo's base encoder on data distinct from every downstream task.
 
-The base plays CLIP's role: a broadly useful encoder trained on other data. Its data are `K`
-procedural "object categories", each a fixed random composite (an irregular polygon, an inner
-stroke, a colour scheme) drawn under random pose, scale and background — the way ImageNet-like
-categories differ from SUN397 or EuroSAT. None of the downstream classes (shapes, digits, hues,
-textures, counts, signs) is a pretraining category, and the pretraining head is thrown away.
+The base plays CLIP's role: a broadly useful encoder trained on other data. One classifier is
+trained over three families of categories, none of which is a downstream class:
+- `K` procedural "object categories", each a fixed random composite (an irregular polygon, an inner
+  stroke, a colour scheme) drawn under random pose, scale and background (ImageNet-like objects);
+- Greek and Cyrillic letters in random fonts, colours and poses (text seen in the wild; the
+  downstream glyph tasks use Latin digits and sign symbols);
+- plaids: two superposed gratings at random orientations, labelled by their pair of spatial
+  frequency bands (frequency, not orientation: the downstream stripes task asks for orientation).
+The pretraining head is thrown away.
 """
 
 from __future__ import annotations
@@ -56,12 +60,55 @@ def render(rng: np.random.Generator, cat: Category) -> np.ndarray:
     return D.finish(img, rng, 0.03)
 
 
+LETTERS = "αβγδεζηθλξπσφψωΓΔΘΛΞΠΣΦΨΩбгджзийлфцчшщыэюяБГДЖЗИЛФЦШЭЮЯ"
+BANDS = (1.5, 2.5, 3.5, 5.0, 7.0)  # cycles per image, centres of the plaid frequency bands
+
+
+def render_letter(rng: np.random.Generator, index: int) -> np.ndarray:
+    fg, bg = D.contrasting_pair(rng)
+    img = D.background(rng, bg, 0.3)
+    c = D.CANVAS
+    D.draw_glyph(img, LETTERS[index], c / 2 + rng.uniform(-6, 6), c / 2 + rng.uniform(-6, 6),
+                 rng.uniform(0.5, 0.8) * c, fg, int(rng.integers(0, len(D.FONT_FILES))), rng.uniform(-20, 20))
+    return D.finish(img, rng, 0.03)
+
+
+def render_plaid(rng: np.random.Generator, index: int) -> np.ndarray:
+    c = D.CANVAS
+    f1, f2 = BANDS[index // len(BANDS)], BANDS[index % len(BANDS)]
+    yy, xx = np.mgrid[0:c, 0:c].astype(np.float32) / c
+    wave = np.zeros((c, c), np.float32)
+    for f in (f1, f2):
+        a = rng.uniform(0, np.pi)
+        f = f * rng.uniform(0.9, 1.1)
+        wave += np.sin(2 * np.pi * f * (xx * np.cos(a) + yy * np.sin(a)) + rng.uniform(0, 2 * np.pi))
+    t = (wave[..., None] / 4 + 0.5).clip(0, 1)
+    a_col, b_col = D.contrasting_pair(rng)
+    img = t * np.asarray(a_col, np.float32) + (1 - t) * np.asarray(b_col, np.float32)
+    from PIL import Image
+
+    return D.finish(Image.fromarray(img.astype(np.uint8), "RGB"), rng, 0.03)
+
+
+def n_classes(k: int) -> int:
+    """Pretraining classes: k objects, the letters, and the plaid frequency-band pairs."""
+    return k + len(LETTERS) + len(BANDS) ** 2
+
+
 def pretraining_set(n: int, k: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """`n` labelled pretraining images over `k` categories (balanced)."""
+    """`n` labelled pretraining images over `n_classes(k)` categories (balanced)."""
     cats = categories(k, seed)
     rng = np.random.default_rng([seed, 4321])
-    labels = rng.permutation(np.arange(n) % k).astype(np.int64)
-    return np.stack([render(rng, cats[int(y)]) for y in labels]), labels
+    labels = rng.permutation(np.arange(n) % n_classes(k)).astype(np.int64)
+    images = []
+    for y in labels.tolist():
+        if y < k:
+            images.append(render(rng, cats[y]))
+        elif y < k + len(LETTERS):
+            images.append(render_letter(rng, y - k))
+        else:
+            images.append(render_plaid(rng, y - k - len(LETTERS)))
+    return np.stack(images), labels
 
 
 @dataclass(frozen=True)
@@ -80,7 +127,7 @@ def pretrain(model, settings: PretrainSettings, seed: int, progress: bool = True
     images, labels = pretraining_set(settings.images, settings.categories, seed)
     x, y = pixel_values(images), torch.from_numpy(labels)
     g = torch.Generator().manual_seed(seed)
-    head = torch.nn.Linear(model.config.hidden_size, settings.categories)
+    head = torch.nn.Linear(model.config.hidden_size, n_classes(settings.categories))
     params = list(model.parameters()) + list(head.parameters())
     opt = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule(settings.warmup, settings.steps))

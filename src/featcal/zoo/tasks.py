@@ -1,13 +1,14 @@
 """The eight downstream tasks of the zoo: image classification problems that differ in kind.
 
 They play the roles of the paper's CLIP tasks: objects (shapes), orientation (stripes), texture
-(DTD), colour/land cover (EuroSAT), counting, printed digits (SVHN), handwritten digits (MNIST; real
-scikit-learn images) and traffic-sign-like symbols (GTSRB). Each generator maps (rng, labels) to
+(DTD), dominant colour (RESISC-like scenes), land cover seen from above (EuroSAT), printed digits
+(SVHN), handwritten digits (MNIST; real scikit-learn images) and traffic-sign-like symbols (GTSRB). Each generator maps (rng, labels) to
 uint8 images (N, 32, 32, 3); labels are drawn balanced by `make_split`.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,16 +49,16 @@ def _shape(rng: np.random.Generator, y: int) -> np.ndarray:
     img = D.background(rng, bg)
     d = ImageDraw.Draw(img)
     c = D.CANVAS
-    r = rng.uniform(0.2, 0.38) * c
-    cx, cy = rng.uniform(r, c - r, 2)
-    a = rng.uniform(0, 2 * math.pi)
+    r = rng.uniform(0.28, 0.42) * c
+    cx, cy = c / 2 + rng.uniform(-0.08, 0.08, 2) * c
+    a = -math.pi / 2 + rng.uniform(-0.15, 0.15)  # upright, like photographed objects
     name = SHAPES[y]
     if name == "circle":
         d.ellipse([cx - r, cy - r, cx + r, cy + r], fill=fg)
     elif name == "ring":
         d.ellipse([cx - r, cy - r, cx + r, cy + r], outline=fg, width=max(3, int(r * 0.3)))
     elif name == "square":
-        d.polygon(D.regular_polygon(cx, cy, r * 1.1, 4, a), fill=fg)
+        d.polygon(D.regular_polygon(cx, cy, r * 1.1, 4, a + math.pi / 4), fill=fg)
     elif name == "triangle":
         d.polygon(D.regular_polygon(cx, cy, r * 1.15, 3, a), fill=fg)
     elif name == "star":
@@ -94,10 +95,10 @@ TEXTURES = ("checker", "dots", "grid", "rings", "zigzag", "speckle", "blobs", "b
 def _texture(rng: np.random.Generator, y: int) -> np.ndarray:
     c = D.CANVAS
     yy, xx = np.mgrid[0:c, 0:c].astype(np.float32)
-    a = rng.uniform(0, math.pi)
+    a = rng.uniform(-0.2, 0.2)
     u = xx * math.cos(a) + yy * math.sin(a)
     v = -xx * math.sin(a) + yy * math.cos(a)
-    p = rng.uniform(9, 16)  # period in canvas pixels
+    p = rng.uniform(12, 20)  # period in canvas pixels
     name = TEXTURES[y]
     if name == "checker":
         m = ((np.floor(u / p) + np.floor(v / p)) % 2).astype(np.float32)
@@ -142,26 +143,52 @@ def _colour(rng: np.random.Generator, y: int) -> np.ndarray:
     return D.finish(img, rng, 0.02)
 
 
-# ---- count: how many objects ------------------------------------------------------------------
-COUNTS = ("1", "2", "3", "4", "5", "6")
+# ---- land cover: colour-and-texture scenes seen from above (EuroSAT-like) ----------------------
+LANDCOVER = ("forest", "sea", "desert", "urban", "crops", "snow", "river", "residential")
+_LAND = {  # pattern, (hue, saturation, value) of the two colours
+    "forest": ("blobs", (0.30, 0.8, 0.35), (0.27, 0.6, 0.6)),
+    "sea": ("waves", (0.60, 0.8, 0.45), (0.58, 0.6, 0.75)),
+    "desert": ("dunes", (0.11, 0.6, 0.85), (0.09, 0.7, 0.6)),
+    "urban": ("grid", (0.0, 0.0, 0.35), (0.0, 0.05, 0.7)),
+    "crops": ("rows", (0.22, 0.7, 0.7), (0.14, 0.7, 0.8)),
+    "snow": ("speckle", (0.6, 0.05, 0.95), (0.6, 0.1, 0.8)),
+    "river": ("band", (0.28, 0.6, 0.5), (0.6, 0.7, 0.7)),
+    "residential": ("bricks", (0.02, 0.6, 0.6), (0.0, 0.0, 0.75)),
+}
 
 
-def _count(rng: np.random.Generator, y: int) -> np.ndarray:
-    fg, bg = D.contrasting_pair(rng)
-    img = D.background(rng, bg, 0.15)
-    d = ImageDraw.Draw(img)
+def _jitter(rng: np.random.Generator, h: float, s: float, v: float) -> tuple[int, int, int]:
+    return D.hsv(h + rng.uniform(-0.03, 0.03), s * rng.uniform(0.8, 1.1), v * rng.uniform(0.8, 1.15))
+
+
+def _landcover(rng: np.random.Generator, y: int) -> np.ndarray:
+    pattern, a, b = _LAND[LANDCOVER[y]]
     c = D.CANVAS
-    placed: list[tuple[float, float, float]] = []
-    while len(placed) < y + 1:
-        r = rng.uniform(3.5, 6.0)
-        cx, cy = rng.uniform(r + 1, c - r - 1, 2)
-        if all((cx - px) ** 2 + (cy - py) ** 2 > (r + pr + 3) ** 2 for px, py, pr in placed):
-            placed.append((cx, cy, r))
-            if rng.random() < 0.5:
-                d.ellipse([cx - r, cy - r, cx + r, cy + r], fill=fg)
-            else:
-                d.rectangle([cx - r, cy - r, cx + r, cy + r], fill=fg)
-    return D.finish(img, rng, 0.02)
+    yy, xx = np.mgrid[0:c, 0:c].astype(np.float32) - c / 2
+    ang = rng.uniform(0, math.pi)
+    u = xx * math.cos(ang) + yy * math.sin(ang)
+    v = -xx * math.sin(ang) + yy * math.cos(ang)
+    p = rng.uniform(8, 14)
+    if pattern == "blobs":
+        m = D.smooth_noise(rng, int(rng.integers(6, 10)))
+    elif pattern == "waves":
+        m = 0.5 + 0.5 * np.sin(2 * math.pi * u / p + 2 * np.sin(v / p))
+    elif pattern == "dunes":
+        m = D.smooth_noise(rng, 3) * 0.7 + 0.3 * (0.5 + 0.5 * np.sin(2 * math.pi * u / (2 * p)))
+    elif pattern == "grid":
+        m = (((u % p) < p * 0.3) | ((v % p) < p * 0.3)).astype(np.float32)
+    elif pattern == "rows":
+        m = ((u % p) < p / 2).astype(np.float32)
+    elif pattern == "speckle":
+        m = rng.random((c, c)).astype(np.float32)
+    elif pattern == "band":
+        m = (np.abs(v + rng.uniform(-8, 8) - 6 * np.sin(u / 9)) < rng.uniform(5, 10)).astype(np.float32)
+    else:  # bricks (roofs)
+        row = np.floor(v / p)
+        m = (((v % p) < p * 0.25) | (((u + row * p / 2) % p) < p * 0.25)).astype(np.float32)
+    ca, cb = np.asarray(_jitter(rng, *a), np.float32), np.asarray(_jitter(rng, *b), np.float32)
+    img = m[..., None] * cb + (1 - m[..., None]) * ca
+    return D.finish(Image.fromarray(img.clip(0, 255).astype(np.uint8), "RGB"), rng, 0.03)
 
 
 # ---- printed digits in a street-number style (SVHN-like) --------------------------------------
@@ -172,13 +199,13 @@ def _printed_digit(rng: np.random.Generator, y: int) -> np.ndarray:
     fg, bg = D.contrasting_pair(rng)
     img = D.background(rng, bg, 0.3)
     c = D.CANVAS
-    h = rng.uniform(0.55, 0.8) * c
-    fi = int(rng.integers(0, len(D.FONT_FILES)))
-    cx, cy = c / 2 + rng.uniform(-4, 4), c / 2 + rng.uniform(-4, 4)
-    for side in (-1, 1):  # neighbouring house-number digits, cut by the frame
-        if rng.random() < 0.6:
-            D.draw_glyph(img, str(rng.integers(0, 10)), cx + side * h * 0.85, cy, h, fg, fi)
-    D.draw_glyph(img, DIGITS[y], cx, cy, h, fg, fi, rng.uniform(-12, 12))
+    h = rng.uniform(0.7, 0.85) * c
+    fi = int(rng.integers(0, 4))  # the sans, bold and serif faces
+    cx, cy = c / 2 + rng.uniform(-3, 3), c / 2 + rng.uniform(-3, 3)
+    for side in (-1, 1):  # neighbouring house-number digits, mostly cut off by the frame
+        if rng.random() < 0.3:
+            D.draw_glyph(img, str(rng.integers(0, 10)), cx + side * h * 0.95, cy, h, fg, fi)
+    D.draw_glyph(img, DIGITS[y], cx, cy, h, fg, fi, rng.uniform(-8, 8))
     return D.finish(img, rng, 0.03)
 
 
@@ -190,13 +217,19 @@ def _sklearn_digits() -> tuple[np.ndarray, np.ndarray]:
     return data.images.astype(np.float32), data.target.astype(np.int64)
 
 
+@functools.lru_cache(maxsize=1)
 def handwritten_pool() -> tuple[np.ndarray, np.ndarray]:
-    """All 1,797 real digits as 32×32 RGB uint8 (white on black, like MNIST), with their labels."""
+    """All 1,797 real digits as 32×32 RGB uint8, ink and paper in random contrasting colours (as
+    digits appear in photographs), with their labels. The colours are fixed per image by its index."""
     images, labels = _sklearn_digits()
     out = np.zeros((len(images), D.SIZE, D.SIZE, 3), np.uint8)
+    rng = np.random.default_rng(1797)
     for i, im in enumerate(images):
         big = Image.fromarray((im / 16.0 * 255).astype(np.uint8), "L").resize((24, 24), Image.BILINEAR)
-        out[i, 4:28, 4:28, :] = np.asarray(big)[..., None]
+        ink = np.zeros((D.SIZE, D.SIZE, 1), np.float32)
+        ink[4:28, 4:28, 0] = np.asarray(big, np.float32) / 255.0
+        fg, bg = D.contrasting_pair(rng)
+        out[i] = (ink * np.asarray(fg, np.float32) + (1 - ink) * np.asarray(bg, np.float32)).astype(np.uint8)
     return out, labels
 
 
@@ -249,7 +282,7 @@ TASKS: dict[str, Task] = {
         Task("stripes", ANGLES, _each(_stripes)),
         Task("textures", TEXTURES, _each(_texture)),
         Task("colours", HUES, _each(_colour)),
-        Task("count", COUNTS, _each(_count)),
+        Task("landcover", LANDCOVER, _each(_landcover)),
         Task("printed_digits", DIGITS, _each(_printed_digit)),
         Task("handwritten_digits", DIGITS, pool=handwritten_pool),
         Task("signs", SIGNS, _each(_sign)),

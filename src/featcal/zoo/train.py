@@ -35,6 +35,24 @@ class FinetuneSettings:
     lr: float
     weight_decay: float = 0.0
     warmup: int = 20
+    optimizer: str = "adamw"  # or "sgd" (momentum 0.9)
+    layer_decay: float = 1.0  # layer-wise LR decay: block l of L gets lr·decay^(L-l), the stem lr·decay^(L+1)
+
+
+def layer_groups(model, lr: float, decay: float) -> list[dict]:
+    """Optimizer parameter groups with layer-wise LR decay (the usual ViT fine-tuning recipe): lower
+    layers, and most of all the embeddings, move less, so a task's skill sits in the blocks."""
+    n_layers = model.config.num_hidden_layers
+    groups: dict[int, list] = {}
+    for name, p in model.named_parameters():
+        if name.startswith(("embeddings.", "pre_layrnorm.")):
+            depth = 0
+        elif name.startswith("encoder.layers."):
+            depth = int(name.split(".")[2]) + 1
+        else:  # post_layernorm and anything above the blocks
+            depth = n_layers + 1
+        groups.setdefault(depth, []).append(p)
+    return [{"params": ps, "lr": lr * decay ** (n_layers + 1 - d)} for d, ps in sorted(groups.items())]
 
 
 def finetune(model, head: torch.nn.Module, images: np.ndarray, labels: np.ndarray, settings: FinetuneSettings,
@@ -44,7 +62,13 @@ def finetune(model, head: torch.nn.Module, images: np.ndarray, labels: np.ndarra
     g = torch.Generator().manual_seed(seed)
     for p in head.parameters():
         p.requires_grad_(False)
-    opt = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
+    groups = layer_groups(model, settings.lr, settings.layer_decay)
+    if settings.optimizer == "sgd":
+        opt: torch.optim.Optimizer = torch.optim.SGD(groups, lr=settings.lr, momentum=0.9, weight_decay=settings.weight_decay)
+    elif settings.optimizer == "adamw":
+        opt = torch.optim.AdamW(groups, lr=settings.lr, weight_decay=settings.weight_decay)
+    else:
+        raise ValueError(f"unknown optimizer {settings.optimizer!r}")
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule(settings.warmup, settings.steps))
     model.train()
     loss = torch.zeros(())
