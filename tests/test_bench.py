@@ -53,10 +53,12 @@ def test_calibrated_rows_carry_drift_and_cost(bench):
     report, _ = bench
     cal = [r for r in report["rows"] if r["calibrated"]]
     for r in cal:
-        assert r["cost_ratio"] == pytest.approx(r["calibration_seconds"] / r["forward_floor_seconds"], rel=0.01)
-        assert len(r["drift"]) == 2  # the tiny encoder's two blocks
-        assert all(d["after"] <= d["before"] + 1e-6 for d in r["drift"][:1])  # first block: drift removed
+        assert r["cost_ratio"] == pytest.approx(r["calibration_seconds"] / r["forward_floor_seconds"], rel=0.05)
+        assert len(r["engine_drift"]) == 2 and len(r["feature_drift"]) == 2  # the tiny encoder's two blocks
+        assert r["engine_drift"][0]["after"] < r["engine_drift"][0]["before"]  # first block: drift reduced
     assert set(report["drift"]) == {"task_arithmetic", "average"}
+    ta = report["drift"]["task_arithmetic"]
+    assert [d["block"] for d in ta] == [0, 1] and ta[0]["after"] < ta[0]["before"]
 
 
 def test_featcal_improves_the_tiny_merge(bench):

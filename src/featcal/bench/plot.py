@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 
 
 def drift_plot(curves: Mapping[str, Sequence[Mapping[str, float]]], path: str | os.PathLike, title: str) -> None:
-    """One panel: for each merge, its drift before (dashed) and after FeatCal (solid), by block."""
+    """One panel: for each merge, its drift alone (dashed) and + FeatCal (solid), by block."""
     import matplotlib
 
     matplotlib.use("Agg")

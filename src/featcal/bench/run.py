@@ -91,6 +91,25 @@ def forward_floor_seconds(merged, experts: Mapping[str, Any], calibration: Mappi
     return timer.seconds
 
 
+@torch.no_grad()
+def feature_drift(model, experts: Mapping[str, Any], calibration: Mapping[str, Sequence[dict]]) -> list[float]:
+    """Per block, mean over tasks of E_tokens ||h_model - h_expert||² / ||h_expert||² at the block's
+    output, each model run end to end on its task's calibration data (the paper's Figure 1 metric,
+    the same quantity the engine logs)."""
+    per_task = []
+    for task, batches in calibration.items():
+        sums: list[float] = []
+        count = 0
+        for b in batches:
+            hm = model(**b, output_hidden_states=True).hidden_states[1:]
+            he = experts[task](**b, output_hidden_states=True).hidden_states[1:]
+            rel = [((m - e).pow(2).sum(-1) / e.pow(2).sum(-1).clamp_min(1e-12)).sum().item() for m, e in zip(hm, he, strict=True)]
+            sums = rel if not sums else [a + r for a, r in zip(sums, rel, strict=True)]
+            count += hm[0].shape[0] * hm[0].shape[1]
+        per_task.append([v / count for v in sums])
+    return [sum(col) / len(col) for col in zip(*per_task, strict=True)]
+
+
 def _warm_up(zoo, base, experts: Mapping[str, Any], pools: Mapping[str, torch.Tensor], progress: bool) -> None:
     """One small, untimed merge and calibration, so that lazy imports and first-call allocations are
     not charged to whichever method happens to be timed first."""
@@ -165,7 +184,9 @@ def run_bench(settings: BenchSettings, progress: bool = True) -> dict[str, Any]:
             merge_seconds = timer.seconds
             per_task = _evaluate(merged, heads, tests, bs)
         merge_avg = mean(per_task)
-        rows.append(_row(method, False, per_task, merge_seconds, rss.mb, params=params,
+        drift_probe = {t: _batches(pools[t][:64], 64) for t in tasks}  # a fixed slice for the drift curves
+        merged_drift = feature_drift(merged, experts, drift_probe)
+        rows.append(_row(method, False, per_task, merge_seconds, rss.mb, params=params, feature_drift=merged_drift,
                          normalised_accuracy=normalised_accuracy(per_task, expert_acc),
                          gap_closed=0.0))
         log.info("%s: %.4f", method, merge_avg)
@@ -179,15 +200,18 @@ def run_bench(settings: BenchSettings, progress: bool = True) -> dict[str, Any]:
                                        config=cfg, progress=progress)
                 calib_seconds = timer.seconds
             per_task = _evaluate(calibrated, heads, tests, bs)
-            drift = [_json_record(d) for d in getattr(calibrated, "featcal_drift", [])]
+            engine_drift = [_json_record(d) for d in getattr(calibrated, "featcal_drift", [])]
+            calibrated_drift = feature_drift(calibrated, experts, drift_probe)
             if n == max(settings.calib_sizes):
-                drift_curves[method] = drift
+                drift_curves[method] = [{"block": i, "before": b, "after": a}
+                                        for i, (b, a) in enumerate(zip(merged_drift, calibrated_drift, strict=True))]
             avg = mean(per_task)
             rows.append(_row(method, True, per_task, merge_seconds + calib_seconds, rss.mb, params=params,
-                             calibration_examples=n, calibration_seconds=round(calib_seconds, 3),
-                             forward_floor_seconds=round(floor, 3), cost_ratio=calib_seconds / floor,
+                             calibration_examples=n, calibration_seconds=round(calib_seconds, 4),
+                             forward_floor_seconds=round(floor, 4), cost_ratio=calib_seconds / floor,
                              normalised_accuracy=normalised_accuracy(per_task, expert_acc),
-                             gap_closed=gap_closed(avg, merge_avg, experts_average), drift=drift))
+                             gap_closed=gap_closed(avg, merge_avg, experts_average),
+                             feature_drift=calibrated_drift, engine_drift=engine_drift))
             log.info("%s + FeatCal (%d/task): %.4f (%.1fs, floor %.1fs)", method, n, avg, calib_seconds, floor)
             del calibrated
 
