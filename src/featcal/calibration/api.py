@@ -17,7 +17,7 @@ from featcal.calibration.distributed import RankGroup, current_group
 from featcal.calibration.engine import FeatCalEngine, needed_param_names
 from featcal.calibration.sources import CheckpointSource, ModelSource, ParamSource, validate_source
 from featcal.config import FeatCalConfig
-from featcal.errors import CalibrationDataError, ConfigError
+from featcal.errors import CalibrationDataError, CheckpointError, ConfigError
 from featcal.io.validate import validate_expert_names
 
 log = logging.getLogger("featcal.calibration")
@@ -86,8 +86,41 @@ def _check_batches(task: str, batches: list[dict[str, torch.Tensor]], main_input
                 raise CalibrationDataError(
                     f"{where}: attention_mask {tuple(mask.shape)} does not match input_ids {tuple(x.shape)}"
                 )
-        elif main_input == "pixel_values" and x.dim() != 4:
-            raise CalibrationDataError(f"{where}: pixel_values must be (batch, channels, height, width), got {tuple(x.shape)}")
+        elif main_input == "pixel_values":
+            if x.dim() != 4:
+                raise CalibrationDataError(
+                    f"{where}: pixel_values must be (batch, channels, height, width), got {tuple(x.shape)}"
+                )
+            vision = getattr(config, "vision_config", config)
+            channels, size = getattr(vision, "num_channels", None), getattr(vision, "image_size", None)
+            if channels is not None and x.shape[1] != channels:
+                raise CalibrationDataError(f"{where}: pixel_values have {x.shape[1]} channels, the model takes {channels}")
+            if isinstance(size, int) and tuple(x.shape[2:]) != (size, size):
+                raise CalibrationDataError(
+                    f"{where}: pixel_values are {tuple(x.shape[2:])} pixels, the model takes ({size}, {size})"
+                )
+        if main_input == "input_ids":
+            limit = getattr(config, "max_position_embeddings", None)
+            if limit is not None and getattr(config, "model_type", "") != "t5" and x.shape[1] > limit:
+                raise CalibrationDataError(f"{where}: {x.shape[1]} tokens, the model takes at most {limit}")
+
+
+def _check_finite(
+    model: nn.Module, sources: Mapping[str, ParamSource], base: ParamSource | None,
+    stem_names: list[str], block_names: list[str],
+) -> None:
+    """Refuse NaN/Inf in any parameter the run reads, naming its owner, before any forward runs."""
+    for name, p in model.named_parameters():
+        if p.is_floating_point() and not bool(torch.isfinite(p).all()):
+            raise CheckpointError(f"merged model: parameter {name!r} contains NaN or Inf")
+    owners = [(src, stem_names + block_names) for src in sources.values()]
+    if base is not None:
+        owners.append((base, block_names))
+    for src, names in owners:
+        for name in names:
+            t = src.get(name)
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise CheckpointError(f"{src.label}: parameter {name!r} contains NaN or Inf")
 
 
 def _check_tasks(experts: Mapping[str, Any], calibration: Mapping[str, Any]) -> None:
@@ -140,6 +173,7 @@ def calibrate(
     inplace: bool = False,
     allow_pickle: bool = False,
     keep_resume_state: bool = False,
+    check_finite: bool = True,
 ) -> nn.Module:
     """Calibrate a merged model toward its experts with FeatCal (SPEC §2); returns the calibrated model.
 
@@ -151,7 +185,8 @@ def calibrate(
 
     With `config.resume_dir` every finished block is checkpointed there and a rerun with the same inputs
     continues after the last finished block; the state is deleted on success unless `keep_resume_state`
-    (the caller deletes it once its output is written). Under an initialised torch.distributed process
+    (the caller deletes it once its output is written). `check_finite` scans, before any work, every
+    parameter the run reads (merged, base, experts; one tensor at a time) for NaN/Inf. Under an initialised torch.distributed process
     group the batches are shared out over the ranks and the statistics all-reduced (distributed.py).
     """
     config = config if config is not None else FeatCalConfig()
@@ -199,6 +234,8 @@ def calibrate(
         validate_source(src, model, stem_names + block_names)
     if base_src is not None:
         validate_source(base_src, model, block_names)
+    if check_finite:
+        _check_finite(model, sources, base_src, stem_names, block_names)
 
     origin = next(model.parameters()).device
     model.to(device).eval()

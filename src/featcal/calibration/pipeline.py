@@ -312,7 +312,7 @@ def _calibrate_to_dir(
             calibrated = calibrate(
                 merged_model, base=str(base_dir), experts={t: str(d) for t, d in expert_dirs.items()},
                 calibration=calibration, config=config, progress=progress, inplace=True, allow_pickle=allow_pickle,
-                keep_resume_state=True,
+                keep_resume_state=True, check_finite=False,  # the checkpoints were scanned above
             )
         calibrate_seconds = work.seconds
         from featcal.calibration.resume import discard_on_error

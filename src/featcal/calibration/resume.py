@@ -245,8 +245,11 @@ class ResumeStore:
     def delete(self) -> None:
         """Remove the whole resume directory (after the calibrated checkpoint is safely written)."""
         shutil.rmtree(self.dir, ignore_errors=True)
-        if self.dir != self.root and self.root.is_dir() and not any(self.root.iterdir()):
-            self.root.rmdir()
+        if self.dir != self.root:
+            # under torchrun every rank tidies its own folder; whichever is last removes the root
+            with contextlib.suppress(FileNotFoundError, OSError):
+                if not any(self.root.iterdir()):
+                    self.root.rmdir()
 
 
 def _chains_name(blocks_done: int) -> str:

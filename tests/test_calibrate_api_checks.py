@@ -1,0 +1,57 @@
+"""The Python API refuses unusable in-memory inputs before any forward runs."""
+
+import pytest
+import torch
+from tiny import perturbed, sample_inputs, tiny_model
+
+from featcal import FeatCalConfig, calibrate
+from featcal.calibration import engine
+from featcal.errors import CalibrationDataError, CheckpointError
+
+
+def _family(kind):
+    base = tiny_model(kind)
+    return base, {"a": perturbed(base, 1), "b": perturbed(base, 2)}
+
+
+def _no_forward(monkeypatch):
+    def boom(*a, **k):
+        raise AssertionError("work started before the inputs were checked")
+
+    monkeypatch.setattr(engine.FeatCalEngine, "run", boom)
+
+
+@pytest.mark.parametrize("who", ["merged", "expert", "base"])
+def test_nan_in_an_in_memory_model_is_named_before_work(monkeypatch, who):
+    torch.set_num_threads(1)
+    base, experts = _family("clip")
+    merged = perturbed(base, 3)
+    target = {"merged": merged, "expert": experts["b"], "base": base}[who]
+    with torch.no_grad():
+        target.encoder.layers[1].mlp.fc1.weight[0, 0] = float("nan")
+    _no_forward(monkeypatch)
+    data = {t: [sample_inputs("clip")] for t in experts}
+    label = {"merged": "merged model", "expert": "expert 'b'", "base": "base"}[who]
+    with pytest.raises(CheckpointError, match=rf"{label}.*fc1.weight.*NaN"):
+        calibrate(merged, base=base, experts=experts, calibration=data, config=FeatCalConfig(), progress=False)
+
+
+@pytest.mark.parametrize(
+    "pixels,message",
+    [(torch.randn(2, 1, 16, 16), "1 channels"), (torch.randn(2, 3, 24, 24), r"\(24, 24\) pixels")],
+)
+def test_images_the_model_cannot_take_are_refused(monkeypatch, pixels, message):
+    base, experts = _family("clip")
+    _no_forward(monkeypatch)
+    data = {"a": [sample_inputs("clip")], "b": [{"pixel_values": pixels}]}
+    with pytest.raises(CalibrationDataError, match=rf"task 'b', batch 0.*{message}"):
+        calibrate(base, base=base, experts=experts, calibration=data, progress=False)
+
+
+def test_texts_longer_than_the_positions_are_refused(monkeypatch):
+    base, experts = _family("bert")
+    _no_forward(monkeypatch)
+    long = {"input_ids": torch.randint(2, 100, (1, 65)), "attention_mask": torch.ones(1, 65, dtype=torch.long)}
+    data = {"a": [sample_inputs("bert")], "b": [long]}
+    with pytest.raises(CalibrationDataError, match="65 tokens, the model takes at most 64"):
+        calibrate(base, base=base, experts=experts, calibration=data, progress=False)
