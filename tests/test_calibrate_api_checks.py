@@ -2,11 +2,11 @@
 
 import pytest
 import torch
-from tiny import perturbed, sample_inputs, tiny_model
 
 from featcal import FeatCalConfig, calibrate
 from featcal.calibration import engine
 from featcal.errors import CalibrationDataError, CheckpointError
+from tiny import perturbed, sample_inputs, tiny_model
 
 
 def _family(kind):
