@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from featcal.bench.baselines import merge_baseline_rows, parse_baselines, surgery_rows
 from featcal.bench.memory import PeakRSS
 from featcal.bench.metrics import gap_closed, mean, normalised_accuracy
 from featcal.config import MERGE_METHODS, FeatCalConfig
@@ -50,6 +51,8 @@ class BenchSettings:
     base_cache: Path | None = None  # pretrained bases shared between zoo builds
     featcal: FeatCalConfig = field(default_factory=FeatCalConfig)
     eval_batch_size: int = 256
+    baselines: tuple[str, ...] = ()  # see featcal.bench.baselines: none by default
+    baseline_params: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> run_baseline params
 
     def resolved_zoo_dir(self) -> Path:
         return self.zoo_dir or Path("zoo-cache") / f"{self.preset}-seed{self.seed}"
@@ -69,6 +72,21 @@ def validate(settings: BenchSettings) -> None:
     bad = [m for m in settings.methods if m not in MERGE_METHODS]
     if bad or not settings.methods:
         raise ConfigError(f"unknown merge methods {bad}; choose from {', '.join(MERGE_METHODS)}")
+    parse_baselines(settings.baselines)
+    _validate_baseline_params(settings)
+
+
+def _validate_baseline_params(settings: BenchSettings) -> None:
+    """Parameters of a baseline that is not run, or that its schema refuses, fail before any work."""
+    from featcal.baselines.api import BASELINES
+    from featcal.config import parse
+
+    for name, params in settings.baseline_params.items():
+        if name not in settings.baselines:
+            raise ConfigError(f"parameters given for baseline {name!r}, which is not in --baselines")
+        schema = BASELINES[name][0]
+        extra = {"plus_plus": name == "regmean++"} if name.startswith("regmean") else {}
+        parse(schema, {**params, **extra})
 
 
 def _evaluate(model, heads: Mapping[str, LinearHead], tests: Mapping[str, tuple], batch: int) -> dict[str, float]:
@@ -174,6 +192,9 @@ def run_bench(settings: BenchSettings, progress: bool = True) -> dict[str, Any]:
     pools = {t: zoo.split(t, "calibration")[0] for t in tasks}
     _warm_up(zoo, base, experts, pools, progress)
     drift_curves: dict[str, list[dict]] = {}
+    n_max = max(settings.calib_sizes)
+    batch_size = settings.featcal.calibration_batch_size
+    largest = {t: _batches(pools[t][:n_max], batch_size) for t in tasks}  # FeatCal's batches at the largest size
     for method in settings.methods:
         params = MERGE_PARAMS[method]
         with PeakRSS() as rss:
@@ -214,13 +235,19 @@ def run_bench(settings: BenchSettings, progress: bool = True) -> dict[str, Any]:
                              feature_drift=calibrated_drift, engine_drift=engine_drift))
             log.info("%s + FeatCal (%d/task): %.4f (%.1fs, floor %.1fs)", method, n, avg, calib_seconds, floor)
             del calibrated
+        rows += surgery_rows(settings.baselines, merge=method, merged=merged, merge_average=merge_avg,
+                             experts=experts, calibration=largest, heads=heads, tests=tests,
+                             expert_acc=expert_acc, params=settings.baseline_params, batch=bs)
+    rows += merge_baseline_rows(settings.baselines, base=base, experts=experts, calibration=largest, heads=heads,
+                                tests=tests, expert_acc=expert_acc, params=settings.baseline_params, batch=bs)
 
     base_row = next(r for r in rows if r["method"] == "base")
     base_row["normalised_accuracy"] = normalised_accuracy(base_row["per_task"], expert_acc)
     return build_report(
         "bench",
         {"preset": settings.preset, "seed": settings.seed, "calib_sizes": list(settings.calib_sizes),
-         "methods": list(settings.methods), "merge_params": {m: MERGE_PARAMS[m] for m in settings.methods},
+         "methods": list(settings.methods), "baselines": list(settings.baselines),
+         "baseline_params": settings.baseline_params, "merge_params": {m: MERGE_PARAMS[m] for m in settings.methods},
          "featcal": settings.featcal.model_dump(mode="json"), "zoo_dir": str(settings.resolved_zoo_dir())},
         command_line=shlex.join(["featcal", *sys.argv[1:]]) if Path(sys.argv[0]).name == "featcal" else shlex.join(sys.argv),
         seed=settings.seed,

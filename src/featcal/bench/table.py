@@ -12,6 +12,10 @@ def _pct(x: float | None) -> str:
 def _label(row: dict[str, Any]) -> str:
     if row["method"] == "experts":
         return "experts (each on its task)"
+    if row.get("baseline") and row.get("merge"):
+        return f"{row['merge']} + {row['method']} ({row['calibration_examples']}/task, recomputed)"
+    if row.get("baseline"):
+        return f"{row['method']} (baseline)"
     if row["calibrated"]:
         return f"{row['method']} + FeatCal ({row['calibration_examples']}/task)"
     return row["method"]
@@ -32,7 +36,7 @@ def bench_table(report: dict[str, Any]) -> str:
     for r in rows:
         cells = [_label(r), *(_pct(r["per_task"].get(t)) for t in tasks), _pct(r["average_accuracy"]),
                  _pct(r.get("normalised_accuracy")),
-                 _pct(r.get("gap_closed")) if r["calibrated"] else "",
+                 _pct(r.get("gap_closed")) if r["calibrated"] or r.get("merge") else "",
                  f"{r['seconds']:.1f}",
                  f"{r['cost_ratio']:.2f}" if "cost_ratio" in r else "",
                  f"{r['peak_rss_mb']:.0f}"]

@@ -18,9 +18,19 @@ def _sizes(text: str) -> tuple[int, ...]:
     return tuple(dict.fromkeys(sizes))
 
 
+def _baseline_params(args: argparse.Namespace, baselines: tuple[str, ...]) -> dict[str, dict[str, int]]:
+    """Step overrides for the baselines that train (defaults: the authors' 500 / 300 steps)."""
+    out: dict[str, dict[str, int]] = {}
+    for name, steps in (("surgery", args.surgery_steps), ("probsurgery", args.surgery_steps), ("wudi", args.wudi_steps)):
+        if steps is not None and name in baselines:
+            out[name] = {"steps": steps}
+    return out
+
+
 def _run(args: argparse.Namespace) -> int:
     import torch
 
+    from featcal.bench.baselines import parse_baselines
     from featcal.bench.run import BenchSettings, run_bench, validate, write_bench
     from featcal.bench.table import bench_table
     from featcal.io.atomic import check_output_dir
@@ -33,6 +43,8 @@ def _run(args: argparse.Namespace) -> int:
         methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
         zoo_dir=Path(args.zoo_dir) if args.zoo_dir else None,
         base_cache=Path(args.base_cache) if args.base_cache else None,
+        baselines=(baselines := parse_baselines(args.baselines)),
+        baseline_params=_baseline_params(args, baselines),
     )
     validate(settings)
     check_output_dir(args.out, args.overwrite)  # before any work
@@ -58,6 +70,12 @@ def register(subparsers) -> None:
                    help="calibration examples per task, comma-separated for a sweep (default: 256, or the preset's pool)")
     p.add_argument("--methods", default="average,task_arithmetic,ties",
                    help=f"merge methods, comma-separated, from {', '.join(MERGE_METHODS)}")
+    p.add_argument("--baselines", default="",
+                   help="comparison baselines, comma-separated, from surgery, probsurgery, regmean, regmean++, wudi, "
+                        "or 'all' (default: none)")
+    p.add_argument("--surgery-steps", type=int, default=None,
+                   help="Adam steps per task of surgery and probsurgery (default: the authors' 500)")
+    p.add_argument("--wudi-steps", type=int, default=None, help="Adam steps per Linear of wudi (default: 300)")
     p.add_argument("--zoo-dir", default=None, help="zoo cache directory (default zoo-cache/<preset>-seed<seed>)")
     p.add_argument("--base-cache", default="zoo-cache/pretrained",
                    help="cache of pretrained bases used when the zoo is built ('' to disable)")
