@@ -13,3 +13,12 @@ def _offline(monkeypatch):
     """Tests never reach a hub: fail fast instead of waiting on the network."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny tensors: one intra-op thread is faster than two, and kinder to a shared 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -8,6 +8,8 @@ from featcal.calibration import engine
 from featcal.errors import CalibrationDataError, CheckpointError
 from tiny import perturbed, sample_inputs, tiny_model
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 def _family(kind):
     base = tiny_model(kind)
@@ -23,7 +25,6 @@ def _no_forward(monkeypatch):
 
 @pytest.mark.parametrize("who", ["merged", "expert", "base"])
 def test_nan_in_an_in_memory_model_is_named_before_work(monkeypatch, who):
-    torch.set_num_threads(1)
     base, experts = _family("clip")
     merged = perturbed(base, 3)
     target = {"merged": merged, "expert": experts["b"], "base": base}[who]

@@ -11,14 +11,7 @@ from featcal.cli.main import main
 from featcal.io.checkpoint import CheckpointReader
 from tiny import make_family
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """These tensors are tiny: one intra-op thread is faster, and kinder to a shared 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -39,13 +39,7 @@ from test_guarantees_support import (
 from test_pipeline_support import clip_family
 from tiny import make_family, save, tiny_model
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

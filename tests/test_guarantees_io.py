@@ -14,7 +14,6 @@ import re
 import signal
 
 import pytest
-import torch
 import transformers as T
 import yaml
 
@@ -40,12 +39,7 @@ from test_pipeline_support import clip_family
 ENOSPC = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

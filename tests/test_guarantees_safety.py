@@ -39,12 +39,7 @@ SRC = Path(featcal.__file__).parent
 REFUSED = r"holds only pickled weights \(pytorch_model.bin\); pickles can run code when loaded, so featcal refuses them"
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

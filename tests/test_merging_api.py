@@ -20,14 +20,7 @@ from featcal.merging.sources import checkpoint_state_dict
 from featcal.merging.writer import save_state_dict
 from tiny import make_family, tiny_model
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """These tensors are tiny: one intra-op thread is faster, and kinder to a shared 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 CLASSES = {"clip": T.CLIPVisionModel, "bert": T.BertModel, "llama": T.LlamaForCausalLM, "vit": T.ViTModel,
            "t5": T.T5ForConditionalGeneration}

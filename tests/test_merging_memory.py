@@ -20,14 +20,7 @@ from featcal.io.checkpoint import CheckpointReader
 from featcal.merging.sources import UnmappedReader
 from tiny import perturbed, save
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """These tensors are tiny: one intra-op thread is faster, and kinder to a shared 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 N_SMALL, N_LARGE = 2, 6
 

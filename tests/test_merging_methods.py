@@ -19,14 +19,7 @@ from featcal.merging.methods import (
 )
 from featcal.merging.selection import StreamingKthLargest
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """These tensors are tiny: one intra-op thread is faster, and kinder to a shared 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 t = torch.tensor
 BASE = t([1.0, 2.0, 3.0, 4.0, 5.0])
