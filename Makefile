@@ -14,7 +14,8 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/featcal bench --preset default --seed 0 --out runs/bench-default
+	@# runs/ is the demo's own scratch folder: each run replaces the previous report, atomically
+	$(BIN)/featcal bench --preset default --seed 0 --out runs/bench-default --overwrite
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
