@@ -18,7 +18,7 @@ from featcal.calibration.engine import FeatCalEngine, needed_param_names
 from featcal.calibration.sources import CheckpointSource, ModelSource, ParamSource, validate_source
 from featcal.config import FeatCalConfig
 from featcal.errors import CalibrationDataError, CheckpointError, ConfigError
-from featcal.io.validate import validate_expert_names
+from featcal.io.validate import first_non_finite, validate_expert_names
 
 log = logging.getLogger("featcal.calibration")
 
@@ -110,17 +110,17 @@ def _check_finite(
     stem_names: list[str], block_names: list[str],
 ) -> None:
     """Refuse NaN/Inf in any parameter the run reads, naming its owner, before any forward runs."""
-    for name, p in model.named_parameters():
-        if p.is_floating_point() and not bool(torch.isfinite(p).all()):
-            raise CheckpointError(f"merged model: parameter {name!r} contains NaN or Inf")
-    owners = [(src, stem_names + block_names) for src in sources.values()]
+    def read(src: ParamSource, names: list[str]):  # lazily: one tensor in memory at a time
+        return ((n, src.get(n)) for n in names)
+
+    owners = [("merged model", model.named_parameters())]
+    owners += [(src.label, read(src, stem_names + block_names)) for src in sources.values()]
     if base is not None:
-        owners.append((base, block_names))
-    for src, names in owners:
-        for name in names:
-            t = src.get(name)
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                raise CheckpointError(f"{src.label}: parameter {name!r} contains NaN or Inf")
+        owners.append((base.label, read(base, block_names)))
+    for label, tensors in owners:
+        bad = first_non_finite(tensors)
+        if bad is not None:
+            raise CheckpointError(f"{label}: parameter {bad[0]!r} contains NaN or Inf ({bad[1]} value(s))")
 
 
 def _check_tasks(experts: Mapping[str, Any], calibration: Mapping[str, Any]) -> None:

@@ -185,13 +185,19 @@ def check_finite_state(label: str, state: Mapping[str, torch.Tensor]) -> None:
     The last guard before anything is written: finite inputs can still overflow (a large scaling of an
     fp16 checkpoint), and a checkpoint with NaN in it would only fail later, in someone's evaluation.
     """
-    for key in sorted(state):
-        t = state[key]
+    bad = first_non_finite((key, state[key]) for key in sorted(state))
+    if bad is not None:
+        raise CheckpointError(
+            f"{label}: tensor {bad[0]!r} has {bad[1]} non-finite value(s) (NaN or Inf); nothing was written"
+        )
+
+
+def first_non_finite(tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[str, int] | None:
+    """The first (name, count of NaN/Inf values) among floating tensors, or None; reads lazily, in order."""
+    for key, t in tensors:
         if not t.is_floating_point():
             continue
-        finite = torch.isfinite(t.float() if t.element_size() == 1 else t)
+        finite = torch.isfinite(t.float() if t.element_size() == 1 else t)  # float8: check in float32
         if not bool(finite.all()):
-            raise CheckpointError(
-                f"{label}: tensor {key!r} has {int((~finite).sum())} non-finite value(s) (NaN or Inf); "
-                "nothing was written"
-            )
+            return key, int((~finite).sum())
+    return None
