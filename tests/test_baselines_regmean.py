@@ -140,3 +140,49 @@ def test_a_bad_last_expert_is_refused_before_any_model_is_loaded(tmp_path, monke
     with pytest.raises(CheckpointError, match="expert 'broken'"):
         regmean(base_dir, expert_dirs, calib)
     assert loaded == []
+
+
+def _bert_texts(lengths, g):
+    """One padded batch of token ids (pad id 0, right padding), and the same examples unpadded, one per batch."""
+    ids = torch.randint(2, 100, (len(lengths), max(lengths)), generator=g)
+    mask = (torch.arange(max(lengths)) < torch.tensor(lengths)[:, None]).long()
+    ids = ids.masked_fill(mask == 0, 0)
+    single = [{"input_ids": ids[i : i + 1, :n], "attention_mask": mask[i : i + 1, :n]} for i, n in enumerate(lengths)]
+    return [{"input_ids": ids, "attention_mask": mask}], single
+
+
+@pytest.mark.parametrize("plus_plus", [False, True])
+def test_padding_tokens_weigh_nothing_in_the_grams(plus_plus):
+    """A padded BERT batch gives the RegMean of the same examples fed unpadded one by one: padding
+    (attention_mask 0) weighs 0 in the Grams, as in FeatCal. Unweighted Grams would count the pad tokens."""
+    base = tiny_model("bert")
+    experts = {"t0": perturbed(base, 100, 0.2), "t1": perturbed(base, 101, 0.2)}
+    g = torch.Generator().manual_seed(0)
+    padded, single = {}, {}
+    for t, lengths in {"t0": [8, 5, 3], "t1": [6, 8, 2]}.items():
+        padded[t], single[t] = _bert_texts(lengths, g)
+    a = regmean(base, experts, padded, plus_plus=plus_plus).state_dict()
+    b = regmean(base, experts, single, plus_plus=plus_plus).state_dict()
+    assert max_diff(a, b) < 1e-5
+    w = "encoder.layer.0.attention.self.query.weight"
+    assert (a[w] - (experts["t0"].state_dict()[w] + experts["t1"].state_dict()[w]) / 2).abs().max() > 1e-3  # solved
+
+
+def test_token_weights_follow_the_adapter():
+    """T5: encoder modules read the encoder mask, cross-attention k/v the encoder mask too, decoder
+    modules the decoder mask; an architecture without an adapter weighs every token 1."""
+    from featcal.baselines.gram import TokenWeights
+
+    batch = sample_inputs("t5", batch=2, seq=8)
+    batch["decoder_attention_mask"] = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    fn = TokenWeights(tiny_model("t5")).for_batch(batch)
+    enc, dec = torch.zeros(2, 8, 32), torch.zeros(2, 4, 32)
+    enc_mask, dec_mask = batch["attention_mask"].float(), batch["decoder_attention_mask"].float()
+    assert torch.equal(fn("encoder.block.1.layer.0.SelfAttention.q", enc), enc_mask)
+    assert torch.equal(fn("decoder.block.0.layer.1.EncDecAttention.k", enc), enc_mask)
+    assert torch.equal(fn("decoder.block.0.layer.1.EncDecAttention.q", dec), dec_mask)
+    assert torch.equal(fn("lm_head", dec), dec_mask)  # outside the blocks: the last stack's tokens
+    bert = TokenWeights(tiny_model("bert")).for_batch(sample_inputs("bert"))
+    assert bert("pooler.dense", torch.zeros(2, 32)) is None  # pooled: one token per example
+    plain = TokenWeights(torch.nn.Sequential(torch.nn.Linear(32, 32))).for_batch(sample_inputs("bert"))
+    assert plain("0", torch.zeros(2, 8, 32)) is None

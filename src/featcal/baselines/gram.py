@@ -1,21 +1,30 @@
-"""RegMean's statistics and its closed-form solve, as pure functions plus one streaming accumulator.
+"""RegMean's statistics and its closed-form solve: pure functions plus the per-task Gram collection.
 
-Per Linear and task, G_t = mean over tokens of x xᵀ (x: the Linear's input, in float64). Means rather
-than sums, as in the reference code, so tasks with more tokens do not outweigh the others.
-The merge sums are additive over tasks, so experts are visited one at a time and only
+Per Linear and task, G_t = E_w[x xᵀ] over the tokens of task t's calibration data at that Linear's
+input, with token weights w: padding (attention_mask 0) weighs 0, exactly as in FeatCal, because both
+accumulate with featcal.calibration.statistics.GramSums (here one per Linear, summed in float64) and
+both take their token weights from the architecture's FeatCal adapter (`Adapter.module_mask`).
+Means rather than sums, as in the reference code, so tasks with more tokens do not outweigh the
+others. The merge sums are additive over tasks, so experts are visited one at a time and only
 A = Σ_t G̃_t (in×in) and B = Σ_t G̃_t W_tᵀ (in×out) are kept, whatever the number of experts.
-
-This duplicates what the FeatCal calibrator's statistics module accumulates for C = E[xs xsᵀ]; the two
-should share one streaming weighted-Gram accumulator once both exist (see docs/baselines.md).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
 import torch
 from torch import nn
+
+from featcal.baselines.inputs import Batch
+from featcal.calibration.adapters.base import Adapter, Stack
+from featcal.calibration.hooks import WeightFn
+from featcal.calibration.statistics import GramSums
+from featcal.errors import FeatCalError
+
+log = logging.getLogger(__name__)
 
 
 def scale_off_diagonal(gram: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -41,33 +50,89 @@ def regmean_weight(grams: list[torch.Tensor], weights: list[torch.Tensor], alpha
     return regmean_solve(a, b).to(weights[0].dtype)
 
 
-class GramAccumulator:
-    """Running mean of x xᵀ over all tokens fed to each watched Linear (forward hooks)."""
+class TokenWeights:
+    """Which tokens of a Linear's input count, per batch, from the FeatCal adapter of the architecture.
+
+    - Inside a stack's blocks: the adapter's mask for that module (padding 0; T5 cross-attention k/v:
+      the encoder's mask, decoder modules: the decoder's).
+    - Outside every block: a pooled input (batch, d) is one token per example and weighs 1; a
+      per-token input (an LM head, BERT's MLM transform) takes the last stack's mask.
+    - No adapter (an architecture FeatCal does not calibrate): every token weighs 1, and a batch with
+      padding is warned about once, since its padding tokens then enter the Grams.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        from featcal.calibration.adapters import adapter_for
+
+        self.adapter: Adapter | None = None
+        self.stacks: list[Stack] = []
+        try:
+            self.adapter = adapter_for(model)
+            self.stacks = self.adapter.stacks(model)
+        except FeatCalError:
+            self.adapter = None
+        self._model_name = type(model).__name__
+        self._warned = False
+
+    def _locate(self, name: str) -> tuple[Stack, str] | None:
+        """(stack, name inside its block) of module `name`, or None outside every block."""
+        for stack in self.stacks:
+            prefix = stack.blocks_path + "."
+            if name.startswith(prefix):
+                return stack, name[len(prefix):].partition(".")[2]
+        return None
+
+    def for_batch(self, batch: Batch) -> WeightFn:
+        """(module name, its input x) -> token weights of x (on x's device), or None when all are 1."""
+        if not isinstance(batch, Mapping) or self.adapter is None or not self.stacks:
+            self._warn_padding(batch)
+            return lambda _name, _x: None
+        adapter, last = self.adapter, self.stacks[-1]
+
+        def weights(name: str, x: torch.Tensor) -> torch.Tensor | None:
+            where = self._locate(name)
+            if where is not None:
+                return adapter.module_mask(where[0], batch, where[1], x)
+            if x.dim() <= 2:  # pooled: one token per example
+                return None
+            return adapter.module_mask(last, batch, name, x)
+
+        return weights
+
+    def _warn_padding(self, batch: Batch) -> None:
+        mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+        if self._warned or not isinstance(mask, torch.Tensor) or bool(mask.all()):
+            return
+        self._warned = True
+        log.warning(
+            "%s has no featcal adapter: RegMean cannot tell its padding tokens apart, so they enter the Grams",
+            self._model_name,
+        )
+
+
+class LinearGrams:
+    """E_w[x xᵀ] of the inputs of named Linears over one task's batches (one float64 GramSums each)."""
 
     def __init__(self) -> None:
-        self.sums: dict[str, torch.Tensor] = {}
-        self.counts: dict[str, int] = {}
+        self.sums: dict[str, GramSums] = {}
 
-    def add(self, name: str, x: torch.Tensor) -> None:
-        x = x.detach().reshape(-1, x.shape[-1]).double()
-        xtx = x.T @ x
-        if name in self.sums:
-            self.sums[name] += xtx
-            self.counts[name] += x.shape[0]
-        else:
-            self.sums[name], self.counts[name] = xtx, x.shape[0]
+    def add(self, name: str, x: torch.Tensor, w: torch.Tensor | None) -> None:
+        g = self.sums.get(name)
+        if g is None:
+            g = self.sums[name] = GramSums.zeros(x.shape[-1], x.device, torch.float64)
+        g.add(x.detach(), w)
 
     def mean(self, name: str) -> torch.Tensor | None:
-        """E[x xᵀ] for `name`, or None if the module never ran."""
-        if not self.counts.get(name):
-            return None
-        return self.sums[name] / self.counts[name]
+        """E_w[x xᵀ] for `name` (float64), or None if the module never saw a token of weight > 0."""
+        g = self.sums.get(name)
+        moments = None if g is None else g.means()
+        return None if moments is None else moments[2]
 
     @contextmanager
-    def watching(self, modules: Mapping[str, nn.Module]) -> Iterator[GramAccumulator]:
-        """Accumulate the inputs of `modules` (name -> Linear) while the context is open."""
+    def watching(self, modules: Mapping[str, nn.Module], weights: WeightFn) -> Iterator[LinearGrams]:
+        """Accumulate the inputs of `modules` (name -> Linear), weighted by `weights`, while open."""
         handles = [
-            m.register_forward_hook(lambda _m, args, _out, name=name: self.add(name, args[0]))
+            m.register_forward_hook(lambda _m, args, _out, name=name: self.add(name, args[0], weights(name, args[0])))
             for name, m in modules.items()
         ]
         try:

@@ -3,7 +3,8 @@ and RegMean++ (forward-order variant whose Grams come from the merged model's ow
 
 Each Linear weight is the closed-form minimiser of Σ_t ‖X_t W − X_t W_t‖², with the Grams'
 off-diagonals shrunk by α:   W = (Σ_t G̃_t)⁻¹ Σ_t G̃_t W_tᵀ  (transposed back to out×in),
-G_t = E[x xᵀ] over task t's calibration tokens, G̃_t = α G_t + (1−α) diag(G_t), α = 0.9.
+G_t = E[x xᵀ] over task t's calibration tokens, G̃_t = α G_t + (1−α) diag(G_t), α = 0.9. Tokens are
+weighted as in FeatCal (padding weighs 0): see featcal.baselines.gram.
 Every other parameter (Linear biases, norms, embeddings, tied heads) is the experts' average, as
 in the paper.
 - RegMean: G_t from expert t's own activations on task t's data (one full forward per expert).
@@ -17,13 +18,13 @@ in the paper.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from featcal.baselines.gram import GramAccumulator, RegMeanSums
+from featcal.baselines.gram import LinearGrams, RegMeanSums, TokenWeights
 from featcal.baselines.inputs import (
     Batch,
     ModelLike,
@@ -37,6 +38,8 @@ from featcal.baselines.inputs import (
 from featcal.baselines.linear import as_patterns, linear_modules
 from featcal.baselines.params import RegMeanParams
 from featcal.config import parse
+
+ExpertLoader = Callable[[], nn.Module]  # an expert, loaded (or handed over) when its turn comes
 
 
 class StateMean:
@@ -72,10 +75,14 @@ def average_state(models: Iterable[nn.Module]) -> dict[str, torch.Tensor]:
     return acc.mean()
 
 
-def _forward_all(model: nn.Module, batches: list[Batch]) -> None:
+def _gram_forward(model: nn.Module, batches: list[Batch], grams: LinearGrams, modules: Mapping[str, nn.Module],
+                  weights: TokenWeights) -> None:
+    """Run `model` over `batches`, folding the inputs of `modules` into `grams` with each batch's token weights."""
     device = model_device(model)
     for b in batches:
-        call_model(model, to_device(b, device))
+        b = to_device(b, device)
+        with grams.watching(modules, weights.for_batch(b)):
+            call_model(model, b)
 
 
 @torch.no_grad()
@@ -86,6 +93,7 @@ def regmean(
     alpha: float = 0.9,
     plus_plus: bool = False,
     exclude: str | Iterable[str] = (),
+    progress: bool = True,
 ) -> nn.Module:
     """The RegMean (or RegMean++) merge as a model of the base's class, in eval mode.
 
@@ -95,15 +103,29 @@ def regmean(
     params = parse(RegMeanParams, dict(alpha=alpha, plus_plus=plus_plus, exclude=as_patterns(exclude)))
     batches = calibration_batches(calibration, experts)
     validate_family_inputs(base, experts)
-    base_m = load(base, "base")
-    names = list(linear_modules(base_m, params.exclude))
-    merged = copy.deepcopy(base_m).eval()
+    loaders = {t: (lambda m=m, t=t: load(m, f"expert {t!r}")) for t, m in experts.items()}
+    return regmean_models(load(base, "base"), loaders, batches, params, progress=progress)
+
+
+@torch.no_grad()
+def regmean_models(
+    base: nn.Module,
+    experts: Mapping[str, ExpertLoader],
+    batches: Mapping[str, list[Batch]],
+    params: RegMeanParams,
+    progress: bool = True,
+) -> nn.Module:
+    """RegMean(++) on inputs already validated as one family: `experts` are loaded when their turn comes
+    (plain RegMean holds one at a time; RegMean++ needs them all). The base is not modified."""
+    names = list(linear_modules(base, params.exclude))
+    merged = copy.deepcopy(base).eval()
+    weights = TokenWeights(merged)
     if params.plus_plus:
-        experts_m = {t: load(m, f"expert {t!r}").eval() for t, m in experts.items()}
+        experts_m = {t: load_expert().eval() for t, load_expert in experts.items()}
         merged.load_state_dict(average_state(experts_m.values()))
-        _regmean_plus_plus(merged, experts_m, batches, names, params.alpha)
+        _regmean_plus_plus(merged, experts_m, batches, names, params.alpha, weights, progress)
     else:
-        _regmean_plain(merged, experts, batches, names, params.alpha)
+        _regmean_plain(merged, experts, batches, names, params.alpha, weights, progress)
     return merged
 
 
@@ -116,20 +138,19 @@ def _load_solved(merged: nn.Module, sums: Mapping[str, RegMeanSums]) -> None:
             target.copy_(w.to(target.dtype))
 
 
-def _regmean_plain(merged, experts, batches, names, alpha) -> None:
+def _regmean_plain(merged, experts, batches, names, alpha, weights, progress) -> None:
     """Experts visited one at a time (a path is loaded, used and dropped): only the sums are kept."""
     sums = {n: RegMeanSums(alpha) for n in names}
     mean = StateMean()
-    for task, source in tqdm(experts.items(), desc="regmean grams", leave=False):
-        expert = load(source, f"expert {task!r}").eval()
+    for task, load_expert in tqdm(experts.items(), desc="regmean grams", leave=False, disable=not progress):
+        expert = load_expert().eval()
         modules = {n: expert.get_submodule(n) for n in names}
-        acc = GramAccumulator()
-        with acc.watching(modules):
-            _forward_all(expert, batches[task])
+        grams = LinearGrams()
+        _gram_forward(expert, batches[task], grams, modules, weights)
         for n in names:
-            sums[n].add(acc.mean(n), modules[n].weight)
+            sums[n].add(grams.mean(n), modules[n].weight)
         mean.add(expert)
-        del expert, modules, acc
+        del expert, modules, grams
     merged.load_state_dict(mean.mean())
     _load_solved(merged, sums)
 
@@ -143,7 +164,7 @@ def _hidden(output):
     return output[0] if isinstance(output, (tuple, list)) else output
 
 
-def _regmean_plus_plus(merged, experts, batches, names, alpha) -> None:
+def _regmean_plus_plus(merged, experts, batches, names, alpha, weights, progress) -> None:
     """Forward order on the merged side's block-input chains, captured and advanced with the FeatCal
     engine's adapter machinery (stack entry, block-0 capture, block-to-block context), so each block
     runs once per batch: O(L) block forwards, like FeatCal itself."""
@@ -164,20 +185,20 @@ def _regmean_plus_plus(merged, experts, batches, names, alpha) -> None:
             for i, b in enumerate(bs):
                 mod, kw = adapter.stack_call(merged, stack, b, None if upstream is None else upstream[(t, i)])
                 hidden[(t, i)], ctx[(t, i)] = capture_block_input(mod, blocks[0], kw)
-        for layer in tqdm(range(len(blocks)), desc=f"regmean++ {stack.name}", leave=False):
+        for layer in tqdm(range(len(blocks)), desc=f"regmean++ {stack.name}", leave=False, disable=not progress):
             prefix = f"{stack.blocks_path}.{layer}."
             block_names = [n for n in names if n.startswith(prefix)]
             in_blocks.update(block_names)
             sums = {n: RegMeanSums(alpha) for n in block_names}
             for t, expert in experts.items():
                 modules = {n: expert.get_submodule(n) for n in block_names}
-                acc = GramAccumulator()
-                with acc.watching(modules):
-                    expert_block = stack.blocks(expert)[layer]
-                    for i in range(len(data[t])):
+                grams = LinearGrams()
+                expert_block = stack.blocks(expert)[layer]
+                for i, b in enumerate(data[t]):
+                    with grams.watching(modules, weights.for_batch(b)):
                         expert_block(hidden[(t, i)], **ctx[(t, i)])
                 for n, m in modules.items():
-                    sums[n].add(acc.mean(n), m.weight)
+                    sums[n].add(grams.mean(n), m.weight)
             _load_solved(merged, sums)
             for key in hidden:  # advance the merged chains through the merged block
                 raw = blocks[layer](hidden[key], **ctx[key])
@@ -188,10 +209,10 @@ def _regmean_plus_plus(merged, experts, batches, names, alpha) -> None:
     outside = [n for n in names if n not in in_blocks]
     if outside:
         sums = {n: RegMeanSums(alpha) for n in outside}
+        modules = {n: merged.get_submodule(n) for n in outside}
         for task, expert in experts.items():
-            acc = GramAccumulator()
-            with acc.watching({n: merged.get_submodule(n) for n in outside}):
-                _forward_all(merged, batches[task])
+            grams = LinearGrams()
+            _gram_forward(merged, batches[task], grams, modules, weights)
             for n in outside:
-                sums[n].add(acc.mean(n), expert.get_submodule(n).weight)
+                sums[n].add(grams.mean(n), expert.get_submodule(n).weight)
         _load_solved(merged, sums)

@@ -39,7 +39,7 @@ from featcal.calibration.resume import Position, ResumeStore, common_position
 from featcal.calibration.sources import ParamSource, load_into
 from featcal.calibration.statistics import NormalisedSums, TaskSums
 from featcal.config import FeatCalConfig
-from featcal.errors import CalibrationDataError, FeatCalError
+from featcal.errors import FeatCalError
 
 log = logging.getLogger("featcal.calibration")
 
@@ -341,18 +341,12 @@ class FeatCalEngine:
         self, stack: Stack, layer: int, n_blocks: int, name: str, x: torch.Tensor, *, batch: Batch
     ) -> torch.Tensor | None:
         """Token weights (B, S) for module `name`'s input x (B, S, d), SPEC §2.3; None when all are 1."""
-        cross = self.adapter.is_cross_module(stack, name)
-        mask = self.adapter.token_mask(stack, batch, x, cross=cross)
-        lead = tuple(x.shape[:-1])
-        if mask is not None and tuple(mask.shape) != lead:
-            raise CalibrationDataError(
-                f"token mask of shape {tuple(mask.shape)} does not match the input of {name} ({lead})"
-            )
+        mask = self.adapter.module_mask(stack, batch, name, x)  # None: every token weighs 1
         if self._class_token_weighted(stack, layer, n_blocks, name):
-            w = torch.full(lead, self.cfg.cls_token_weight, dtype=torch.float32, device=x.device)
+            w = torch.full(tuple(x.shape[:-1]), self.cfg.cls_token_weight, dtype=torch.float32, device=x.device)
             w[..., 0] = 1.0
-            return w if mask is None else w * mask.to(x.device)
-        return None if mask is None else mask.to(x.device)  # None: every token weighs 1
+            return w if mask is None else w * mask
+        return mask
 
     def _class_token_weighted(self, stack: Stack, layer: int, n_blocks: int, name: str) -> bool:
         """Last block of a class-token-read stack: non-class tokens weigh less, except at k/v (SPEC §2.3)."""

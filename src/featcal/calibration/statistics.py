@@ -28,19 +28,19 @@ _F32 = torch.float32
 _F64 = torch.float64
 
 
-def _flat(x: torch.Tensor) -> torch.Tensor:
-    return x.reshape(-1, x.shape[-1]).to(_F32)
+def _flat(x: torch.Tensor, dtype: torch.dtype = _F32) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1]).to(dtype)
 
 
-def _prepare(x: torch.Tensor, w: torch.Tensor | None, *more: torch.Tensor):
-    """Flatten to tokens × features in float32 and drop zero-weight tokens (padding): they add nothing.
+def _prepare(x: torch.Tensor, w: torch.Tensor | None, *more: torch.Tensor, dtype: torch.dtype = _F32):
+    """Flatten to tokens × features in `dtype` and drop zero-weight tokens (padding): they add nothing.
 
     w None means every token weighs 1 (no multiply needed). Returns (x, w or None, *more).
     """
-    xs = [_flat(x), *(_flat(m) for m in more)]
+    xs = [_flat(x, dtype), *(_flat(m, dtype) for m in more)]
     if w is None:
         return (xs[0], None, *xs[1:])
-    w = w.reshape(-1).to(_F32)
+    w = w.reshape(-1).to(dtype)
     keep = w > 0
     if not bool(keep.all()):
         xs = [t[keep] for t in xs]
@@ -58,16 +58,36 @@ def _total(x: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
 
 @dataclass
 class GramSums:
-    """Σw, Σ w·x and Σ w·x xᵀ of one module input (shared by every module that reads it)."""
+    """Σw, Σ w·x and Σ w·x xᵀ of one module input: featcal's one streaming weighted-Gram accumulator.
+
+    FeatCal shares one per group of modules reading the same input (float32 sums, all-reduced across
+    ranks); RegMean keeps one per Linear in float64 (featcal.baselines.gram). Either way zero-weight
+    tokens (padding) are dropped before any product.
+    """
 
     sw: torch.Tensor
     sx: torch.Tensor
     sxx: torch.Tensor
 
     @classmethod
-    def zeros(cls, d: int, device: torch.device) -> GramSums:
-        z = torch.zeros((), dtype=_F32, device=device)
-        return cls(z, torch.zeros(d, dtype=_F32, device=device), torch.zeros(d, d, dtype=_F32, device=device))
+    def zeros(cls, d: int, device: torch.device, dtype: torch.dtype = _F32) -> GramSums:
+        z = torch.zeros((), dtype=dtype, device=device)
+        return cls(z, torch.zeros(d, dtype=dtype, device=device), torch.zeros(d, d, dtype=dtype, device=device))
+
+    def add(self, x: torch.Tensor, w: torch.Tensor | None) -> None:
+        """Accumulate x (..., d) with token weights w (...) or None (all 1), in the sums' dtype."""
+        x, w = _prepare(x, w, dtype=self.sxx.dtype)
+        xw = _weighted(x, w)
+        self.sw += _total(x, w)
+        self.sx += xw.sum(0)
+        self.sxx.addmm_(xw.T, x)  # in place: no in×in temporary per batch
+
+    def means(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(Σw, E_w[x], E_w[x xᵀ]) in float64, or None when no token carried weight."""
+        sw = self.sw.to(_F64)
+        if float(sw) <= 0:
+            return None
+        return sw, self.sx.to(_F64) / sw, self.sxx.to(_F64) / sw
 
     def merge_(self, other: GramSums) -> None:
         self.sw += other.sw
@@ -129,14 +149,10 @@ class TaskSums:
 
     def add_gram(self, group: str, x: torch.Tensor, w: torch.Tensor | None) -> None:
         """Accumulate the input moments of `group` from x (..., d) with token weights w (...) or None (all 1)."""
-        x, w = _prepare(x, w)
         g = self.grams.get(group)
         if g is None:
-            g = self.grams[group] = GramSums.zeros(x.shape[1], x.device)
-        xw = _weighted(x, w)
-        g.sw += _total(x, w)
-        g.sx += xw.sum(0)
-        g.sxx.addmm_(xw.T, x)  # in place: no in×in temporary per batch
+            g = self.grams[group] = GramSums.zeros(x.shape[-1], x.device)
+        g.add(x, w)
 
     def add_linear(self, name: str, group: str, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor | None) -> None:
         """Accumulate Σ w·x yᵀ and Σ w·y for Linear `name`: x its merged input, y the expert's output."""
@@ -230,12 +246,10 @@ class NormalisedSums:
         """
         a = self.alpha
         for name, lin in sums.linears.items():
-            g = sums.grams[lin.group]
-            sw = g.sw.to(_F64)
-            if float(sw) <= 0:
+            moments = sums.grams[lin.group].means()
+            if moments is None:
                 raise CalibrationDataError(f"task {task!r}: module {name} saw no weighted token")
-            c = g.sxx.to(_F64) / sw
-            mu_s = g.sx.to(_F64) / sw
+            sw, mu_s, c = moments
             s_t = torch.linalg.matrix_norm(c)
             if float(s_t) <= 0:
                 raise CalibrationDataError(f"task {task!r}: module {name} has an all-zero input (‖C‖_F = 0)")

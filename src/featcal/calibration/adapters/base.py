@@ -95,6 +95,25 @@ class Adapter(ABC):
             raise CalibrationDataError(f"{key} must be (batch, tokens), got shape {tuple(mask.shape)}")
         return mask.to(torch.float32)
 
+    def module_mask(
+        self, stack: Stack, batch: dict[str, torch.Tensor], module_name: str, x: torch.Tensor
+    ) -> torch.Tensor | None:
+        """0/1 weights (on x's device) of the tokens in x (..., d), the input of `module_name` in `stack`.
+
+        The stack's token mask, or for cross-attention k/v the mask of the keys they read; None when
+        every token counts. Shared by FeatCal's statistics and RegMean's Grams, so that padding
+        weighs 0 in both. A mask that does not fit x's token shape is refused.
+        """
+        mask = self.token_mask(stack, batch, x, cross=self.is_cross_module(stack, module_name))
+        if mask is None:
+            return None
+        lead = tuple(x.shape[:-1])
+        if tuple(mask.shape) != lead:
+            raise CalibrationDataError(
+                f"token mask of shape {tuple(mask.shape)} does not match the input of {module_name} ({lead})"
+            )
+        return mask.to(x.device)
+
     def is_cross_module(self, stack: Stack, module_name: str) -> bool:
         return any(module_name.endswith(suffix) for suffix in stack.cross_modules)
 
