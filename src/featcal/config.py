@@ -14,8 +14,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from featcal.errors import ConfigError
 
-MergeMethod = Literal["average", "task_arithmetic", "ties", "dare_ta", "dare_ties"]
+MergeMethod = Literal[
+    "average", "task_arithmetic", "ties", "dare_ta", "dare_ties", "regmean", "regmean++", "wudi"
+]
 MERGE_METHODS: tuple[str, ...] = MergeMethod.__args__  # type: ignore[attr-defined]
+# merges that read calibration data (the others are data-free and refuse it)
+CALIBRATED_MERGE_METHODS: tuple[str, ...] = ("regmean", "regmean++")
+# merges computed on whole models (featcal.merging.model_mergers); `featcal bench` runs them as --baselines
+WHOLE_MODEL_MERGE_METHODS: tuple[str, ...] = ("regmean", "regmean++", "wudi")
 # seeds feed torch.Generator.manual_seed (64-bit) and sha256-derived per-tensor seeds
 MAX_SEED = 2**63 - 1
 
@@ -32,7 +38,16 @@ class MergeConfig(_Strict):
     scaling: float = Field(0.3, gt=0.0, le=10.0, description="s in θ0 + s·Σ(θt−θ0) (TA, TIES, DARE)")
     density: float = Field(0.2, gt=0.0, le=1.0, description="TIES: fraction of each task vector kept")
     drop_rate: float = Field(0.5, ge=0.0, lt=1.0, description="DARE: probability p of dropping an entry")
-    seed: int = Field(0, ge=0, le=MAX_SEED, description="DARE: random seed of the drop masks")
+    seed: int = Field(
+        0, ge=0, le=MAX_SEED,
+        description="DARE: seed of the drop masks; RegMean(++): which calibration examples are drawn; "
+        "WUDI: recorded only (it draws no random numbers)",
+    )
+    alpha: float = Field(0.9, ge=0.0, le=1.0, description="RegMean(++): scale of the Grams' off-diagonal entries")
+    steps: int = Field(300, ge=0, description="WUDI: Adam iterations per Linear weight")
+    lr: float = Field(1e-5, gt=0.0, description="WUDI: Adam learning rate, in parameter units")
+    num_calibration_examples: int = Field(256, ge=1, description="RegMean(++): calibration examples per task")
+    calibration_batch_size: int = Field(16, ge=1, description="RegMean(++): examples per forward")
 
 
 class FeatCalConfig(_Strict):
@@ -69,11 +84,12 @@ class FeatCalConfig(_Strict):
 
 
 class MergeSpec(_Strict):
-    """The merge section of a run file: inputs plus how to merge them."""
+    """The merge section of a run file: inputs plus how to merge them (and, for RegMean, its data)."""
 
     base: str
     experts: dict[str, str]
     method: MergeMethod = "task_arithmetic"
+    calibration: dict[str, str] | None = Field(None, description="RegMean(++): task -> calibration data")
     params: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("experts")

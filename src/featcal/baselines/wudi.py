@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 import torch
+from torch import nn
 from tqdm.auto import tqdm
 
 from featcal.baselines.inputs import ModelLike, load_family
@@ -75,6 +76,7 @@ def wudi(
     seed: int = 0,
     device: str = "cpu",
     exclude: str | Iterable[str] = (),
+    progress: bool = True,
 ) -> dict[str, torch.Tensor]:
     """Merged state dict (the base's keys). `exclude`: regexes of Linear module names to average instead.
 
@@ -82,11 +84,19 @@ def wudi(
     """
     params = parse(WudiParams, dict(steps=steps, lr=lr, seed=seed, device=device, exclude=as_patterns(exclude)))
     base_m, experts_m = load_family(base, experts)
-    linear_weights = {f"{n}.weight" for n in linear_modules(base_m, params.exclude)}
-    base_sd = base_m.state_dict()
-    expert_sds = [m.state_dict() for m in experts_m.values()]
+    return wudi_models(base_m, experts_m, params, progress=progress)
+
+
+@torch.no_grad()
+def wudi_models(
+    base: nn.Module, experts: Mapping[str, nn.Module], params: WudiParams, progress: bool = True
+) -> dict[str, torch.Tensor]:
+    """WUDI on models already validated as one family; returns the merged state dict (base's keys)."""
+    linear_weights = {f"{n}.weight" for n in linear_modules(base, params.exclude)}
+    base_sd = base.state_dict()
+    expert_sds = [m.state_dict() for m in experts.values()]
     merged: dict[str, torch.Tensor] = {}
-    for name, w0 in tqdm(base_sd.items(), desc="wudi", leave=False):
+    for name, w0 in tqdm(base_sd.items(), desc="wudi", leave=False, disable=not progress):
         if not w0.is_floating_point():
             merged[name] = w0.clone()
             continue

@@ -69,9 +69,11 @@ def validate(settings: BenchSettings) -> None:
                 f"calibration size {n} is out of range: the {preset.name} zoo holds {preset.calibration} "
                 "calibration examples per task (test data is never used for calibration)"
             )
-    bad = [m for m in settings.methods if m not in MERGE_METHODS]
+    bad = [m for m in settings.methods if m not in MERGE_PARAMS]
     if bad or not settings.methods:
-        raise ConfigError(f"unknown merge methods {bad}; choose from {', '.join(MERGE_METHODS)}")
+        baselines = [m for m in MERGE_METHODS if m not in MERGE_PARAMS]
+        raise ConfigError(f"unknown merge methods {bad}; choose from {', '.join(MERGE_PARAMS)} "
+                          f"({', '.join(baselines)}: --baselines)")
     parse_baselines(settings.baselines)
     _validate_baseline_params(settings)
 

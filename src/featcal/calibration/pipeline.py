@@ -204,14 +204,23 @@ def _copy_processor_files(src: Path, dst: Path) -> None:
             shutil.copy2(src / name, dst / name)
 
 
-def batches_sha256(batches: list[Batch]) -> str:
-    """A fingerprint of exactly the tensors calibration saw (cheaper and more exact than hashing the source)."""
+def batches_sha256(batches: list[Batch] | list[torch.Tensor]) -> str:
+    """A fingerprint of exactly the tensors calibration saw (cheaper and more exact than hashing the source).
+
+    Also takes what the merges' in-memory calibration may hold: tensor batches, non-tensor keyword
+    values, tensors of any dtype or device.
+    """
     h = hashlib.sha256()
     for batch in batches:
-        for key in sorted(batch):
-            t = batch[key].contiguous()
+        items = batch if isinstance(batch, Mapping) else {"input": batch}
+        for key in sorted(items):
+            t = items[key]
+            if not isinstance(t, torch.Tensor):
+                h.update(f"{key}={t!r}".encode())
+                continue
+            t = t.detach().cpu().contiguous()
             h.update(f"{key}:{t.dtype}:{tuple(t.shape)}".encode())
-            h.update(t.numpy().tobytes())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from featcal.config import MERGE_METHODS
+from featcal.config import MERGE_METHODS, WHOLE_MODEL_MERGE_METHODS
 from featcal.errors import ConfigError
 from featcal.zoo.presets import PRESETS, get_preset
 
@@ -74,7 +74,9 @@ def register(subparsers) -> None:
     p.add_argument("--calib-sizes", default=None,
                    help="calibration examples per task, comma-separated for a sweep (default: 256, or the preset's pool)")
     p.add_argument("--methods", default="average,task_arithmetic,ties",
-                   help=f"merge methods, comma-separated, from {', '.join(MERGE_METHODS)}")
+                   help="merge methods, comma-separated, from "
+                        f"{', '.join(m for m in MERGE_METHODS if m not in WHOLE_MODEL_MERGE_METHODS)} "
+                        f"({', '.join(WHOLE_MODEL_MERGE_METHODS)}: see --baselines)")
     p.add_argument("--baselines", default="",
                    help="comparison baselines, comma-separated, from surgery, probsurgery, regmean, regmean++, wudi, "
                         "or 'all' (default: none)")

@@ -1,8 +1,10 @@
 """`featcal merge`: merge experts into their base and write the merged checkpoint.
 
-The hyperparameter flags (--method, --scaling, --density, --drop-rate, --seed) are generated from
-MergeConfig, so their defaults, help and valid ranges live in one schema shared with the Python API
-and YAML run files.
+The hyperparameter flags (--method, --scaling, --density, --drop-rate, --seed, --alpha, --steps, --lr,
+--num-calibration-examples, --calibration-batch-size) are generated from MergeConfig, so their
+defaults, help and valid ranges live in one schema shared with the Python API and YAML run files.
+RegMean and RegMean++ read calibration data given as `featcal calibrate` takes it (--calib NAME=DATA
+per expert); the data-free methods refuse --calib.
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ def run(args: argparse.Namespace) -> int:
     timer = Timer()
     config = config_from_args(args, MergeConfig)
     experts = parse_pairs(args.expert, "--expert")
+    calibration = parse_pairs(args.calib, "--calib") or None
     merged = merge(
         args.base, experts, config=config, out=args.out, overwrite=args.overwrite,
-        allow_pickle=args.allow_pickle, progress=not args.no_progress,
+        allow_pickle=args.allow_pickle, progress=not args.no_progress, calibration=calibration,
+        max_length=args.max_length, allow_fewer=args.allow_fewer,
     )
     print(
         f"merged {len(experts)} experts with {config.method} ({len(merged)} tensors) into {args.out} "
@@ -33,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "merge", help="merge fine-tuned experts into their base (Task Arithmetic, TIES, DARE, ...)",
+        "merge", help="merge fine-tuned experts into their base (Task Arithmetic, TIES, DARE, RegMean, WUDI, ...)",
         description="Merge experts fine-tuned from one base into a single checkpoint, reading the experts "
         "tensor by tensor. The output is an ordinary Hugging Face checkpoint plus featcal.json.",
     )
@@ -44,5 +48,12 @@ def register(subparsers) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
     p.add_argument("--allow-pickle", action="store_true", help="accept pickled (*.bin) checkpoints")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--calib", action="append", metavar="NAME=DATA",
+                   help="regmean, regmean++: a task's calibration data, as for featcal calibrate: image folder, "
+                   "saved dataset, .jsonl or .parquet (repeat per expert); data-free methods refuse it")
+    p.add_argument("--max-length", type=int, default=128, metavar="INT",
+                   help="regmean, regmean++: truncate texts to this many tokens")
+    p.add_argument("--allow-fewer", action="store_true",
+                   help="regmean, regmean++: use all examples of a task holding fewer than --num-calibration-examples")
     add_config_flags(p, MergeConfig, "merge options")
     p.set_defaults(func=run)

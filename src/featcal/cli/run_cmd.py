@@ -3,8 +3,9 @@
     merge:
       base: path/to/base
       experts: {mnist: path/to/mnist, svhn: path/to/svhn}
-      method: ties
+      method: ties                   # or regmean / regmean++ (with calibration:), wudi
       params: {density: 0.2, scaling: 0.3}
+      # calibration: {mnist: data/mnist, svhn: data/svhn}   # regmean, regmean++ only
     calibrate:                       # optional
       calibration: {mnist: data/mnist, svhn: data/svhn}
       config: {num_calibration_examples: 64}
@@ -27,6 +28,7 @@ from pathlib import Path
 
 from featcal.config import RunConfig, load_run_file
 from featcal.io.atomic import check_output_dir
+from featcal.merging.calibration_data import check_calibration_request
 
 
 def _input_path(value: str, root: Path) -> str:
@@ -46,6 +48,8 @@ def resolve_paths(run: RunConfig, root: Path) -> RunConfig:
     merge = run.merge.model_copy(update={
         "base": _input_path(run.merge.base, root),
         "experts": {t: _input_path(p, root) for t, p in run.merge.experts.items()},
+        "calibration": None if run.merge.calibration is None
+        else {t: _input_path(p, root) for t, p in run.merge.calibration.items()},
     })
     update = {"merge": merge, "out": str(_output_path(run.out, root))}
     if run.calibrate is not None:
@@ -60,10 +64,12 @@ def execute(run: RunConfig, *, progress: bool = True) -> Path:
     from featcal.merging.api import merge
 
     merge_config = run.merge.merge_config()
+    calibration = run.merge.calibration  # RegMean(++)'s own data (merge() checks its sources before it works)
+    check_calibration_request(merge_config.method, run.merge.experts, calibration)
     out = check_output_dir(run.out, run.overwrite)
     if run.calibrate is None:
         merge(run.merge.base, run.merge.experts, config=merge_config, out=out, overwrite=run.overwrite,
-              allow_pickle=run.allow_pickle, progress=progress)
+              allow_pickle=run.allow_pickle, progress=progress, calibration=calibration)
         return out
 
     from featcal.calibration.pipeline import calibrate_to_dir, check_calibration_inputs
@@ -79,7 +85,7 @@ def execute(run: RunConfig, *, progress: bool = True) -> Path:
     try:
         merged_dir = scratch / "merged"
         merge(run.merge.base, run.merge.experts, config=merge_config, out=merged_dir,
-              allow_pickle=run.allow_pickle, progress=progress)
+              allow_pickle=run.allow_pickle, progress=progress, calibration=calibration)
         calibrate_to_dir(
             merged=merged_dir, base=run.merge.base, experts=run.merge.experts,
             calibration_sources=run.calibrate.calibration, config=featcal_config, out=out,

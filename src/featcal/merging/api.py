@@ -22,6 +22,12 @@ from featcal.io.atomic import atomic_output_dir, check_output_dir
 from featcal.io.checkpoint import CheckpointReader, copy_side_files
 from featcal.io.report import Timer, build_report, checkpoint_hashes, peak_rss_mb, write_report
 from featcal.io.validate import check_finite_state, validate_expert_names, validate_family
+from featcal.merging.calibration_data import (
+    CalibrationInput,
+    check_calibration_data,
+    check_calibration_request,
+    load_calibration,
+)
 from featcal.merging.family import Family
 from featcal.merging.registry import check_method, make_merger
 from featcal.merging.sources import MergeInput, ModuleSource, open_source
@@ -78,7 +84,8 @@ def _write_output(
         report = build_report(
             "merge",
             merger.params(),
-            inputs={"base": _describe(family.base), "experts": {n: _describe(s) for n, s in family.experts.items()}},
+            inputs={"base": _describe(family.base), "experts": {n: _describe(s) for n, s in family.experts.items()},
+                    **merger.report_inputs()},
             output={"path": str(out), "files": files, "sha256": checkpoint_hashes(tmp)},
             tensors={"total": len(family.names), "merged": len(family.names) - len(copied), "copied_from_base": copied},
         )
@@ -100,6 +107,9 @@ def merge(
     allow_pickle: bool = False,
     config: MergeConfig | None = None,
     progress: bool = True,
+    calibration: Mapping[str, CalibrationInput] | None = None,
+    max_length: int = 128,
+    allow_fewer: bool = False,
     **params: Any,
 ) -> dict[str, Tensor]:
     """Merge `experts` (name -> checkpoint dir, hub id or nn.Module) into `base` with `method`.
@@ -107,14 +117,21 @@ def merge(
     Returns the merged state dict, keyed like the base checkpoint, in the base's dtypes. With `out`,
     also writes an ordinary HF checkpoint there (model.safetensors, the base's config and
     tokenizer/processor files, featcal.json), atomically; an existing non-empty `out` is refused
-    unless `overwrite`. Hyperparameters (`scaling`, `density`, `drop_rate`, `seed`) come as keywords
-    or in `config`; they are validated by MergeConfig, and unknown ones are refused.
+    unless `overwrite`. Hyperparameters (`scaling`, `density`, `drop_rate`, `seed`, `alpha`, `steps`,
+    `lr`, `num_calibration_examples`, `calibration_batch_size`) come as keywords or in `config`; they
+    are validated by MergeConfig, and unknown ones are refused.
+
+    `calibration` (regmean, regmean++ only; data-free methods refuse it): task -> a data source path,
+    read like `featcal calibrate` reads it (`num_calibration_examples` drawn with `seed`, in batches of
+    `calibration_batch_size`, texts truncated to `max_length` tokens, `allow_fewer`), or in-memory
+    batches (a tensor or a dict of model inputs, or a list of those), one entry per expert.
     """
     total = Timer()
     cfg = resolve_config(method, config, params)
     if not isinstance(experts, Mapping):
         raise ConfigError(f"experts must be a mapping of task name -> checkpoint, got {type(experts).__name__}")
     validate_expert_names(experts.keys())
+    check_calibration_request(cfg.method, experts, calibration)
     if out is not None:
         check_output_dir(out, overwrite)
         _refuse_input_as_output(Path(out), {"base": base, **{f"expert {n!r}": e for n, e in experts.items()}})
@@ -123,10 +140,19 @@ def merge(
     expert_srcs = {n: open_source(e, label=f"expert {n!r}", allow_pickle=allow_pickle) for n, e in experts.items()}
     if out is not None and isinstance(base_src, ModuleSource):
         base_src.check_can_save()
+    model_dir = None if isinstance(base_src, ModuleSource) else Path(base_src.path)
+    if calibration:
+        check_calibration_data(calibration, model_dir=model_dir, config=cfg, max_length=max_length,
+                               allow_fewer=allow_fewer)
     validate_family(base_src, expert_srcs, progress=progress)
     validate_seconds = total.seconds
 
-    merger = make_merger(cfg)
+    loaded, data_timer = None, Timer()
+    if calibration:
+        loaded = load_calibration(calibration, model_dir=model_dir, config=cfg, max_length=max_length,
+                                  allow_fewer=allow_fewer, progress=progress)
+    data_seconds = {"load_data": data_timer.seconds} if loaded is not None else {}
+    merger = make_merger(cfg, calibration=loaded, allow_pickle=allow_pickle)
     family = Family(base_src, expert_srcs)
     work = Timer()
     merged = merge_family(merger, family, progress=progress)
@@ -136,5 +162,5 @@ def merge(
 
     if out is not None:
         _write_output(Path(out), overwrite, merged, merger, family,
-                      seconds={"validate": validate_seconds, "merge": merge_seconds}, total=total)
+                      seconds={"validate": validate_seconds, **data_seconds, "merge": merge_seconds}, total=total)
     return merged

@@ -3,7 +3,8 @@
 A merger sees one tensor name at a time, with the base tensor and a lazy iterator over the experts'
 tensors of that name, so that memory holds one expert tensor at a time. Methods that need global
 quantities (TIES' per-expert magnitude threshold) compute them in `prepare`, which may stream over
-the whole family beforehand. New methods plug in with `@register("name")`.
+the whole family beforehand; whole-model methods (RegMean, WUDI: model_mergers.py) compute the whole
+merge there. New methods plug in with `@register("name")`.
 """
 
 from __future__ import annotations
@@ -28,9 +29,20 @@ class Merger(ABC):
     def __init__(self, config: MergeConfig) -> None:
         self.config = config
 
+    @classmethod
+    def create(cls, config: MergeConfig, *, calibration=None, allow_pickle: bool = False) -> Merger:
+        """The merger for `config`; streaming mergers read neither calibration data nor whole models."""
+        if calibration is not None:
+            raise ConfigError(f"merge method {cls.name!r} takes no calibration data")
+        return cls(config)
+
     def params(self) -> dict:
         """The hyperparameters this method actually uses (what a report should show)."""
         return {"method": self.name, **{k: getattr(self.config, k) for k in self.uses}}
+
+    def report_inputs(self) -> dict:
+        """Inputs besides the checkpoints that featcal.json should record (RegMean: its calibration data)."""
+        return {}
 
     def prepare(self, family: Family, *, progress: bool = False) -> None:
         """Global pre-passes over the family, if the method needs any (default: none)."""
@@ -59,6 +71,7 @@ def register(name: str) -> Callable[[type[Merger]], type[Merger]]:
 
 def available_methods() -> list[str]:
     import featcal.merging.mergers  # noqa: F401  (registers the built-in methods)
+    import featcal.merging.model_mergers  # noqa: F401  (RegMean, RegMean++, WUDI)
 
     return sorted(_REGISTRY)
 
@@ -71,5 +84,7 @@ def check_method(method: str) -> str:
     return method
 
 
-def make_merger(config: MergeConfig) -> Merger:
-    return _REGISTRY[check_method(config.method)](config)
+def make_merger(config: MergeConfig, *, calibration=None, allow_pickle: bool = False) -> Merger:
+    """The merger of `config.method`; `calibration` (a LoadedCalibration) for the methods that read data,
+    `allow_pickle` for those that load whole models from pickled checkpoints."""
+    return _REGISTRY[check_method(config.method)].create(config, calibration=calibration, allow_pickle=allow_pickle)

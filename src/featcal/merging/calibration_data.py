@@ -1,0 +1,139 @@
+"""Calibration data of the merges that read it (RegMean, RegMean++), checked before any work.
+
+A task's data is either a source path (image folder, saved dataset, .jsonl, .parquet), loaded exactly
+as `featcal calibrate` loads it (a seeded sample of `num_calibration_examples`, in batches of
+`calibration_batch_size`, preprocessed with the base's image processor or tokenizer), or batches
+already in memory (a tensor or a dict of model inputs, or a list of those), as `featcal.calibrate`
+takes them. Data-free methods refuse calibration data rather than silently ignore it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union
+
+import torch
+
+from featcal.config import CALIBRATED_MERGE_METHODS, MergeConfig
+from featcal.errors import CalibrationDataError, ConfigError
+
+Batch = Union[torch.Tensor, Mapping[str, Any]]
+CalibrationInput = Union[str, os.PathLike, Batch, Sequence[Batch]]
+
+
+def _is_path(data: Any) -> bool:
+    return isinstance(data, (str, os.PathLike))
+
+
+def check_calibration_request(
+    method: str, experts: Mapping[str, Any], calibration: Mapping[str, CalibrationInput] | None
+) -> None:
+    """RegMean(++) needs data for exactly the experts' tasks; data-free methods take none. No I/O."""
+    if method not in CALIBRATED_MERGE_METHODS:
+        if calibration:
+            raise ConfigError(
+                f"merge method {method!r} is data-free and takes no calibration data; drop --calib "
+                f"(calibration=) or choose {' or '.join(CALIBRATED_MERGE_METHODS)}"
+            )
+        return
+    if not calibration:
+        raise ConfigError(
+            f"merge method {method!r} needs calibration data: one --calib NAME=DATA per expert "
+            "(calibration={task: data} in Python, merge.calibration in a run file)"
+        )
+    if not isinstance(calibration, Mapping):
+        raise ConfigError(f"calibration must map task names to data, not be a {type(calibration).__name__}")
+    from featcal.calibration.pipeline import check_task_names
+
+    check_task_names(experts, calibration)
+
+
+def check_calibration_data(
+    calibration: Mapping[str, CalibrationInput],
+    *,
+    model_dir: Path | None,
+    config: MergeConfig,
+    max_length: int = 128,
+    allow_fewer: bool = False,
+) -> None:
+    """Every task's data usable, reading no example: a path exists and holds enough examples of the
+    base's modality; in-memory batches are non-empty tensors or dicts. `model_dir`: the base checkpoint
+    directory (its config and processor decide how sources are read), None for an in-memory base."""
+    from featcal.baselines.inputs import as_batches
+    from featcal.data.calibration import check_calibration_source, load_model_config
+
+    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
+        raise ConfigError(f"max_length must be an integer of at least 1, got {max_length!r}")
+    paths = [t for t, d in calibration.items() if _is_path(d)]
+    if paths and model_dir is None:
+        raise ConfigError(
+            f"calibration data of task(s) {', '.join(map(repr, paths))} is given as a path, which needs the base as "
+            "a checkpoint directory (its image processor or tokenizer); pass batches instead, or the base's path"
+        )
+    model_config = load_model_config(model_dir) if paths else None
+    for task, data in calibration.items():
+        try:
+            if _is_path(data):
+                check_calibration_source(data, model_dir=model_dir, num_examples=config.num_calibration_examples,
+                                         allow_fewer=allow_fewer, config=model_config)
+            else:
+                as_batches(data, task)
+        except CalibrationDataError as exc:
+            raise CalibrationDataError(f"task {task!r}: {exc}") from None
+
+
+@dataclass
+class LoadedCalibration:
+    """Per-task batches, what featcal.json records about them, and the data options that applied."""
+
+    batches: dict[str, list[Batch]]
+    report: dict[str, dict[str, Any]]
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+def _fingerprint(batches: list[Batch]) -> str:
+    from featcal.calibration.pipeline import batches_sha256
+
+    return batches_sha256(batches)
+
+
+def load_calibration(
+    calibration: Mapping[str, CalibrationInput],
+    *,
+    model_dir: Path | None,
+    config: MergeConfig,
+    max_length: int = 128,
+    allow_fewer: bool = False,
+    progress: bool = False,
+) -> LoadedCalibration:
+    """The batches of every task (checked by `check_calibration_data` first)."""
+    from featcal.baselines.inputs import as_batches, batch_size
+    from featcal.data.calibration import load_calibration_batches
+
+    batches: dict[str, list[Batch]] = {}
+    report: dict[str, dict[str, Any]] = {}
+    for task, data in calibration.items():
+        if _is_path(data):
+            try:
+                batches[task] = load_calibration_batches(
+                    data, model_dir=model_dir, num_examples=config.num_calibration_examples,
+                    batch_size=config.calibration_batch_size, seed=config.seed, max_length=max_length,
+                    allow_fewer=allow_fewer, progress=progress,
+                )
+            except CalibrationDataError as exc:
+                raise CalibrationDataError(f"task {task!r}: {exc}") from None
+            source = str(data)
+        else:
+            batches[task] = as_batches(data, task)
+            source = "<in-memory batches>"
+        report[task] = {"source": source, "examples": sum(batch_size(b) for b in batches[task]),
+                        "batches": len(batches[task]), "tensors_sha256": _fingerprint(batches[task])}
+    params: dict[str, Any] = {}
+    if any(_is_path(d) for d in calibration.values()):  # how the sources were sampled and read
+        params = {"num_calibration_examples": config.num_calibration_examples,
+                  "calibration_batch_size": config.calibration_batch_size, "seed": config.seed,
+                  "max_length": max_length, "allow_fewer": allow_fewer}
+    return LoadedCalibration(batches, report, params)
