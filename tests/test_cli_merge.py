@@ -71,10 +71,10 @@ def test_merge_out_of_range(clip, tmp_path, capsys, extra, match):
 def test_merge_unknown_method_lists_the_valid_ones(clip, tmp_path, capsys):
     base, experts = clip
     with pytest.raises(SystemExit) as exc:
-        main(_argv(base, experts, tmp_path / "m", "--method", "regmean"))
+        main(_argv(base, experts, tmp_path / "m", "--method", "fisher"))
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert "invalid choice: 'regmean'" in err and "ties" in err and "dare_ta" in err
+    assert "invalid choice: 'fisher'" in err and "ties" in err and "regmean++" in err and "wudi" in err
 
 
 def test_merge_bad_inputs(clip, tmp_path, capsys):

@@ -267,6 +267,11 @@ BAD_MERGE = {
     "density": [0.0, 1.01, math.nan],
     "drop_rate": [-0.1, 1.0, math.nan],
     "seed": [-1, MAX_SEED + 1, 0.5],
+    "alpha": [-0.1, 1.1, math.nan],
+    "steps": [-1, 2.5],
+    "lr": [0.0, -1e-5, math.inf],
+    "num_calibration_examples": [0, -4, 2.5],
+    "calibration_batch_size": [0, -1],
 }
 
 
@@ -290,6 +295,8 @@ def test_out_of_range_values_are_refused_naming_the_field(model, field, value):
                      "cls_token_weight": 0.0, "seed": MAX_SEED, "num_calibration_examples": 1}),
     (FeatCalConfig, {"anchor_blend_rho": 10.0, "teacher_interp_alpha": 0.0, "cls_token_weight": 1.0}),
     (MergeConfig, {"scaling": 10.0, "density": 1.0, "drop_rate": 0.0, "seed": MAX_SEED}),
+    (MergeConfig, {"alpha": 0.0, "steps": 0, "num_calibration_examples": 1, "calibration_batch_size": 1}),
+    (MergeConfig, {"alpha": 1.0}),
 ])
 def test_range_boundaries_are_accepted(model, values):
     assert parse(model, values).model_dump(include=set(values)) == values

@@ -18,9 +18,11 @@ import yaml
 import featcal.calibration.api as calibration_api
 from featcal import FeatCalConfig, calibrate
 from featcal.calibration import solver
+from featcal.config import CALIBRATED_MERGE_METHODS
 from featcal.io.models import load_model
 from featcal.merging import available_methods
 from test_guarantees_support import (
+    CALIB_FLAGS,
     calibrate_argv,
     cli,
     copy_family,
@@ -44,9 +46,17 @@ def clip(tmp_path_factory):
 # --- determinism --------------------------------------------------------------------------------------------
 
 
+# what the whole-model methods need besides the shared flags: RegMean(++) its data, WUDI fewer steps
+METHOD_FLAGS = {"wudi": ("--steps", "20", "--lr", "1e-4")}
+
+
 @pytest.mark.parametrize("method", available_methods())
 def test_merge_is_bit_identical_twice_in_a_row(clip, tmp_path, capsys, method):
     flags = ("--method", method, "--seed", "7", "--drop-rate", "0.3", "--density", "0.5")
+    extra = METHOD_FLAGS.get(method, ())
+    if method in CALIBRATED_MERGE_METHODS:
+        extra = (*CALIB_FLAGS, *[a for t, d in clip["data"].items() for a in ("--calib", f"{t}={d}")])
+    flags = (*flags, *extra)
     shas = []
     for name in ("a", "b"):
         rc, _, err = cli(merge_argv(clip["base"], clip["experts"], tmp_path / name, *flags), capsys)
@@ -54,7 +64,7 @@ def test_merge_is_bit_identical_twice_in_a_row(clip, tmp_path, capsys, method):
         shas.append(weights_sha(tmp_path / name))
     assert shas[0] == shas[1]
     if method.startswith("dare"):  # the seed is what fixes the drop masks: another seed, other bytes
-        rc, _, err = cli(merge_argv(clip["base"], clip["experts"], tmp_path / "c", *flags[:-4], "--seed", "8",
+        rc, _, err = cli(merge_argv(clip["base"], clip["experts"], tmp_path / "c", "--method", method, "--seed", "8",
                                     "--drop-rate", "0.3"), capsys)
         assert rc == 0, err
         assert weights_sha(tmp_path / "c") != shas[0]

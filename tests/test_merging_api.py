@@ -42,8 +42,12 @@ def _rewrite(directory, fn):
     save_file(sd, f, metadata={"format": "pt"})
 
 
-def test_all_five_methods_are_registered():
-    assert available_methods() == sorted(["average", "task_arithmetic", "ties", "dare_ta", "dare_ties"])
+def test_every_schema_method_is_registered():
+    from featcal.config import MERGE_METHODS
+
+    assert available_methods() == sorted(MERGE_METHODS) == sorted(
+        ["average", "task_arithmetic", "ties", "dare_ta", "dare_ties", "regmean", "regmean++", "wudi"]
+    )
 
 
 def test_task_arithmetic_and_average_match_reference(bert):
@@ -255,7 +259,8 @@ def test_config_object_and_overrides(bert):
 
 @pytest.mark.parametrize(
     "kwargs,match",
-    [({"method": "regmeen"}, r"unknown merge method 'regmeen'; valid methods: average, dare_ta, dare_ties, task_arithmetic, ties"),
+    [({"method": "regmeen"}, r"unknown merge method 'regmeen'; valid methods: average, dare_ta, dare_ties, regmean, regmean\+\+, "
+                               r"task_arithmetic, ties, wudi"),
      ({"density": 0.0}, "density"), ({"density": 1.5}, "density"), ({"scaling": -1.0}, "scaling"),
      ({"drop_rate": 1.0}, "drop_rate"), ({"seed": -1}, "seed"), ({"desnity": 0.2}, "desnity")],
 )
