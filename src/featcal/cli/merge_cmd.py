@@ -39,7 +39,8 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "merge", help="merge fine-tuned experts into their base (Task Arithmetic, TIES, DARE, RegMean, WUDI, ...)",
         description="Merge experts fine-tuned from one base into a single checkpoint, reading the experts "
-        "tensor by tensor. The output is an ordinary Hugging Face checkpoint plus featcal.json.",
+        "tensor by tensor (RegMean, RegMean++ and WUDI load whole models; RegMean reads --calib data). "
+        "The output is an ordinary Hugging Face checkpoint plus featcal.json.",
     )
     p.add_argument("--base", required=True, help="pretrained base checkpoint (directory or hub id)")
     p.add_argument("--expert", action="append", metavar="NAME=PATH", required=True,
