@@ -15,6 +15,7 @@ from featcal.calibration import resume as resume_mod
 from featcal.calibration.adapters import adapter_for
 from featcal.calibration.distributed import RankGroup, current_group
 from featcal.calibration.engine import FeatCalEngine, needed_param_names
+from featcal.calibration.placement import Placement
 from featcal.calibration.sources import CheckpointSource, ModelSource, ParamSource, validate_source
 from featcal.config import FeatCalConfig
 from featcal.errors import CalibrationDataError, CheckpointError, ConfigError
@@ -25,11 +26,17 @@ log = logging.getLogger("featcal.calibration")
 ModelLike = nn.Module | str | os.PathLike
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, *, offload: bool = False) -> torch.device:
+    """The torch device `name` means here; a ConfigError naming it when this machine has no such device."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"device {name!r} requested but CUDA is not available")
+    why = " (offload_blocks puts each block there)" if offload else ""
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device {name!r} requested{why} but CUDA is not available")
+        index, count = torch.device(name).index, torch.cuda.device_count()
+        if index is not None and index >= count:
+            raise ConfigError(f"device {name!r} requested{why} but this machine has {count} CUDA device(s)")
     return torch.device(name)
 
 
@@ -194,7 +201,7 @@ def calibrate(
         raise ConfigError(f"config must be a FeatCalConfig, not {type(config).__name__}")
     validate_expert_names(experts.keys())
     _check_tasks(experts, calibration)
-    device = resolve_device(config.device)
+    device = resolve_device(config.device, offload=config.offload_blocks)
     if base is None and config.anchor_blend_rho != 1.0:
         raise ConfigError(
             f"anchor_blend_rho={config.anchor_blend_rho} extrapolates from the base model: pass base=, or set rho to 1"
@@ -238,10 +245,12 @@ def calibrate(
         _check_finite(model, sources, base_src, stem_names, block_names)
 
     origin = next(model.parameters()).device
-    model.to(device).eval()
-    template.to(device).eval()
+    placement = Placement(device, config.offload_blocks)
+    placement.setup(model, template)  # both on the device, or (offload_blocks) both on the host
+    model.eval()
+    template.eval()
     engine = FeatCalEngine(model, template, adapter, sources, base_src, data, config, device, progress,
-                           group=group, resume=store)
+                           group=group, resume=store, placement=placement)
     log.info(
         "featcal: %s (%s adapter), %d task(s), %d batch(es), device %s",
         type(model).__name__, adapter.name, len(data), sum(len(v) for v in data.values()), device,
