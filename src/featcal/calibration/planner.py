@@ -191,7 +191,12 @@ def _groups(linears: tuple[tuple[str, int, int], ...]) -> dict[tuple[str, int], 
     return out
 
 
-def _statistics_bytes(block: BlockShape) -> tuple[int, str]:
+def statistics_parts(block: BlockShape) -> tuple[int, int, int]:
+    """(one task's raw sums, float32; the cross-task sums, float64; the fold/solve temporaries) in bytes.
+
+    The engine keeps one task's sums alive at a time (folded into the cross-task sums, then dropped),
+    so the first part does not grow with the number of tasks; nor do the others.
+    """
     task = 0  # float32, one task
     for members in _groups(block.linears).values():
         i = members[0][1]
@@ -204,6 +209,11 @@ def _statistics_bytes(block: BlockShape) -> tuple[int, str]:
     # its scaled copy at once, in float64; the solve then needs the system, its Cholesky factor and the
     # right-hand side: the larger of the two, for the widest Linear
     fold = max((3 * i * i + 7 * i * o) * 8 for _, i, o in block.linears) if block.linears else 0
+    return task, across, fold
+
+
+def _statistics_bytes(block: BlockShape) -> tuple[int, str]:
+    task, across, fold = statistics_parts(block)
     return task + across + fold, f"{fmt(task)} per task (float32) + {fmt(across)} across tasks (float64) + {fmt(fold)} fold/solve"
 
 
