@@ -130,6 +130,8 @@ def test_interrupt_message_says_a_rerun_resumes():
 
     calibrate_args = argparse.Namespace(command="calibrate", out="o", cfg_resume=True)
     assert "rerunning the same command resumes" in interrupted_message(calibrate_args, KeyboardInterrupt())
+    every = argparse.Namespace(command="calibrate", out="o", cfg_resume=True, cfg_checkpoint_every=4)
+    assert "checkpoint after every 4 blocks" in interrupted_message(every, KeyboardInterrupt())
     off = argparse.Namespace(command="calibrate", out="o", cfg_resume=False)
     assert "Nothing can be resumed" in interrupted_message(off, KeyboardInterrupt())
 

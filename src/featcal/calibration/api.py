@@ -192,7 +192,9 @@ def calibrate(
 
     With `config.resume_dir` every finished block is checkpointed there and a rerun with the same inputs
     continues after the last finished block; the state is deleted on success unless `keep_resume_state`
-    (the caller deletes it once its output is written). `check_finite` scans, before any work, every
+    (the caller deletes it once its output is written); `config.checkpoint_every` spaces the checkpoints.
+    With `config.offload_blocks` the models and chains stay on the CPU and only the block being
+    calibrated goes to `config.device` (placement.py). `check_finite` scans, before any work, every
     parameter the run reads (merged, base, experts; one tensor at a time) for NaN/Inf. Under an initialised torch.distributed process
     group the batches are shared out over the ranks and the statistics all-reduced (distributed.py).
     """
