@@ -294,7 +294,8 @@ class FeatCalEngine:
             self.chains.put_hidden(tuple(key), hidden)
             self.chains.put_context(tuple(key), ctx)
 
-        self.resume.restore(position, put_block, put_chain, self.chains.home or self.device)
+        home = self.chains.home if self.chains.home is not None else self.device  # contexts go where chains are held
+        self.resume.restore(position, put_block, put_chain, home)
         self.drift = [dict(r) for r in position.drift]
         self._block_counter = self._checkpointed = done
         log.info("featcal: resuming from %s: %d block(s) already calibrated, continuing at block %d",
