@@ -71,12 +71,14 @@ class DeviceSpy:
         return handles
 
 
-@pytest.mark.parametrize(("kind", "chain_dtype"), [("clip", "float32"), ("t5", "bfloat16"), ("llama", "float32"),
-                                                   ("bert", "float32")])
-def test_offload_is_bit_identical_and_holds_one_block_per_model(kind, chain_dtype, monkeypatch):
+@pytest.mark.parametrize(("kind", "chain_dtype", "spill"), [
+    ("clip", "float32", False), ("t5", "bfloat16", False), ("llama", "float32", False),
+    ("bert", "float16", True),  # chains spilled to disk: read straight to the device
+])
+def test_offload_is_bit_identical_and_holds_one_block_per_model(kind, chain_dtype, spill, monkeypatch, tmp_path):
     base, experts, merged = noisy_family(kind)
     data = family_data(kind, experts)
-    cfg = FeatCalConfig(chain_dtype=chain_dtype)
+    cfg = FeatCalConfig(chain_dtype=chain_dtype, spill_dir=tmp_path / "spill" if spill else None)
     whole = calibrate(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False)
 
     spy = DeviceSpy()
