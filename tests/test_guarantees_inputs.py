@@ -260,6 +260,8 @@ BAD_FEATCAL = {
     "device": ["tpu", "cuda0"],
     "resume": ["perhaps"],  # fields being added to the schema: cases ready before they land
     "resume_dir": [3.5],
+    "offload_blocks": ["partly"],
+    "checkpoint_every": [0, -2, 1.5],
 }
 BAD_MERGE = {
     "method": ["nope", "TIES"],

@@ -119,3 +119,57 @@ def test_text_plan_counts_masks_at_max_length(tmp_path, capsys):
     assert "16 tokens × 32 hidden" in out
     ctx = re.search(r"chain contexts\s+([0-9.]+) (KiB|B)", out)
     assert ctx is not None and float(ctx.group(1)) > 0
+
+
+def test_offload_plan_moves_the_block_transients_to_the_device():
+    cfg = FeatCalConfig(num_calibration_examples=256, calibration_batch_size=16)
+    shape = ModelShape(100_000, _shape().stacks, 3 * 16 * 16 * 4, stem_count=5_000)
+    whole = estimate(shape, tasks=8, config=cfg, baseline_bytes=0)
+    off = estimate(shape, tasks=8, config=cfg.model_copy(update={"offload_blocks": True, "device": "cuda"}),
+                   baseline_bytes=0)
+    host, dev = {c.name: c.bytes for c in off.components}, off.device_components
+    parts = {c.name: c.bytes for c in whole.components}
+    assert whole.device_components == [] and whole.device_total == 0
+    assert not {"statistics", "activations", "base anchors", "expert block read"} & set(host)
+    assert host["chains"] == parts["chains"] and host["merged model"] == parts["merged model"]  # chains stay on the host
+    assert host["tensor in transit"] == 32 * 128 * 4  # the widest Linear (fc1), not a whole block
+    block = {c.name: c.bytes for c in dev if c.phase == "block"}
+    capture = {c.name: c.bytes for c in dev if c.phase == "capture"}
+    assert block["merged block"] == block["expert block"] == 10_000 * 4
+    assert block["statistics"] == parts["statistics"] and block["activations"] == parts["activations"]
+    assert block["batch chains"] == 2 * 16 * 65 * 32 * 4  # one batch, both sides, float32; not all chains
+    assert capture["stems"] == 2 * 5_000 * 4
+    assert off.device_total == max(sum(block.values()), sum(capture.values()))
+    saved = parts["statistics"] + parts["activations"] + parts["base anchors"] + parts["expert block read"]
+    assert whole.total - off.total == saved - host["tensor in transit"]
+
+
+def test_stem_count_is_what_offloading_moves():
+    from featcal.calibration.adapters import adapter_for
+    from featcal.calibration.engine import stem_param_names
+    from featcal.calibration.planner import model_shape
+    from tiny import tiny_config, tiny_model
+
+    for kind in ("clip", "t5", "llama"):
+        model = tiny_model(kind)
+        stacks = adapter_for(model).stacks(model)
+        params = dict(model.named_parameters(remove_duplicate=False))
+        stem = {id(params[n]): params[n].numel() for n in stem_param_names(model, stacks)}
+        for name, b in model.named_buffers(remove_duplicate=False):  # position ids, rotary frequencies
+            under = any(st.entry_path == "" or name.startswith(st.entry_path + ".") for st in stacks)
+            if under and not any(name.startswith(st.blocks_path + ".") for st in stacks):
+                stem[id(b)] = b.numel()
+        config = tiny_config(kind)
+        config.architectures = [type(model).__name__]
+        assert model_shape(config, 16).stem_count == sum(stem.values()), kind
+
+
+def test_plan_cli_reports_device_memory_when_offloading(tmp_path, capsys):
+    fam = clip_family(tmp_path / "fam")
+    assert main(_argv("plan", fam, tmp_path / "out", "--offload-blocks", "--device", "cuda")) == 0
+    out = capsys.readouterr().out
+    assert "estimated peak memory per process (host)" in out
+    assert "estimated peak device memory per process (--offload-blocks on cuda)" in out
+    assert re.search(r"block phase: [0-9.]+ (KiB|MiB)", out) and re.search(r"capture phase: [0-9.]+ (KiB|MiB)", out)
+    assert main(_argv("plan", fam, tmp_path / "out")) == 0
+    assert "device memory" not in capsys.readouterr().out

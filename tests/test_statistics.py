@@ -139,3 +139,33 @@ def test_block_plan_groups_shared_inputs_and_picks_the_cheaper_form():
     split = plan_block(linears, rec.calls, kind=lambda name: name in kv)
     assert split["self_attn.q_proj"].group == "self_attn.q_proj" and split["self_attn.q_proj"].mode == "output"
     assert split["self_attn.v_proj"].group == split["self_attn.k_proj"].group != "self_attn.q_proj"
+
+
+def test_engine_keeps_one_task_of_raw_sums_alive_at_a_time(monkeypatch):
+    """Why per-task statistics are not spilled to disk (docs/scaling.md): with 4 experts, at most one
+    TaskSums exists at any moment, so there is nothing per task to spill beyond the one being filled."""
+    import weakref
+
+    from featcal import FeatCalConfig, calibrate
+    from featcal.calibration import engine
+    from reference_featcal import family_data, noisy_family
+
+    live: set[int] = set()
+    made: list[int] = []
+    peak = [0]
+
+    class Tracked(TaskSums):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            key = len(made)
+            made.append(key)
+            live.add(key)
+            weakref.finalize(self, live.discard, key)
+            peak[0] = max(peak[0], len(live))
+
+    monkeypatch.setattr(engine, "TaskSums", Tracked)
+    base, experts, merged = noisy_family("llama", n_experts=4)
+    calibrate(merged, base=base, experts=experts, calibration=family_data("llama", experts), config=FeatCalConfig(),
+              progress=False)
+    assert len(made) == 4 * 2  # one per task per block (2 blocks)
+    assert peak[0] == 1 and not live

@@ -70,7 +70,14 @@ class FeatCalConfig(_Strict):
     )
     spill_dir: Path | None = Field(None, description="spill block-input chains to this directory instead of RAM")
     device: str = Field("cpu", description="torch device for the block forwards and solves")
-    resume: bool = Field(True, description="checkpoint after every block so that rerunning a killed run resumes it")
+    offload_blocks: bool = Field(
+        False, description="keep both models and the chains on the CPU and put only the block being calibrated "
+        "(of the merged model and of the expert template) and one batch on --device"
+    )
+    resume: bool = Field(True, description="checkpoint calibrated blocks so that rerunning a killed run resumes it")
+    checkpoint_every: int = Field(
+        1, ge=1, description="write a resume checkpoint (all chains) after every N-th block and after the last one"
+    )
     resume_dir: Path | None = Field(
         None, description="where the per-block checkpoints go (featcal calibrate: .<out>.featcal-resume beside --out)"
     )

@@ -15,6 +15,7 @@ from featcal.calibration import resume as resume_mod
 from featcal.calibration.adapters import adapter_for
 from featcal.calibration.distributed import RankGroup, current_group
 from featcal.calibration.engine import FeatCalEngine, needed_param_names
+from featcal.calibration.placement import Placement
 from featcal.calibration.sources import CheckpointSource, ModelSource, ParamSource, validate_source
 from featcal.config import FeatCalConfig
 from featcal.errors import CalibrationDataError, CheckpointError, ConfigError
@@ -25,11 +26,17 @@ log = logging.getLogger("featcal.calibration")
 ModelLike = nn.Module | str | os.PathLike
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, *, offload: bool = False) -> torch.device:
+    """The torch device `name` means here; a ConfigError naming it when this machine has no such device."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"device {name!r} requested but CUDA is not available")
+    why = " (offload_blocks puts each block there)" if offload else ""
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device {name!r} requested{why} but CUDA is not available")
+        index, count = torch.device(name).index, torch.cuda.device_count()
+        if index is not None and index >= count:
+            raise ConfigError(f"device {name!r} requested{why} but this machine has {count} CUDA device(s)")
     return torch.device(name)
 
 
@@ -185,7 +192,9 @@ def calibrate(
 
     With `config.resume_dir` every finished block is checkpointed there and a rerun with the same inputs
     continues after the last finished block; the state is deleted on success unless `keep_resume_state`
-    (the caller deletes it once its output is written). `check_finite` scans, before any work, every
+    (the caller deletes it once its output is written); `config.checkpoint_every` spaces the checkpoints.
+    With `config.offload_blocks` the models and chains stay on the CPU and only the block being
+    calibrated goes to `config.device` (placement.py). `check_finite` scans, before any work, every
     parameter the run reads (merged, base, experts; one tensor at a time) for NaN/Inf. Under an initialised torch.distributed process
     group the batches are shared out over the ranks and the statistics all-reduced (distributed.py).
     """
@@ -194,7 +203,7 @@ def calibrate(
         raise ConfigError(f"config must be a FeatCalConfig, not {type(config).__name__}")
     validate_expert_names(experts.keys())
     _check_tasks(experts, calibration)
-    device = resolve_device(config.device)
+    device = resolve_device(config.device, offload=config.offload_blocks)
     if base is None and config.anchor_blend_rho != 1.0:
         raise ConfigError(
             f"anchor_blend_rho={config.anchor_blend_rho} extrapolates from the base model: pass base=, or set rho to 1"
@@ -238,10 +247,12 @@ def calibrate(
         _check_finite(model, sources, base_src, stem_names, block_names)
 
     origin = next(model.parameters()).device
-    model.to(device).eval()
-    template.to(device).eval()
+    placement = Placement(device, config.offload_blocks)
+    placement.setup(model, template)  # both on the device, or (offload_blocks) both on the host
+    model.eval()
+    template.eval()
     engine = FeatCalEngine(model, template, adapter, sources, base_src, data, config, device, progress,
-                           group=group, resume=store)
+                           group=group, resume=store, placement=placement)
     log.info(
         "featcal: %s (%s adapter), %d task(s), %d batch(es), device %s",
         type(model).__name__, adapter.name, len(data), sum(len(v) for v in data.values()), device,

@@ -4,7 +4,8 @@ A chain entry is one batch's hidden states for one side (the merged model, or ex
 context its blocks are called with (attention masks, position ids, rotary cos/sin, T5 position bias).
 Hidden states are stored in `chain_dtype` and handed back in the compute dtype. With `spill_dir`,
 every tensor goes to a safetensors file per entry (written atomically over the previous one); only
-the non-tensor skeleton of the context stays in RAM.
+the non-tensor skeleton of the context stays in RAM. With `home` (the host, when blocks are offloaded
+to an accelerator) entries kept in RAM are held there and moved to `device` one batch at a time.
 """
 
 from __future__ import annotations
@@ -32,6 +33,17 @@ def _flatten(obj: Any, prefix: str, out: dict[str, torch.Tensor]) -> Any:
     return obj
 
 
+def _map_tensors(obj: Any, fn) -> Any:
+    """`obj` with every tensor in a nested dict/tuple/list replaced by fn(tensor)."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: _map_tensors(v, fn) for k, v in obj.items()}
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_map_tensors(v, fn) for v in obj)
+    return obj
+
+
 def _unflatten(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
     if isinstance(obj, _Slot):
         return tensors[obj.key]
@@ -53,10 +65,12 @@ class ChainStore:
     """Per (side, task, batch): hidden states and block context, in RAM or on disk."""
 
     def __init__(self, chain_dtype: str = "float32", spill_dir: str | os.PathLike | None = None,
-                 compute_dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+                 compute_dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 home: torch.device | str | None = None) -> None:
         self.store_dtype = DTYPES[chain_dtype]
         self.compute_dtype = compute_dtype
-        self.device = torch.device(device)
+        self.device = torch.device(device)  # where entries are handed out (the block forwards run there)
+        self.home = None if home is None else torch.device(home)  # where RAM entries are held; None: as made
         self._ram: dict[tuple, torch.Tensor] = {}
         self._ctx: dict[tuple, Any] = {}
         self._tmp: tempfile.TemporaryDirectory | None = None
@@ -76,9 +90,9 @@ class ChainStore:
         os.replace(tmp, path)
 
     def put_hidden(self, key: tuple, hidden: torch.Tensor) -> None:
-        h = hidden.detach().to(self.store_dtype)
+        h = hidden.detach().to(self.store_dtype)  # cast where it was computed, then move: the same bits
         if self.dir is None:
-            self._ram[key] = h
+            self._ram[key] = h if self.home is None else h.to(self.home)
         else:
             self._write(self._file("h", key), {"h": h})
 
@@ -95,13 +109,19 @@ class ChainStore:
             return self._ram[key]
         return load_file(str(self._file("h", key)))["h"]
 
+    def raw_context(self, key: tuple) -> dict[str, Any]:
+        """The context as held (on the host when offloading, the CPU when spilled): for checkpoints."""
+        if self.dir is None:
+            return self._ctx[key]
+        return _unflatten(self._ctx[key], load_file(str(self._file("c", key))))
+
     def keys(self) -> list[tuple]:
         """Every (side, task, batch) entry held, in insertion order."""
         return list(self._ctx)
 
     def put_context(self, key: tuple, ctx: dict[str, Any]) -> None:
         if self.dir is None:
-            self._ctx[key] = ctx
+            self._ctx[key] = ctx if self.home is None else _map_tensors(ctx, lambda t: t.to(self.home))
             return
         tensors: dict[str, torch.Tensor] = {}
         self._ctx[key] = _flatten(ctx, "c", tensors)
@@ -109,7 +129,8 @@ class ChainStore:
 
     def context(self, key: tuple) -> dict[str, Any]:
         if self.dir is None:
-            return self._ctx[key]
+            ctx = self._ctx[key]
+            return ctx if self.home is None else _map_tensors(ctx, lambda t: t.to(self.device))
         tensors = load_file(str(self._file("c", key)), device=str(self.device))
         return _unflatten(self._ctx[key], tensors)
 

@@ -12,6 +12,12 @@ For each stack (one for encoders and decoders, two for T5) the engine
    RMSNorm of the block in closed form, loads the solution, and propagates hm(t) through the
    CALIBRATED block.
 
+With `offload_blocks` (placement.py) the models and chains stay on the host: the stems go to the
+device for step 1, block l of both models for steps 2-3, and each batch's chain entries as they are used.
+
+Resume (resume.py): after every `checkpoint_every`-th block and after the last one, the blocks
+calibrated since the previous checkpoint and all chains are committed.
+
 Drift record per block: mean over valid tokens of ‖hm − he‖² / ‖he‖² (token weights 1, padding 0),
 averaged over tasks, where he is expert t's block output and hm the merged block's output on the
 merged chain (which is already calibrated upstream) — "before" with the block as merged, "after"
@@ -35,6 +41,7 @@ from featcal.calibration.adapters import Adapter, Stack
 from featcal.calibration.chains import ChainStore
 from featcal.calibration.distributed import RankGroup, current_group
 from featcal.calibration.hooks import ExpertRecorder, MergedFolder, plan_block
+from featcal.calibration.placement import Placement
 from featcal.calibration.resume import Position, ResumeStore, common_position
 from featcal.calibration.sources import ParamSource, load_into
 from featcal.calibration.statistics import NormalisedSums, TaskSums
@@ -216,6 +223,7 @@ class FeatCalEngine:
         progress: bool = True,
         group: RankGroup | None = None,
         resume: ResumeStore | None = None,
+        placement: Placement | None = None,
     ) -> None:
         self.merged, self.template, self.adapter = merged, template, adapter
         self.experts, self.base, self.cfg = experts, base, config
@@ -227,12 +235,16 @@ class FeatCalEngine:
             t: [(b, calibration[t][b]) for b in self.group.shard(len(calibration[t]), t)] for t in self.tasks
         }
         self.device = device
+        # where the models live; the caller has already placed them (Placement.setup)
+        self.place = placement if placement is not None else Placement(device, config.offload_blocks)
         self.progress = progress and self.group.is_main
         self.stacks = adapter.stacks(merged)
         dtype = next(merged.parameters()).dtype
-        self.chains = ChainStore(config.chain_dtype, config.spill_dir, compute_dtype=dtype, device=device)
+        self.chains = ChainStore(config.chain_dtype, config.spill_dir, compute_dtype=dtype, device=device,
+                                 home=self.place.chain_home)
         self.drift: list[dict[str, Any]] = []
         self._block_counter = 0
+        self._checkpointed = 0  # blocks whose parameters the resume directory already holds
 
     # --- parameter bookkeeping -----------------------------------------------------------------
     def block_param_names(self, stack: Stack, layer: int) -> list[str]:
@@ -282,9 +294,10 @@ class FeatCalEngine:
             self.chains.put_hidden(tuple(key), hidden)
             self.chains.put_context(tuple(key), ctx)
 
-        self.resume.restore(position, put_block, put_chain, self.device)
+        home = self.chains.home if self.chains.home is not None else self.device  # contexts go where chains are held
+        self.resume.restore(position, put_block, put_chain, home)
         self.drift = [dict(r) for r in position.drift]
-        self._block_counter = done
+        self._block_counter = self._checkpointed = done
         log.info("featcal: resuming from %s: %d block(s) already calibrated, continuing at block %d",
                  self.resume.root, done, done)
         return position
@@ -299,13 +312,21 @@ class FeatCalEngine:
         raise IndexError(k)
 
     def _commit(self, si: int, layer: int, n_blocks: int) -> None:
+        """Checkpoint after every `checkpoint_every`-th block and after the last one: the blocks
+        calibrated since the previous checkpoint, then every chain (the costly part), then the state."""
         if self.resume is None:
+            return
+        done = self._block_counter
+        last = si == len(self.stacks) - 1 and layer == n_blocks - 1
+        if done % self.cfg.checkpoint_every and not last:
+            self.resume.passed(done - 1)
             return
         nxt = (si, layer + 1) if layer + 1 < n_blocks else (si + 1, 0)
         params = dict(self.merged.named_parameters(remove_duplicate=False))
-        block = {n: params[n] for n in self.block_param_names(self.stacks[si], layer)}
-        chains = ((key, self.chains.raw_hidden(key), self.chains.context(key)) for key in self.chains.keys())
-        self.resume.commit(Position(*nxt, [dict(r) for r in self.drift]), block, chains)
+        blocks = {k: {n: params[n] for n in self._block_names(k)} for k in range(self._checkpointed, done)}
+        chains = ((key, self.chains.raw_hidden(key), self.chains.raw_context(key)) for key in self.chains.keys())
+        self.resume.commit(Position(*nxt, [dict(r) for r in self.drift]), blocks, chains)
+        self._checkpointed = done
 
     def _batches(self, task: str) -> list[tuple[int, Batch]]:
         """(global batch index, batch) of this rank's share of `task`."""
@@ -321,6 +342,12 @@ class FeatCalEngine:
         block0_m = stack.blocks(self.merged)[0]
         block0_e = stack.blocks(self.template)[0]
         stem = self.stem_param_names()
+        # offloading: the stems on the device, and the merged block 0 that check_context_replay runs
+        with self.place.stems([self.merged, self.template], self.stacks, blocks=[block0_m]):
+            self._capture_tasks(stack, previous, block0_m, block0_e, stem)
+
+    def _capture_tasks(self, stack: Stack, previous: Stack | None, block0_m: nn.Module, block0_e: nn.Module,
+                       stem: list[str]) -> None:
         for t in self.tasks:
             load_into(self.template, stem, self.experts[t])
             for b, batch in self._batches(t):
@@ -358,9 +385,11 @@ class FeatCalEngine:
         bar = tqdm(total=total, desc=f"featcal {stack.name} block {layer}", disable=not self.progress, leave=False)
         block_m = stack.blocks(self.merged)[layer]
         mods_m = calibrated_modules(block_m, self.adapter)
-        sums, before = self._gather(stack, layer, n_blocks, mods_m, bar)
-        self._solve_and_load(stack, layer, mods_m, sums)
-        after = self._propagate(stack, layer, block_m, bar)
+        with self.place.blocks(block_m, stack.blocks(self.template)[layer]):  # offloading: only these two
+            sums, before = self._gather(stack, layer, n_blocks, mods_m, bar)
+            self._solve_and_load(stack, layer, mods_m, sums)
+            del sums
+            after = self._propagate(stack, layer, block_m, bar)
         bar.close()
         record = {
             "block": self._block_counter, "stack": stack.name, "layer": layer,

@@ -108,7 +108,7 @@ def check_options(config: FeatCalConfig, max_length: int) -> None:
         raise ConfigError(f"config must be a FeatCalConfig, not {type(config).__name__}")
     if max_length < 1:
         raise ConfigError(f"max_length must be at least 1, got {max_length}")
-    resolve_device(config.device)  # e.g. cuda asked for on a machine without it
+    resolve_device(config.device, offload=config.offload_blocks)  # e.g. cuda asked for on a machine without it
     spill = config.spill_dir
     if spill is not None:
         spill = Path(spill).expanduser()

@@ -11,6 +11,11 @@ What a `featcal calibrate` process holds at its peak (during a block, models and
 - one block's transients: an expert block read, float64 base anchors, the statistics (float32 per
   task, float64 across tasks, solver temporaries of the largest Linear) and one batch's activations.
 
+With --offload-blocks the models and chains stay on the host and the device holds, at its peak, the
+larger of two phases (placement.py): capture (both models' stems, the merged block 0, one batch) and
+block (block l of the merged model and of the template, float64 base anchors, the statistics, one
+batch's activations and chain entries). The host then holds no statistics, anchors or activations.
+
 Text lengths use --max-length (batches are padded to their longest text, so this is an upper bound).
 Linears are grouped by shared input (q/k/v, gate/up) by a naming rule; the engine groups by the
 actual input tensor, so the statistics line can differ slightly from the run's.
@@ -87,6 +92,7 @@ class ModelShape:
     param_count: int  # parameters + buffers
     stacks: tuple[StackShape, ...]
     input_bytes: int  # per example, as the calibration batches hold it
+    stem_count: int = 0  # parameters + buffers under the stack entries but outside every block
 
 
 def _block_shape(block: nn.Module, adapter) -> BlockShape:
@@ -131,7 +137,18 @@ def model_shape(config, max_length: int) -> ModelShape:
                 ctx += 2 * tokens * (hidden // max(heads, 1)) * 4  # rotary cos, sin
         stacks.append(StackShape(st.name, shapes, hidden, heads, tokens, ctx))
     count = sum(t.numel() for t in model.state_dict().values())
-    return ModelShape(count, tuple(stacks), input_bytes)
+    return ModelShape(count, tuple(stacks), input_bytes, _stem_count(model, adapter.stacks(model)))
+
+
+def _stem_count(model: nn.Module, stacks) -> int:
+    """What offloading moves to the device for the capture step, counted as placement.stem_parts moves it."""
+    from featcal.calibration.placement import stem_parts
+
+    seen: dict[int, int] = {}
+    for mod, recurse in stem_parts(model, stacks):
+        for t in (*mod.parameters(recurse=recurse), *mod.buffers(recurse=recurse)):
+            seen[id(t)] = t.numel()
+    return sum(seen.values())
 
 
 # --- the estimate --------------------------------------------------------------------------------
@@ -140,17 +157,28 @@ class Component:
     name: str
     bytes: int
     detail: str
+    phase: str = ""  # device components: "capture" or "block" (they are never resident together)
 
 
 @dataclass
 class MemoryPlan:
-    components: list[Component]
+    components: list[Component]  # host memory (the process's RSS)
     chain_bytes_total: int  # all ranks together: what --spill-dir would put on disk
     settings: dict = field(default_factory=dict)
+    device_components: list[Component] = field(default_factory=list)  # --offload-blocks: on the device
 
     @property
     def total(self) -> int:
+        """Peak host memory (RSS) per process."""
         return sum(c.bytes for c in self.components)
+
+    def phase_total(self, phase: str) -> int:
+        return sum(c.bytes for c in self.device_components if c.phase == phase)
+
+    @property
+    def device_total(self) -> int:
+        """Peak device memory per process with --offload-blocks (0 without): the larger phase."""
+        return max((self.phase_total(c.phase) for c in self.device_components), default=0)
 
 
 def _groups(linears: tuple[tuple[str, int, int], ...]) -> dict[tuple[str, int], list[tuple[str, int, int]]]:
@@ -163,7 +191,12 @@ def _groups(linears: tuple[tuple[str, int, int], ...]) -> dict[tuple[str, int], 
     return out
 
 
-def _statistics_bytes(block: BlockShape) -> tuple[int, str]:
+def statistics_parts(block: BlockShape) -> tuple[int, int, int]:
+    """(one task's raw sums, float32; the cross-task sums, float64; the fold/solve temporaries) in bytes.
+
+    The engine keeps one task's sums alive at a time (folded into the cross-task sums, then dropped),
+    so the first part does not grow with the number of tasks; nor do the others.
+    """
     task = 0  # float32, one task
     for members in _groups(block.linears).values():
         i = members[0][1]
@@ -176,6 +209,11 @@ def _statistics_bytes(block: BlockShape) -> tuple[int, str]:
     # its scaled copy at once, in float64; the solve then needs the system, its Cholesky factor and the
     # right-hand side: the larger of the two, for the widest Linear
     fold = max((3 * i * i + 7 * i * o) * 8 for _, i, o in block.linears) if block.linears else 0
+    return task, across, fold
+
+
+def _statistics_bytes(block: BlockShape) -> tuple[int, str]:
+    task, across, fold = statistics_parts(block)
     return task + across + fold, f"{fmt(task)} per task (float32) + {fmt(across)} across tasks (float64) + {fmt(fold)} fold/solve"
 
 
@@ -204,6 +242,12 @@ def estimate(shape: ModelShape, *, tasks: int, config: FeatCalConfig, baseline_b
 
     act = max(activations(s, b) for s, b in blocks)
     s0 = max(shape.stacks, key=lambda s: s.tokens * s.hidden)
+    settings = {"chain_dtype": config.chain_dtype, "spill_dir": config.spill_dir, "batch_size": bs, "world": world,
+                "offload_blocks": config.offload_blocks, "device": config.device}
+    if config.offload_blocks:
+        return _offloaded(shape, tasks=tasks, config=config, baseline_bytes=baseline_bytes, local=local,
+                          chains_local=chains_local, ctx_local=ctx_local, act=act, stats=(stats, stats_detail),
+                          block_params=block_params, chains_all=chains_all, settings=settings)
     comps = [
         Component("process baseline", baseline_bytes, "python + torch + transformers + featcal (measured)"),
         Component("merged model", model, f"{shape.param_count:,} parameters and buffers, float32"),
@@ -218,8 +262,46 @@ def estimate(shape: ModelShape, *, tasks: int, config: FeatCalConfig, baseline_b
         Component("statistics", stats, stats_detail),
         Component("activations", act, f"one batch of {bs} through one block, both sides"),
     ]
-    settings = {"chain_dtype": config.chain_dtype, "spill_dir": config.spill_dir, "batch_size": bs, "world": world}
     return MemoryPlan(comps, chains_all, settings)
+
+
+def _offloaded(shape: ModelShape, *, tasks: int, config: FeatCalConfig, baseline_bytes: int, local: int,
+               chains_local: int, ctx_local: int, act: int, stats: tuple[int, str], block_params: int,
+               chains_all: int, settings: dict) -> MemoryPlan:
+    """The --offload-blocks plan: host lines as without offloading less the per-block transients, which
+    move to the device; device lines per phase (capture, block), of which the larger is the peak."""
+    n, bs = config.num_calibration_examples, config.calibration_batch_size
+    model = shape.param_count * 4
+    chain_b = DTYPES[config.chain_dtype].itemsize
+    s0 = max(shape.stacks, key=lambda s: s.tokens * s.hidden)
+    widest = max((i * o for s in shape.stacks for b in s.blocks for _, i, o in b.linears), default=0) * 4
+    spilled = config.spill_dir is not None
+    host = [
+        Component("process baseline", baseline_bytes, "python + torch + transformers + featcal (measured)"),
+        Component("merged model", model, f"{shape.param_count:,} parameters and buffers, float32, on the host"),
+        Component("expert template", model, "a second copy of the architecture, on the host"),
+        Component("calibration inputs", tasks * n * shape.input_bytes, f"{tasks} task(s) × {n} examples"),
+        Component("chains", chains_local, (f"spilled to {config.spill_dir}: one batch in RAM" if spilled else
+                  f"on the host: 2 sides × {tasks} task(s) × {local} examples × {s0.tokens} tokens × {s0.hidden} "
+                  f"hidden × {chain_b} B ({config.chain_dtype})")),
+        Component("chain contexts", ctx_local, "attention masks / position bias / rotary tables per batch"),
+        Component("tensor in transit", widest, "one expert or base tensor read on its way to the device"),
+    ]
+    batch_chains = max(2 * bs * (s.tokens * s.hidden * 4 + s.context_bytes) for s in shape.stacks)
+    batch_detail = f"2 sides × {bs} examples, float32 on the device, with their contexts"
+    device = [
+        Component("merged block", block_params * 4, "the block being calibrated, float32", "block"),
+        Component("expert block", block_params * 4, "the template's same block, expert weights copied in", "block"),
+        Component("base anchors", block_params * 8, "one block, float64", "block"),
+        Component("statistics", stats[0], stats[1], "block"),
+        Component("activations", act, f"one batch of {bs} through one block, both sides", "block"),
+        Component("batch chains", batch_chains, batch_detail, "block"),
+        Component("stems", 2 * shape.stem_count * 4, "embeddings and final norms of both models, float32", "capture"),
+        Component("merged block 0", block_params * 4, "run once to check the block context", "capture"),
+        Component("activations", act, f"one batch of {bs} (an upper bound for the stem's)", "capture"),
+        Component("batch chains", batch_chains, batch_detail, "capture"),
+    ]
+    return MemoryPlan(host, chains_all, settings, device)
 
 
 def alternatives(shape: ModelShape, *, tasks: int, config: FeatCalConfig, baseline_bytes: int,
@@ -244,12 +326,20 @@ def alternatives(shape: ModelShape, *, tasks: int, config: FeatCalConfig, baseli
 
 def render(plan: MemoryPlan, options: list[tuple[str, MemoryPlan]], max_memory: int | None) -> str:
     """The plan as the text `featcal plan` / `calibrate --dry-run` print."""
-    width = max(len(c.name) for c in plan.components)
-    lines = [f"estimated peak memory per process: {fmt(plan.total)}"]
+    width = max(len(c.name) for c in plan.components + plan.device_components)
+    where = " (host)" if plan.device_components else ""
+    lines = [f"estimated peak memory per process{where}: {fmt(plan.total)}"]
     for c in plan.components:
         lines.append(f"  {c.name:<{width}}  {fmt(c.bytes):>11}  {c.detail}")
     if plan.settings.get("spill_dir") is not None:
         lines.append(f"  disk under spill_dir: {fmt(plan.chain_bytes_total)} (all chains)")
+    if plan.device_components:
+        lines.append(f"estimated peak device memory per process (--offload-blocks on {plan.settings.get('device')}): "
+                     f"{fmt(plan.device_total)}, the larger phase")
+        for phase in ("block", "capture"):
+            lines.append(f"  {phase} phase: {fmt(plan.phase_total(phase))}")
+            lines += [f"    {c.name:<{width}}  {fmt(c.bytes):>11}  {c.detail}"
+                      for c in plan.device_components if c.phase == phase]
     if max_memory is not None:
         fits = plan.total <= max_memory
         lines.append(f"--max-memory {fmt(max_memory)}: {'fits' if fits else 'does NOT fit'}")

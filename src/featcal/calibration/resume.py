@@ -1,13 +1,14 @@
-"""Resumable calibration: after every block, an atomic checkpoint of what is needed to continue.
+"""Resumable calibration: after every N-th block (`checkpoint_every`), an atomic checkpoint to continue from.
 
 Layout of a resume directory (one per rank under torch.distributed: `rank-R-of-W/`):
 
     state.json               fingerprint, and the generations that can be resumed from
     block-0003.safetensors   calibrated parameters of block 3 (written once, never rewritten)
-    chains-0003/             every chain entry (hidden states + block context) after block 3
+    chains-0004/             every chain entry (hidden states + block context) after 4 blocks
 
-A block is committed in this order: its parameter file (temp file + rename), its chains directory
-(temp directory + rename), then `state.json` (temp file + rename). A kill at any point leaves the
+A checkpoint is committed in this order: the parameter files of the blocks calibrated since the
+previous one (temp file + rename each), the chains directory (temp directory + rename), then
+`state.json` (temp file + rename). A kill at any point leaves the
 previous `state.json`, which names only complete files. The previous generation's chains are
 deleted only after every rank has committed the new one (a barrier), so ranks killed at different
 moments can still agree on a generation they all hold.
@@ -45,7 +46,7 @@ log = logging.getLogger("featcal.calibration")
 
 STATE = "state.json"
 FORMAT = 1
-KILL_ENV = "FEATCAL_DEBUG_KILL_AFTER_BLOCK"  # tests only: SIGKILL this process once block N is committed
+KILL_ENV = "FEATCAL_DEBUG_KILL_AFTER_BLOCK"  # tests only: SIGKILL this process once block N is finished
 
 
 class ResumeStateError(ConfigError):
@@ -90,9 +91,12 @@ def batches_digest(batches: Iterable[Mapping[str, torch.Tensor]]) -> str:
 
 
 def config_digest(config: Any) -> str:
-    """The config's JSON, less the fields that say where things live (not what is computed)."""
+    """The config's JSON, less the fields that say where and when things are kept (not what is computed).
+
+    A run may be resumed with another spill dir, block placement or checkpoint interval: the result is
+    the same bits either way (and states written before those fields existed keep their digest)."""
     data = config.model_dump(mode="json")
-    for k in ("spill_dir", "resume_dir", "resume"):
+    for k in ("spill_dir", "resume_dir", "resume", "offload_blocks", "checkpoint_every"):
         data.pop(k, None)
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
@@ -207,12 +211,16 @@ class ResumeStore:
         self._cleanup(keep=_chains_name(position.blocks_done))
 
     # writing
-    def commit(self, position: Position, block_params: dict[str, torch.Tensor],
+    def commit(self, position: Position, blocks: Mapping[int, Mapping[str, torch.Tensor]],
                chains: Iterable[tuple[tuple, torch.Tensor, Any]]) -> None:
-        """Checkpoint block `position.blocks_done - 1` and the chains that follow it, atomically."""
+        """Checkpoint `blocks` (index -> calibrated parameters: every block since the previous
+        checkpoint, up to `position.blocks_done - 1`) and the chains that follow them, atomically."""
         self.dir.mkdir(parents=True, exist_ok=True)
         k = position.blocks_done - 1
-        _save_atomic(self.dir / f"block-{k:04d}.safetensors", {n: t.detach().contiguous().cpu() for n, t in block_params.items()})
+        if k not in blocks:
+            raise FeatCalError(f"resume checkpoint after {position.blocks_done} blocks lacks block {k}")
+        for i, params in sorted(blocks.items()):
+            _save_atomic(self.dir / f"block-{i:04d}.safetensors", {n: t.detach().contiguous().cpu() for n, t in params.items()})
         name = _chains_name(position.blocks_done)
         tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=self.dir))
         index = []
@@ -236,6 +244,10 @@ class ResumeStore:
         self._state["generations"] = [gen]
         atomic_write_text(self.dir / STATE, json.dumps(self._state, indent=1))
         self._cleanup(keep=name)
+
+    def passed(self, block: int) -> None:
+        """Block `block` finished without a checkpoint (checkpoint_every > 1): nothing is written."""
+        _maybe_kill(block)
 
     def _cleanup(self, keep: str) -> None:
         for p in self.dir.iterdir():
@@ -263,10 +275,11 @@ def _save_atomic(path: Path, tensors: dict[str, torch.Tensor]) -> None:
 
 
 def _maybe_kill(block: int) -> None:
-    """Test hook: `FEATCAL_DEBUG_KILL_AFTER_BLOCK=N` SIGKILLs the process right after block N is committed."""
+    """Test hook: `FEATCAL_DEBUG_KILL_AFTER_BLOCK=N` SIGKILLs the process right after block N is finished
+    (after its checkpoint is committed, when it gets one)."""
     want = os.environ.get(KILL_ENV)
     if want is not None and want.strip() == str(block):
-        log.warning("%s=%s: killing this process (SIGKILL) after committing block %d", KILL_ENV, want, block)
+        log.warning("%s=%s: killing this process (SIGKILL) after block %d", KILL_ENV, want, block)
         logging.shutdown()
         os.kill(os.getpid(), signal.SIGKILL)
 

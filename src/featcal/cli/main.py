@@ -58,9 +58,11 @@ def interrupted_message(args: argparse.Namespace, exc: KeyboardInterrupt) -> str
 
             state = default_resume_dir(out)
         kept = f" in {state}" if state else " beside the output"
+        every = getattr(args, "cfg_checkpoint_every", 1)
+        when = "every block" if every == 1 else f"every {every} blocks"
         return (
-            f"{head}. Calibration keeps a checkpoint after every block{kept}: rerunning the same command resumes "
-            "after the last calibrated block (or starts again if none was reached)."
+            f"{head}. Calibration keeps a checkpoint after {when}{kept}: rerunning the same command resumes "
+            "after the last checkpointed block (or starts again if none was reached)."
         )
     return f"{head} and no temporary files remain. Nothing can be resumed: rerun the same command to start again."
 
