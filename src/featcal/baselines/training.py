@@ -166,7 +166,7 @@ def train_module(
     opt = torch.optim.Adam(module.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=0.0)
     history: list[float] = []
     module.train()
-    for idx in tqdm(batch_indices(data.n, batch_size, steps, generator), total=steps, desc=desc, leave=False):
+    for idx in tqdm(batch_indices(data.n, batch_size, steps, generator), total=steps, desc=desc, leave=False, disable=None):
         merged, expert = data.sample(idx)
         loss = loss_fn(merged, expert, generator)
         opt.zero_grad(set_to_none=True)
@@ -222,7 +222,7 @@ def collect_features(
     for task, model in experts.items():
         expert_m = load(model, f"expert {task!r}").eval()
         fm, fe = [], []
-        for b in tqdm(batches[task], desc=f"features {task}", leave=False):
+        for b in tqdm(batches[task], desc=f"features {task}", leave=False, disable=None):
             fm.append(fn(merged_m, to_device(b, model_device(merged_m))).float().cpu())
             fe.append(fn(expert_m, to_device(b, model_device(expert_m))).float().cpu())
         merged_out[task], expert_out[task] = torch.cat(fm), torch.cat(fe)
