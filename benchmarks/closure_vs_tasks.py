@@ -21,6 +21,8 @@ import statistics
 import numpy as np
 import torch
 
+from featcal.bench.metrics import gap_closed
+from featcal.bench.run import MERGE_PARAMS, _batches
 from featcal.calibration.api import calibrate
 from featcal.config import FeatCalConfig
 from featcal.evaluation.classification import accuracy
@@ -60,17 +62,17 @@ def main() -> None:
             if subset in seen:
                 continue
             seen.add(subset)
-            state = merge(zoo.base_dir, {t: zoo.expert_dir(t) for t in subset}, "task_arithmetic", scaling=0.3)
+            state = merge(zoo.base_dir, {t: zoo.expert_dir(t) for t in subset}, "task_arithmetic",
+                          **MERGE_PARAMS["task_arithmetic"])
             merged = copy.deepcopy(base)
             merged.load_state_dict(state)
-            calibration = {t: [{"pixel_values": pools[t][i: i + 16]} for i in range(0, len(pools[t]), 16)]
-                           for t in subset}
+            calibration = {t: _batches(pools[t], cfg.calibration_batch_size) for t in subset}
             calibrated = calibrate(merged, base=zoo.base_dir, experts={t: experts[t] for t in subset},
                                    calibration=calibration, config=cfg, progress=False)
             ta = float(np.mean([accuracy(merged, heads[t], *tests[t]) for t in subset]))
             fc = float(np.mean([accuracy(calibrated, heads[t], *tests[t]) for t in subset]))
             ex = float(np.mean([expert_acc[t] for t in subset]))
-            closed = (fc - ta) / (ex - ta) if ex - ta > 1e-3 else None
+            closed = gap_closed(fc, ta, ex)
             records.append({"k": k, "tasks": subset, "ta": ta, "featcal": fc, "experts": ex, "gap_closed": closed})
             print(f"k={k} {','.join(subset)}: TA {ta:.3f} -> FeatCal {fc:.3f} (experts {ex:.3f}), "
                   f"gap closed {'n/a' if closed is None else f'{closed:.2f}'}", flush=True)

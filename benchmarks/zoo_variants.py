@@ -31,9 +31,9 @@ def variant(args: argparse.Namespace):
                            num_hidden_layers=args.layers or d.model.num_hidden_layers,
                            num_attention_heads=args.hidden // 64, patch_size=d.model.patch_size)
     pretrain = dataclasses.replace(d.pretrain, **{k: v for k, v in {
-        "lr": args.pretrain_lr, "steps": args.pretrain_steps, "images": args.pretrain_images}.items() if v})
+        "lr": args.pretrain_lr, "steps": args.pretrain_steps, "images": args.pretrain_images}.items() if v is not None})
     finetune = dataclasses.replace(d.finetune, **{k: v for k, v in {
-        "lr": args.ft_lr, "steps": args.ft_steps, "layer_decay": args.layer_decay}.items() if v})
+        "lr": args.ft_lr, "steps": args.ft_steps, "layer_decay": args.layer_decay}.items() if v is not None})
     return dataclasses.replace(d, name=f"variant-{args.tag}", model=model, pretrain=pretrain, finetune=finetune)
 
 

@@ -88,6 +88,7 @@ def run_baseline(
     calibration: Mapping[str, Batch | list[Batch]] | None = None,
     feature_fn: FeatureFn | None = None,
     recompute_features: bool = False,
+    progress: bool = True,
     **params: Any,
 ) -> BaselineResult:
     """Run baseline `name` (one of BASELINES) and return its predictor; inputs are checked first.
@@ -130,21 +131,21 @@ def run_baseline(
             experts_m = {t: load(m, f"expert {t!r}").eval() for t, m in experts.items()}
             data = live_task_data(model, experts_m, calibration, fn)
         else:
-            data = cached_task_data(*collect_features(model, experts, calibration, fn))
+            data = cached_task_data(*collect_features(model, experts, calibration, fn, progress=progress))
         prep = "setup_s" if recompute_features else "features_s"  # live: features are part of training
         timings[prep] = time.perf_counter() - start
         train = train_surgery if name == "surgery" else train_probsurgery
-        surgery = train(data, cfg)
+        surgery = train(data, cfg, progress=progress)
         timings["train_s"] = time.perf_counter() - start - timings[prep]
     elif name in ("regmean", "regmean++"):
         from featcal.baselines.regmean import regmean
 
-        model = regmean(base, experts, calibration, **kwargs)
+        model = regmean(base, experts, calibration, progress=progress, **kwargs)
     else:
         from featcal.baselines.wudi import wudi
 
         base_m = load(base, "base")
-        state = wudi(base_m, experts, **kwargs)
+        state = wudi(base_m, experts, progress=progress, **kwargs)
         model = copy.deepcopy(base_m)
         model.load_state_dict(state)
         model.eval()

@@ -81,11 +81,13 @@ def fit_probsurgery(
     return train_probsurgery(cached_task_data(merged_features, expert_features), params)
 
 
-def train_probsurgery(data: Mapping[str, TaskData], params: ProbSurgeryParams) -> SurgeryModules:
+def train_probsurgery(data: Mapping[str, TaskData], params: ProbSurgeryParams,
+                      progress: bool = True) -> SurgeryModules:
     """ProbSurgery on any per-task data source (cached or live features)."""
     modules, history = fit_modules(
         data, lambda dim, g: ProbSurgeryModule(dim, params.rank, g),
         lambda m: probsurgery_loss(m, params.kl_weight),
         lr=params.lr, steps=params.steps, batch_size=params.batch_size, seed=params.seed, desc="probsurgery",
+        progress=progress,
     )
     return SurgeryModules(modules, history, params)

@@ -94,10 +94,11 @@ def fit_surgery(
     return train_surgery(cached_task_data(merged_features, expert_features), params)
 
 
-def train_surgery(data: Mapping[str, TaskData], params: SurgeryParams) -> SurgeryModules:
+def train_surgery(data: Mapping[str, TaskData], params: SurgeryParams, progress: bool = True) -> SurgeryModules:
     """Surgery on any per-task data source (cached or live features)."""
     modules, history = fit_modules(
         data, lambda dim, g: SurgeryModule(dim, params.rank, g), surgery_loss,
         lr=params.lr, steps=params.steps, batch_size=params.batch_size, seed=params.seed, desc="surgery",
+        progress=progress,
     )
     return SurgeryModules(modules, history, params)

@@ -158,6 +158,7 @@ def train_module(
     batch_size: int,
     generator: torch.Generator,
     desc: str,
+    progress: bool = True,
 ) -> list[float]:
     """Adam (betas 0.9, 0.999, no weight decay) on `loss_fn(merged_batch, expert_batch, generator)`.
 
@@ -166,7 +167,8 @@ def train_module(
     opt = torch.optim.Adam(module.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=0.0)
     history: list[float] = []
     module.train()
-    for idx in tqdm(batch_indices(data.n, batch_size, steps, generator), total=steps, desc=desc, leave=False, disable=None):
+    for idx in tqdm(batch_indices(data.n, batch_size, steps, generator), total=steps, desc=desc, leave=False,
+                    disable=not progress):
         merged, expert = data.sample(idx)
         loss = loss_fn(merged, expert, generator)
         opt.zero_grad(set_to_none=True)
@@ -187,6 +189,7 @@ def fit_modules(
     batch_size: int,
     seed: int,
     desc: str,
+    progress: bool = True,
 ) -> tuple[dict[str, nn.Module], dict[str, list[float]]]:
     """One module per task, each with its own generator (init, batch order, noise): see task_generator."""
     if not data:
@@ -196,7 +199,8 @@ def fit_modules(
         g = task_generator(seed, task)
         module = make_module(d.dim, g)
         history[task] = train_module(
-            module, make_loss(module), d, lr=lr, steps=steps, batch_size=batch_size, generator=g, desc=f"{desc} {task}"
+            module, make_loss(module), d, lr=lr, steps=steps, batch_size=batch_size, generator=g, desc=f"{desc} {task}",
+            progress=progress,
         )
         modules[task] = module
     return modules, history
@@ -208,6 +212,7 @@ def collect_features(
     experts: Mapping[str, ModelLike],
     calibration: Mapping[str, Batch | list[Batch]],
     feature_fn: FeatureFn | None = None,
+    progress: bool = True,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Features of the merged model and of expert t on task t's calibration inputs, [N_t, d] each."""
     from featcal.merging.sources import open_source
@@ -222,7 +227,7 @@ def collect_features(
     for task, model in experts.items():
         expert_m = load(model, f"expert {task!r}").eval()
         fm, fe = [], []
-        for b in tqdm(batches[task], desc=f"features {task}", leave=False, disable=None):
+        for b in tqdm(batches[task], desc=f"features {task}", leave=False, disable=not progress):
             fm.append(fn(merged_m, to_device(b, model_device(merged_m))).float().cpu())
             fe.append(fn(expert_m, to_device(b, model_device(expert_m))).float().cpu())
         merged_out[task], expert_out[task] = torch.cat(fm), torch.cat(fe)

@@ -85,6 +85,7 @@ def surgery_rows(
     expert_acc: Mapping[str, float],
     params: Mapping[str, dict],
     batch: int,
+    progress: bool = True,
 ) -> list[dict[str, Any]]:
     """Surgery/ProbSurgery on top of one merge, trained on FeatCal's calibration batches, at the authors' cost."""
     from featcal.baselines.api import run_baseline
@@ -94,7 +95,7 @@ def surgery_rows(
     for name in (n_ for n_ in names if n_ in SURGERY_BASELINES):
         with PeakRSS() as rss:
             res = run_baseline(name, merged=merged, experts=experts, calibration=calibration,
-                               recompute_features=True, **params.get(name, {}))
+                               recompute_features=True, progress=progress, **params.get(name, {}))
         per_task = _score(res, heads, tests, batch)
         rows.append(baseline_row(res, per_task, rss.mb, expert_acc, merge=merge, merge_average=merge_average,
                                  calibration_examples=n))
@@ -113,6 +114,7 @@ def merge_baseline_rows(
     expert_acc: Mapping[str, float],
     params: Mapping[str, dict],
     batch: int,
+    progress: bool = True,
 ) -> list[dict[str, Any]]:
     """RegMean, RegMean++ (on the calibration batches) and WUDI (data-free): one row each."""
     from featcal.baselines.api import run_baseline
@@ -122,7 +124,8 @@ def merge_baseline_rows(
     for name in (n_ for n_ in names if n_ in MERGE_BASELINES):
         data = None if name == "wudi" else calibration
         with PeakRSS() as rss:
-            res = run_baseline(name, base=base, experts=experts, calibration=data, **params.get(name, {}))
+            res = run_baseline(name, base=base, experts=experts, calibration=data, progress=progress,
+                               **params.get(name, {}))
         per_task = _score(res, heads, tests, batch)
         rows.append(baseline_row(res, per_task, rss.mb, expert_acc,
                                  calibration_examples=None if data is None else n))

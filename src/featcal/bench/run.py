@@ -239,9 +239,10 @@ def run_bench(settings: BenchSettings, progress: bool = True) -> dict[str, Any]:
             del calibrated
         rows += surgery_rows(settings.baselines, merge=method, merged=merged, merge_average=merge_avg,
                              experts=experts, calibration=largest, heads=heads, tests=tests,
-                             expert_acc=expert_acc, params=settings.baseline_params, batch=bs)
+                             expert_acc=expert_acc, params=settings.baseline_params, batch=bs, progress=progress)
     rows += merge_baseline_rows(settings.baselines, base=base, experts=experts, calibration=largest, heads=heads,
-                                tests=tests, expert_acc=expert_acc, params=settings.baseline_params, batch=bs)
+                                tests=tests, expert_acc=expert_acc, params=settings.baseline_params, batch=bs,
+                                progress=progress)
 
     base_row = next(r for r in rows if r["method"] == "base")
     base_row["normalised_accuracy"] = normalised_accuracy(base_row["per_task"], expert_acc)
