@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	@# runs/ is the demo's own scratch folder: each run replaces the previous report, atomically
-	$(BIN)/featcal bench --preset default --seed 0 --out runs/bench-default --overwrite
+	$(BIN)/featcal bench --preset default --seed 0 --out runs/bench-default --overwrite --rebuild-zoo
 
 test: $(STAMP)
 	$(BIN)/python -m pytest

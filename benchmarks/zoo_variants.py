@@ -26,15 +26,18 @@ from featcal.zoo.presets import PRESETS, ModelShape
 def variant(args: argparse.Namespace):
     d = PRESETS["default"]
     model = d.model
-    if args.hidden:
-        model = ModelShape(hidden_size=args.hidden, intermediate_size=4 * args.hidden,
+    if args.hidden or args.layers:
+        hidden = args.hidden or d.model.hidden_size
+        model = ModelShape(hidden_size=hidden, intermediate_size=4 * hidden,
                            num_hidden_layers=args.layers or d.model.num_hidden_layers,
-                           num_attention_heads=args.hidden // 64, patch_size=d.model.patch_size)
+                           num_attention_heads=hidden // 64, patch_size=d.model.patch_size)
     pretrain = dataclasses.replace(d.pretrain, **{k: v for k, v in {
         "lr": args.pretrain_lr, "steps": args.pretrain_steps, "images": args.pretrain_images}.items() if v is not None})
     finetune = dataclasses.replace(d.finetune, **{k: v for k, v in {
         "lr": args.ft_lr, "steps": args.ft_steps, "layer_decay": args.layer_decay}.items() if v is not None})
-    return dataclasses.replace(d, name=f"variant-{args.tag}", model=model, pretrain=pretrain, finetune=finetune)
+    heads = {k: v for k, v in {"probe_shots": args.probe_shots, "probe_c": args.probe_c}.items() if v is not None}
+    return dataclasses.replace(d, name=f"variant-{args.tag}", model=model, pretrain=pretrain, finetune=finetune,
+                               **heads)
 
 
 def main() -> None:
@@ -51,6 +54,8 @@ def main() -> None:
     ap.add_argument("--layer-decay", type=float)
     ap.add_argument("--hidden", type=int)
     ap.add_argument("--layers", type=int)
+    ap.add_argument("--probe-shots", type=int, help="labelled examples per class for the frozen heads")
+    ap.add_argument("--probe-c", type=float, help="inverse L2 strength of the probe heads")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     preset = variant(args)

@@ -67,6 +67,7 @@ def test_featcal_improves_the_tiny_merge(bench):
     # seeds 0, 1, 2 gain 1.4, 1.9 and 1.9 points at 64 examples per task (25–37 % of the gap)
     assert summary["calibrated_average"][64] >= summary["merge_average"] + 0.005, summary
     assert summary["gap_closed"][64] > 0.1
+    assert 2.0 < report["summary"]["cost_ratio_arithmetic"] < 3.5  # the exact method vs the floor, counted
 
 
 def test_validate_rejects_bad_settings_before_work():
@@ -109,3 +110,27 @@ def test_table_lists_every_model():
     text = bench_table(report)
     assert "| experts (each on its task) | 90.0 | 90.0 | 90.0 |" in text
     assert "| task_arithmetic + FeatCal (8/task) | 60.0 | 80.0 | 70.0 | 78.0 | 50.0 | 2.0 | 1.20 | 11 |" in text
+
+
+def test_stale_zoo_cache_is_refused_with_the_bench_flag_and_rebuilt_on_request(tmp_path, capsys, monkeypatch):
+    zoo = tmp_path / "zoo"
+    zoo.mkdir()
+    (zoo / "zoo.json").write_text(json.dumps({"fingerprint": "from-an-older-featcal"}))
+    argv = ["bench", "--preset", "tiny", "--out", str(tmp_path / "out"), "--zoo-dir", str(zoo), "--no-progress"]
+    assert main(argv) != 0
+    err = capsys.readouterr().err
+    assert "--rebuild-zoo" in err and "--overwrite to rebuild" not in err
+    assert json.loads((zoo / "zoo.json").read_text())["fingerprint"] == "from-an-older-featcal"  # untouched
+
+    import featcal.zoo.build as build
+
+    seen = {}
+
+    def fake_build(out, preset, seed, *, overwrite=False, **_):
+        seen["overwrite"] = overwrite
+        raise RuntimeError("stop after the call")
+
+    monkeypatch.setattr(build, "build_zoo", fake_build)
+    with pytest.raises(RuntimeError, match="stop after the call"):
+        run_bench(BenchSettings(preset="tiny", calib_sizes=(8,), zoo_dir=zoo, rebuild_zoo=True), progress=False)
+    assert seen == {"overwrite": True}

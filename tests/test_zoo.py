@@ -11,7 +11,7 @@ import torch
 
 from featcal.errors import CheckpointError, ConfigError, OutputExistsError
 from featcal.evaluation.classification import LinearHead, accuracy, fit_linear_probe
-from featcal.zoo.build import build_zoo
+from featcal.zoo.build import build_zoo, few_shot
 from featcal.zoo.presets import PRESETS, ModelShape, get_preset
 from featcal.zoo.pretrain import PretrainSettings, categories, n_classes, pretraining_set
 from featcal.zoo.store import Zoo
@@ -64,6 +64,18 @@ def test_linear_probe_fits_separable_features_and_round_trips(tmp_path):
     torch.testing.assert_close(again(feats), head(feats))
     with pytest.raises(CheckpointError, match="does not exist"):
         LinearHead.load(tmp_path / "missing.safetensors")
+
+
+def test_few_shot_keeps_the_first_examples_of_each_class_in_order():
+    y = np.array([2, 0, 1, 0, 2, 1, 0, 2])
+    x = np.arange(8) * 10
+    xs, ys = few_shot(x, y, 2)
+    np.testing.assert_array_equal(ys, [2, 0, 1, 0, 2, 1])
+    np.testing.assert_array_equal(xs, [0, 10, 20, 30, 40, 50])
+    xs, ys = few_shot(x, y, None)
+    assert xs is x and ys is y
+    with pytest.raises(ValueError, match="probe_shots must be at least 1"):
+        few_shot(x, y, 0)
 
 
 def test_accuracy_counts_matches():

@@ -21,10 +21,11 @@ from typing import Any
 import torch
 
 from featcal.bench.baselines import merge_baseline_rows, parse_baselines, surgery_rows
+from featcal.bench.cost import arithmetic_cost_ratio
 from featcal.bench.memory import PeakRSS
 from featcal.bench.metrics import gap_closed, mean, normalised_accuracy
 from featcal.config import MERGE_METHODS, FeatCalConfig
-from featcal.errors import ConfigError
+from featcal.errors import ConfigError, OutputExistsError
 from featcal.evaluation.classification import LinearHead, accuracy
 from featcal.io.report import Timer, build_report
 from featcal.zoo.presets import get_preset
@@ -49,6 +50,7 @@ class BenchSettings:
     methods: tuple[str, ...] = DEFAULT_METHODS
     zoo_dir: Path | None = None  # default: zoo-cache/<preset>-seed<seed>
     base_cache: Path | None = None  # pretrained bases shared between zoo builds
+    rebuild_zoo: bool = False  # rebuild a zoo cache built from another preset, seed or zoo version
     featcal: FeatCalConfig = field(default_factory=FeatCalConfig)
     eval_batch_size: int = 256
     baselines: tuple[str, ...] = ()  # see featcal.bench.baselines: none by default
@@ -165,8 +167,14 @@ def run_bench(settings: BenchSettings, progress: bool = True) -> dict[str, Any]:
     load_before = os.getloadavg()
     total = Timer()
     zoo_timer = Timer()
-    zoo = build_zoo(settings.resolved_zoo_dir(), settings.preset, settings.seed, progress=progress,
-                    base_cache=settings.base_cache)
+    try:
+        zoo = build_zoo(settings.resolved_zoo_dir(), settings.preset, settings.seed, progress=progress,
+                        base_cache=settings.base_cache, overwrite=settings.rebuild_zoo)
+    except OutputExistsError as e:  # build_zoo's advice names `featcal zoo build`'s flag, not the bench's
+        raise OutputExistsError(
+            f"{settings.resolved_zoo_dir()} holds a zoo built from another preset, seed or zoo version (an older "
+            "featcal, say); pass --rebuild-zoo to rebuild it there, or --zoo-dir to build one elsewhere"
+        ) from e
     zoo_seconds = zoo_timer.seconds
     tasks = zoo.tasks
     heads = {t: zoo.head(t) for t in tasks}
@@ -201,7 +209,7 @@ def run_bench(settings: BenchSettings, progress: bool = True) -> dict[str, Any]:
         params = MERGE_PARAMS[method]
         with PeakRSS() as rss:
             timer = Timer()
-            state = merge(zoo.base_dir, zoo.expert_dirs, method, **params)
+            state = merge(zoo.base_dir, zoo.expert_dirs, method, progress=progress, **params)
             merged = copy.deepcopy(base)
             merged.load_state_dict(state)
             merge_seconds = timer.seconds
@@ -257,7 +265,7 @@ def run_bench(settings: BenchSettings, progress: bool = True) -> dict[str, Any]:
         tasks=tasks,
         experts_average=experts_average,
         rows=rows,
-        summary=summarise(rows, experts_average, settings),
+        summary=summarise(rows, experts_average, settings, arithmetic_cost_ratio(base.config)),
         drift=drift_curves,
         zoo={"root": str(zoo.root), "fingerprint": zoo.manifest["fingerprint"], "regime_at_build": zoo.manifest["regime"],
              "seconds_to_ready": round(zoo_seconds, 2)},
@@ -267,9 +275,13 @@ def run_bench(settings: BenchSettings, progress: bool = True) -> dict[str, Any]:
     )
 
 
-def summarise(rows: list[dict], experts_average: float, settings: BenchSettings) -> dict[str, Any]:
-    """Headline numbers: per merge, accuracy alone and calibrated, gap closed and cost ratio, per size."""
+def summarise(rows: list[dict], experts_average: float, settings: BenchSettings,
+              arithmetic_ratio: float | None = None) -> dict[str, Any]:
+    """Headline numbers: per merge, accuracy alone and calibrated, gap closed and cost ratio, per size;
+    beside the measured cost ratios, the exact method's arithmetic ratio to the floor (bench/cost.py)."""
     out: dict[str, Any] = {"experts_average": experts_average}
+    if arithmetic_ratio is not None:
+        out["cost_ratio_arithmetic"] = arithmetic_ratio
     base = next(r for r in rows if r["method"] == "base")
     out["base_average"] = base["average_accuracy"]
     for method in settings.methods:

@@ -43,6 +43,7 @@ def _run(args: argparse.Namespace) -> int:
         methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
         zoo_dir=Path(args.zoo_dir) if args.zoo_dir else None,
         base_cache=Path(args.base_cache) if args.base_cache else None,
+        rebuild_zoo=args.rebuild_zoo,
         baselines=(baselines := parse_baselines(args.baselines)),
         baseline_params=_baseline_params(args, baselines),
     )
@@ -87,6 +88,9 @@ def register(subparsers) -> None:
     p.add_argument("--base-cache", default="zoo-cache/pretrained",
                    help="cache of pretrained bases used when the zoo is built ('' to disable)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    p.add_argument("--rebuild-zoo", action="store_true",
+                   help="rebuild the zoo cache if it was built from another preset, seed or zoo version "
+                        "(a matching cache is always reused)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_run)

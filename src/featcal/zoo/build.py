@@ -66,6 +66,17 @@ def build_zoo(out: str | os.PathLike, preset: str | ZooPreset = "default", seed:
     return Zoo.open(out)
 
 
+def few_shot(x: np.ndarray, y: np.ndarray, shots: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """The first `shots` examples of every class, in split order (all of them when `shots` is None)."""
+    if shots is None:
+        return x, y
+    if shots < 1:
+        raise ValueError(f"probe_shots must be at least 1, got {shots}")
+    keep = np.concatenate([np.flatnonzero(y == c)[:shots] for c in np.unique(y)])
+    keep.sort()
+    return x[keep], y[keep]
+
+
 def _save(model, directory: Path) -> None:
     model.save_pretrained(directory, safe_serialization=True)
 
@@ -133,7 +144,7 @@ def _build(root: Path, p: ZooPreset, seed: int, progress: bool, base_cache: Path
     (root / "heads").mkdir()
     heads, tests, base_acc = {}, {}, {}
     for name in p.tasks:
-        x, y = data[name]["train"]
+        x, y = few_shot(*data[name]["train"], p.probe_shots)
         heads[name] = fit_linear_probe(pooled_features(base, pixel_values(x)), y, len(TASKS[name].classes), c=p.probe_c)
         heads[name].save(root / "heads" / f"{name}.safetensors")
         tests[name] = (pixel_values(data[name]["test"][0]), torch.from_numpy(data[name]["test"][1]))

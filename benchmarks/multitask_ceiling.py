@@ -1,0 +1,84 @@
+"""Can one set of encoder weights of the zoo's size hold all 8 tasks? A multi-task fine-tuning ceiling.
+
+Why: FeatCal re-solves one merged encoder toward 8 experts. If joint fine-tuning of the same encoder,
+from the same base, through the same frozen heads, reaches the experts' accuracy, the capacity is
+there and the limit is what closed-form, block-wise calibration can recover; if it falls short,
+the zoo's model is too small to hold the experts' skills at once, whatever the calibrator.
+
+    python benchmarks/multitask_ceiling.py --zoo zoo-cache/default-seed0 --steps 400,1600
+
+Each step: one batch of `--per-task` examples from every task, each through its own frozen head,
+the mean of the 8 losses; AdamW at the experts' learning rate with their warm-up and cosine decay.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from featcal.evaluation.classification import accuracy
+from featcal.io.models import load_model
+from featcal.zoo.presets import get_preset
+from featcal.zoo.store import Zoo
+from featcal.zoo.train import schedule
+
+
+def train_jointly(base, heads, train, steps: int, per_task: int, lr: float, warmup: int, seed: int):
+    model = copy.deepcopy(base)
+    for h in heads.values():
+        h.requires_grad_(False)
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule(warmup, steps))
+    model.train()
+    for _ in tqdm(range(steps), desc=f"multi-task, {steps} steps", leave=False):
+        loss = torch.zeros(())
+        for t, (x, y) in train.items():
+            idx = torch.randint(0, len(x), (per_task,), generator=g)
+            loss = loss + torch.nn.functional.cross_entropy(heads[t](model(pixel_values=x[idx]).pooler_output), y[idx])
+        opt.zero_grad(set_to_none=True)
+        (loss / len(train)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+    return model.eval()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--zoo", default="zoo-cache/default-seed0")
+    ap.add_argument("--preset", default="default", help="whose fine-tuning lr and warm-up to use")
+    ap.add_argument("--steps", default="400,1600")
+    ap.add_argument("--per-task", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    torch.manual_seed(args.seed)
+    zoo = Zoo.open(args.zoo)
+    ft = get_preset(args.preset).finetune
+    tasks = list(zoo.tasks)
+    base = load_model(zoo.base_dir)
+    heads = {t: zoo.head(t) for t in tasks}
+    train = {t: zoo.split(t, "train") for t in tasks}
+    tests = {t: zoo.split(t, "test") for t in tasks}
+    experts = float(np.mean([accuracy(load_model(zoo.expert_dir(t)), heads[t], *tests[t]) for t in tasks]))
+    out = {"experts": experts, "base": float(np.mean([accuracy(base, heads[t], *tests[t]) for t in tasks]))}
+    print(f"base {out['base']:.4f}, experts {experts:.4f}", flush=True)
+    for steps in (int(s) for s in args.steps.split(",")):
+        model = train_jointly(base, heads, train, steps, args.per_task, ft.lr, ft.warmup, args.seed)
+        per_task = {t: accuracy(model, heads[t], *tests[t]) for t in tasks}
+        out[f"multitask_{steps}"] = {"average": float(np.mean(list(per_task.values()))), "per_task": per_task}
+        print(f"multi-task {steps} steps x {args.per_task}/task: {np.mean(list(per_task.values())):.4f} "
+              + " ".join(f"{t} {a:.3f}" for t, a in per_task.items()), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
