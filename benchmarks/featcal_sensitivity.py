@@ -8,7 +8,8 @@ zoo is the models and tasks, not the choice of hyperparameters. The bench itself
         --rho 1,2.2,3,4 --lambda-ratio 0.01,0.05,0.2,1 --alpha 0,0.25,0.5,1
 
 One value changes at a time, the others stay at the config's defaults; one line per setting, and
-`--json` keeps them all.
+`--json` keeps them all. `--ta-scalings 0.2,0.3,0.5` first prints Task Arithmetic alone at each
+scaling, to check that the merge being calibrated (0.3, as in the paper) is the best TA of the zoo.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def main() -> None:
     ap.add_argument("--calib", type=int, default=256)
     for knob in KNOBS:
         ap.add_argument(f"--{knob.replace('_', '-')}", help=f"comma-separated values of {KNOBS[knob]}")
+    ap.add_argument("--ta-scalings", help="comma-separated Task Arithmetic scalings to evaluate alone first")
     ap.add_argument("--json")
     args = ap.parse_args()
 
@@ -52,6 +54,13 @@ def main() -> None:
     experts = {t: load_model(zoo.expert_dir(t)) for t in tasks}
     heads = {t: zoo.head(t) for t in tasks}
     tests = {t: zoo.split(t, "test") for t in tasks}
+    records = []
+    for s in floats(args.ta_scalings):
+        alone = copy.deepcopy(base)
+        alone.load_state_dict(merge(zoo.base_dir, zoo.expert_dirs, "task_arithmetic", scaling=s, progress=False))
+        acc = float(np.mean([accuracy(alone, heads[t], *tests[t]) for t in tasks]))
+        records.append({"setting": f"task_arithmetic scaling={s:g}", "ta": acc})
+        print(f"Task Arithmetic alone, scaling {s:g}: {acc:.4f}", flush=True)
     merged = copy.deepcopy(base)
     merged.load_state_dict(merge(zoo.base_dir, zoo.expert_dirs, "task_arithmetic", progress=False,
                                  **MERGE_PARAMS["task_arithmetic"]))
@@ -62,7 +71,6 @@ def main() -> None:
     settings = [("defaults", {})]
     for knob, field in KNOBS.items():
         settings += [(f"{knob}={v:g}", {field: v}) for v in floats(getattr(args, knob))]
-    records = []
     for label, update in settings:
         cfg = FeatCalConfig(num_calibration_examples=args.calib, **update)
         calibration = {t: _batches(zoo.split(t, "calibration")[0][: args.calib], cfg.calibration_batch_size)

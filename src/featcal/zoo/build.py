@@ -139,7 +139,7 @@ def _build(root: Path, p: ZooPreset, seed: int, progress: bool, base_cache: Path
     note(f"pretrain: {p.pretrain.steps} steps, final loss {pre['final_loss']:.3f}, "
          f"train accuracy {pre['final_train_accuracy']:.3f} ({where})")
 
-    # 3. heads: linear probes on the base's pooled features, then frozen
+    # 3. heads: linear probes on the base's pooled features (few-shot when the preset says so), then frozen
     t = time.perf_counter()
     (root / "heads").mkdir()
     heads, tests, base_acc = {}, {}, {}
