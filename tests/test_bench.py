@@ -134,3 +134,9 @@ def test_stale_zoo_cache_is_refused_with_the_bench_flag_and_rebuilt_on_request(t
     with pytest.raises(RuntimeError, match="stop after the call"):
         run_bench(BenchSettings(preset="tiny", calib_sizes=(8,), zoo_dir=zoo, rebuild_zoo=True), progress=False)
     assert seen == {"overwrite": True}
+    other = tmp_path / "not-a-zoo"  # --rebuild-zoo never licenses replacing a directory that is no zoo
+    other.mkdir()
+    (other / "keep.txt").write_text("mine")
+    with pytest.raises(RuntimeError, match="stop after the call"):
+        run_bench(BenchSettings(preset="tiny", calib_sizes=(8,), zoo_dir=other, rebuild_zoo=True), progress=False)
+    assert seen == {"overwrite": False}

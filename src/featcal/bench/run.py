@@ -162,14 +162,17 @@ def run_bench(settings: BenchSettings, progress: bool = True) -> dict[str, Any]:
     from featcal.io.models import load_model
     from featcal.merging.api import merge
     from featcal.zoo.build import build_zoo
+    from featcal.zoo.store import MANIFEST
 
     validate(settings)
     load_before = os.getloadavg()
     total = Timer()
     zoo_timer = Timer()
+    # --rebuild-zoo replaces a stale zoo, never a directory that is not a zoo at all
+    rebuild = settings.rebuild_zoo and (settings.resolved_zoo_dir() / MANIFEST).is_file()
     try:
         zoo = build_zoo(settings.resolved_zoo_dir(), settings.preset, settings.seed, progress=progress,
-                        base_cache=settings.base_cache, overwrite=settings.rebuild_zoo)
+                        base_cache=settings.base_cache, overwrite=rebuild)
     except OutputExistsError as e:  # build_zoo's advice names `featcal zoo build`'s flag, not the bench's
         raise OutputExistsError(
             f"{settings.resolved_zoo_dir()} holds a zoo built from another preset, seed or zoo version (an older "
