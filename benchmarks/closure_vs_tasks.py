@@ -26,7 +26,6 @@ from featcal.bench.run import MERGE_PARAMS, _batches
 from featcal.calibration.api import calibrate
 from featcal.config import FeatCalConfig
 from featcal.evaluation.classification import accuracy
-from featcal.io.models import load_model
 from featcal.merging.api import merge
 from featcal.zoo.store import Zoo
 
@@ -45,10 +44,8 @@ def main() -> None:
 
     zoo = Zoo.open(args.zoo)
     tasks = list(zoo.tasks)
-    base = load_model(zoo.base_dir)
-    experts = {t: load_model(zoo.expert_dir(t)) for t in tasks}
-    heads = {t: zoo.head(t) for t in tasks}
-    tests = {t: zoo.split(t, "test") for t in tasks}
+    loaded = zoo.load()
+    base, experts, heads, tests = loaded.base, loaded.experts, loaded.heads, loaded.tests
     pools = {t: zoo.split(t, "calibration")[0][: args.calib] for t in tasks}
     expert_acc = {t: accuracy(experts[t], heads[t], *tests[t]) for t in tasks}
     overrides = {"anchor_blend_rho": args.rho, "lambda_ratio": args.lambda_ratio}

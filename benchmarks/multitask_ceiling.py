@@ -92,10 +92,9 @@ def main() -> None:
     zoo = Zoo.open(args.zoo)
     ft = get_preset(args.preset).finetune
     tasks = list(zoo.tasks)
-    base = load_model(zoo.base_dir)
-    heads = {t: zoo.head(t) for t in tasks}
+    loaded = zoo.load(experts=False)  # experts are scored one at a time below, not held
+    base, heads, tests = loaded.base, loaded.heads, loaded.tests
     train = {t: zoo.split(t, "train") for t in tasks}
-    tests = {t: zoo.split(t, "test") for t in tasks}
     experts = float(np.mean([accuracy(load_model(zoo.expert_dir(t)), heads[t], *tests[t]) for t in tasks]))
     out = {"experts": experts, "base": float(np.mean([accuracy(base, heads[t], *tests[t]) for t in tasks]))}
     print(f"base {out['base']:.4f}, experts {experts:.4f}", flush=True)

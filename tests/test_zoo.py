@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from featcal.errors import CheckpointError, ConfigError, OutputExistsError
 from featcal.evaluation.classification import LinearHead, accuracy, fit_linear_probe
@@ -143,3 +144,19 @@ def test_open_reports_missing_pieces(tmp_path):
     (tmp_path / "z" / "heads" / "colours.safetensors").unlink()
     with pytest.raises(CheckpointError, match="heads/colours.safetensors is missing for task 'colours'"):
         Zoo.open(tmp_path / "z")
+
+
+
+def test_load_returns_the_zoo_models_heads_and_test_splits(tmp_path):
+    zoo = build_zoo(tmp_path / "z", MICRO, seed=0, progress=False)
+    loaded = zoo.load()
+    assert set(loaded.experts) == set(loaded.heads) == set(loaded.tests) == {"stripes", "colours"}
+    on_disk = load_file(str(zoo.expert_dir("colours") / "model.safetensors"))
+    for name, value in loaded.experts["colours"].state_dict().items():
+        if name in on_disk:
+            assert torch.equal(value, on_disk[name]), name
+    torch.testing.assert_close(loaded.heads["stripes"].weight, zoo.head("stripes").weight)
+    x, y = loaded.tests["stripes"]
+    torch.testing.assert_close(x, zoo.split("stripes", "test")[0])
+    assert len(y) == 32
+    assert zoo.load(experts=False).experts == {}

@@ -26,6 +26,16 @@ SPLITS = ("train", "calibration", "test")
 
 
 @dataclass(frozen=True)
+class LoadedZoo:
+    """A zoo's models, heads and test splits in memory: where every experiment on a zoo starts."""
+
+    base: torch.nn.Module
+    experts: dict[str, torch.nn.Module]
+    heads: dict[str, LinearHead]
+    tests: dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
 class Zoo:
     root: Path
     manifest: dict
@@ -74,3 +84,14 @@ class Zoo:
         if limit is not None:
             x, y = x[:limit], y[:limit]
         return pixel_values(x), y
+
+    def load(self, experts: bool = True) -> LoadedZoo:
+        """Base, experts (unless `experts=False`), heads and test splits, loaded."""
+        from featcal.io.models import load_model
+
+        return LoadedZoo(
+            base=load_model(self.base_dir),
+            experts={t: load_model(self.expert_dir(t)) for t in self.tasks} if experts else {},
+            heads={t: self.head(t) for t in self.tasks},
+            tests={t: self.split(t, "test") for t in self.tasks},
+        )
