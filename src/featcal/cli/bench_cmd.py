@@ -57,7 +57,8 @@ def _run(args: argparse.Namespace) -> int:
         for n in settings.calib_sizes:
             closed = s["gap_closed"][n]
             print(f"{m}: gap to experts closed by FeatCal ({n}/task): "
-                  f"{'n/a' if closed is None else f'{100 * closed:.1f}%'}, cost {s['cost_ratio'][n]:.2f}x the forward floor")
+                  f"{'n/a' if closed is None else f'{100 * closed:.1f}%'}, cost {s['cost_ratio'][n]:.2f}x the forward floor"
+                  f" (the exact method's arithmetic: {report['summary']['cost_ratio_arithmetic']:.2f}x)")
     for r in report["rows"]:
         if r.get("baseline") and r.get("merge"):
             closed = r["gap_closed"]
