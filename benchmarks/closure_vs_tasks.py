@@ -66,8 +66,8 @@ def main() -> None:
             calibration = {t: _batches(pools[t], cfg.calibration_batch_size) for t in subset}
             calibrated = calibrate(merged, base=zoo.base_dir, experts={t: experts[t] for t in subset},
                                    calibration=calibration, config=cfg, progress=False)
-            ta = float(np.mean([accuracy(merged, heads[t], *tests[t]) for t in subset]))
-            fc = float(np.mean([accuracy(calibrated, heads[t], *tests[t]) for t in subset]))
+            ta = loaded.mean_accuracy(merged, subset)
+            fc = loaded.mean_accuracy(calibrated, subset)
             ex = float(np.mean([expert_acc[t] for t in subset]))
             closed = gap_closed(fc, ta, ex)
             records.append({"k": k, "tasks": subset, "ta": ta, "featcal": fc, "experts": ex, "gap_closed": closed})

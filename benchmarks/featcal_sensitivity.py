@@ -55,13 +55,13 @@ def main() -> None:
     for s in floats(args.ta_scalings):
         alone = copy.deepcopy(base)
         alone.load_state_dict(merge(zoo.base_dir, zoo.expert_dirs, "task_arithmetic", scaling=s, progress=False))
-        acc = float(np.mean([accuracy(alone, heads[t], *tests[t]) for t in tasks]))
+        acc = loaded.mean_accuracy(alone)
         records.append({"setting": f"task_arithmetic scaling={s:g}", "ta": acc})
         print(f"Task Arithmetic alone, scaling {s:g}: {acc:.4f}", flush=True)
     merged = copy.deepcopy(base)
     merged.load_state_dict(merge(zoo.base_dir, zoo.expert_dirs, "task_arithmetic", progress=False,
                                  **MERGE_PARAMS["task_arithmetic"]))
-    ta = float(np.mean([accuracy(merged, heads[t], *tests[t]) for t in tasks]))
+    ta = loaded.mean_accuracy(merged)
     ex = float(np.mean([accuracy(experts[t], heads[t], *tests[t]) for t in tasks]))
     print(f"TA {ta:.4f}, experts {ex:.4f}", flush=True)
 
@@ -74,7 +74,7 @@ def main() -> None:
                        for t in tasks}
         calibrated = calibrate(merged, base=zoo.base_dir, experts=experts, calibration=calibration, config=cfg,
                                progress=False)
-        fc = float(np.mean([accuracy(calibrated, heads[t], *tests[t]) for t in tasks]))
+        fc = loaded.mean_accuracy(calibrated)
         closed = gap_closed(fc, ta, ex)
         records.append({"setting": label, **update, "ta": ta, "featcal": fc, "experts": ex, "gap_closed": closed})
         print(f"{label:>18}: TA+FeatCal {fc:.4f}, gap closed {closed:.3f}", flush=True)

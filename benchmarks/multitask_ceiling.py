@@ -53,7 +53,7 @@ def train_jointly(base, heads, train, steps: int, per_task: int, lr: float, warm
     return model.eval()
 
 
-def calibrate_toward(zoo, base, target, heads, tests, calib: int) -> dict:
+def calibrate_toward(zoo, loaded, target, calib: int) -> dict:
     """FeatCal from TA 0.3 toward one model for every task; accuracy before and after."""
     from featcal.bench.metrics import gap_closed
     from featcal.bench.run import MERGE_PARAMS, _batches
@@ -61,15 +61,15 @@ def calibrate_toward(zoo, base, target, heads, tests, calib: int) -> dict:
     from featcal.config import FeatCalConfig
     from featcal.merging.api import merge
 
-    tasks = list(tests)
-    merged = copy.deepcopy(base)
+    tasks = zoo.tasks
+    merged = copy.deepcopy(loaded.base)
     merged.load_state_dict(merge(zoo.base_dir, zoo.expert_dirs, "task_arithmetic", progress=False,
                                  **MERGE_PARAMS["task_arithmetic"]))
     cfg = FeatCalConfig(num_calibration_examples=calib)
     calibration = {t: _batches(zoo.split(t, "calibration")[0][:calib], cfg.calibration_batch_size) for t in tasks}
     calibrated = calibrate(merged, base=zoo.base_dir, experts=dict.fromkeys(tasks, target), calibration=calibration,
                            config=cfg, progress=False)
-    ta, fc, mt = (float(np.mean([accuracy(m, heads[t], *tests[t]) for t in tasks])) for m in (merged, calibrated, target))
+    ta, fc, mt = (loaded.mean_accuracy(m) for m in (merged, calibrated, target))
     closed = gap_closed(fc, ta, mt)
     print(f"TA {ta:.4f} -> FeatCal toward the multi-task model {fc:.4f} (target {mt:.4f}): "
           f"{100 * closed:.1f}% of that gap closed", flush=True)
@@ -96,7 +96,7 @@ def main() -> None:
     base, heads, tests = loaded.base, loaded.heads, loaded.tests
     train = {t: zoo.split(t, "train") for t in tasks}
     experts = float(np.mean([accuracy(load_model(zoo.expert_dir(t)), heads[t], *tests[t]) for t in tasks]))
-    out = {"experts": experts, "base": float(np.mean([accuracy(base, heads[t], *tests[t]) for t in tasks]))}
+    out = {"experts": experts, "base": loaded.mean_accuracy(base)}
     print(f"base {out['base']:.4f}, experts {experts:.4f}", flush=True)
     for steps in (int(s) for s in args.steps.split(",")):
         model = train_jointly(base, heads, train, steps, args.per_task, ft.lr, ft.warmup, args.seed)
@@ -105,7 +105,7 @@ def main() -> None:
         print(f"multi-task {steps} steps x {args.per_task}/task: {np.mean(list(per_task.values())):.4f} "
               + " ".join(f"{t} {a:.3f}" for t, a in per_task.items()), flush=True)
     if args.calibrate_toward:
-        out["calibrated_toward_multitask"] = calibrate_toward(zoo, base, model, heads, tests, args.calib)
+        out["calibrated_toward_multitask"] = calibrate_toward(zoo, loaded, model, args.calib)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)

@@ -77,6 +77,8 @@ def test_few_shot_keeps_the_first_examples_of_each_class_in_order():
     assert xs is x and ys is y
     with pytest.raises(ValueError, match="probe_shots must be at least 1"):
         few_shot(x, y, 0)
+    with pytest.raises(ConfigError, match="probe_shots must be at least 1"):  # before any build work
+        dataclasses.replace(PRESETS["default"], probe_shots=0)
 
 
 def test_accuracy_counts_matches():
@@ -146,7 +148,6 @@ def test_open_reports_missing_pieces(tmp_path):
         Zoo.open(tmp_path / "z")
 
 
-
 def test_load_returns_the_zoo_models_heads_and_test_splits(tmp_path):
     zoo = build_zoo(tmp_path / "z", MICRO, seed=0, progress=False)
     loaded = zoo.load()
@@ -160,3 +161,4 @@ def test_load_returns_the_zoo_models_heads_and_test_splits(tmp_path):
     torch.testing.assert_close(x, zoo.split("stripes", "test")[0])
     assert len(y) == 32
     assert zoo.load(experts=False).experts == {}
+    assert loaded.mean_accuracy(loaded.base, ["stripes"]) == accuracy(loaded.base, loaded.heads["stripes"], x, y)

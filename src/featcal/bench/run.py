@@ -180,8 +180,8 @@ def run_bench(settings: BenchSettings, progress: bool = True) -> dict[str, Any]:
         ) from e
     zoo_seconds = zoo_timer.seconds
     tasks = zoo.tasks
-    heads = {t: zoo.head(t) for t in tasks}
-    tests = {t: zoo.split(t, "test") for t in tasks}
+    heads = zoo.heads()
+    tests = zoo.test_splits()
     bs = settings.eval_batch_size
     rows: list[dict] = []
 
@@ -279,12 +279,10 @@ def run_bench(settings: BenchSettings, progress: bool = True) -> dict[str, Any]:
 
 
 def summarise(rows: list[dict], experts_average: float, settings: BenchSettings,
-              arithmetic_ratio: float | None = None) -> dict[str, Any]:
+              arithmetic_ratio: float) -> dict[str, Any]:
     """Headline numbers: per merge, accuracy alone and calibrated, gap closed and cost ratio, per size;
     beside the measured cost ratios, the exact method's arithmetic ratio to the floor (bench/cost.py)."""
-    out: dict[str, Any] = {"experts_average": experts_average}
-    if arithmetic_ratio is not None:
-        out["cost_ratio_arithmetic"] = arithmetic_ratio
+    out: dict[str, Any] = {"experts_average": experts_average, "cost_ratio_arithmetic": arithmetic_ratio}
     base = next(r for r in rows if r["method"] == "base")
     out["base_average"] = base["average_accuracy"]
     for method in settings.methods:

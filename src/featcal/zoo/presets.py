@@ -48,6 +48,11 @@ class ZooPreset:
     regime_scaling: float = 0.3  # Task Arithmetic scaling checked in the build log
     notes: dict = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        # refused here, when the preset is made, not after minutes of pretraining when the heads are fitted
+        if self.probe_shots is not None and self.probe_shots < 1:
+            raise ConfigError(f"preset {self.name}: probe_shots must be at least 1, got {self.probe_shots}")
+
     def pretrain_fingerprint(self, seed: int) -> str:
         """Identifies the pretrained base alone (shared by presets that differ only downstream)."""
         blob = json.dumps({"format": PRETRAIN_FORMAT, "seed": seed, "model": asdict(self.model),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +34,13 @@ class LoadedZoo:
     experts: dict[str, torch.nn.Module]
     heads: dict[str, LinearHead]
     tests: dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+    def mean_accuracy(self, model: torch.nn.Module, tasks: Iterable[str] | None = None) -> float:
+        """`model`'s test accuracy through each task's head, averaged over `tasks` (default: all)."""
+        from featcal.evaluation.classification import accuracy
+
+        names = list(self.tests if tasks is None else tasks)
+        return sum(accuracy(model, self.heads[t], *self.tests[t]) for t in names) / len(names)
 
 
 @dataclass(frozen=True)
@@ -72,6 +80,12 @@ class Zoo:
     def head(self, task: str) -> LinearHead:
         return LinearHead.load(self.root / "heads" / f"{task}.safetensors")
 
+    def heads(self) -> dict[str, LinearHead]:
+        return {t: self.head(t) for t in self.tasks}
+
+    def test_splits(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        return {t: self.split(t, "test") for t in self.tasks}
+
     def split_size(self, task: str, split: str) -> int:
         return int(self.manifest["tasks"][task]["sizes"][split])
 
@@ -92,6 +106,6 @@ class Zoo:
         return LoadedZoo(
             base=load_model(self.base_dir),
             experts={t: load_model(self.expert_dir(t)) for t in self.tasks} if experts else {},
-            heads={t: self.head(t) for t in self.tasks},
-            tests={t: self.split(t, "test") for t in self.tasks},
+            heads=self.heads(),
+            tests=self.test_splits(),
         )
