@@ -198,6 +198,21 @@ def processor_dir(merged: Path, base: Path) -> Path:
     return merged  # the loader then falls back (vision) or explains what is missing (text)
 
 
+def stored_float_dtype(path: Path, allow_pickle: bool = False) -> torch.dtype | None:
+    """The one floating dtype a checkpoint's tensors are stored in, from the headers; None if they mix.
+
+    Why: calibration loads and computes in float32, but an fp16 / bf16 merge must be written back
+    16-bit (half the size, its config's dtype kept), as `featcal merge` keeps the base's dtype.
+    """
+    reader = CheckpointReader(path, allow_pickle=allow_pickle)
+    floating = {dtype for dtype in (reader.meta(k)[1] for k in reader.keys()) if dtype.is_floating_point}
+    if len(floating) == 1:
+        return floating.pop()
+    log.warning("%s stores tensors in several floating dtypes (%s): the calibrated model is written in float32",
+                path, ", ".join(sorted(str(d).removeprefix("torch.") for d in floating)))
+    return None
+
+
 def _copy_processor_files(src: Path, dst: Path) -> None:
     for name in IMAGE_PROCESSOR_FILES + TOKENIZER_FILES + ("special_tokens_map.json", "merges.txt"):
         if (src / name).is_file() and not (dst / name).exists():
@@ -311,6 +326,7 @@ def _calibrate_to_dir(
             except CalibrationDataError as exc:
                 raise CalibrationDataError(f"task {t!r}: {exc}") from None
         data_seconds = load.seconds
+        out_dtype = stored_float_dtype(merged_dir, allow_pickle)  # loaded (and computed) in float32
         merged_model = load_model(merged_dir, allow_pickle=allow_pickle)
         load_seconds = load.seconds
 
@@ -326,8 +342,10 @@ def _calibrate_to_dir(
         calibrate_seconds = work.seconds
         from featcal.calibration.resume import discard_on_error
 
+        if out_dtype is not None:  # written as the merged checkpoint is stored (fp16 / bf16 stay 16-bit)
+            calibrated.to(out_dtype)
         with discard_on_error(getattr(calibrated, "featcal_resume_store", None)):  # NaN: resuming cannot help
-            check_finite_state("the calibrated model", calibrated.state_dict())
+            check_finite_state("the calibrated model", calibrated.state_dict())  # after the cast: fp16 overflow too
 
     hashing = Timer()
     inputs_report = {
@@ -363,7 +381,8 @@ def _calibrate_to_dir(
             inputs=inputs_report,
             drift=getattr(calibrated, "featcal_drift", None),
             warnings=warnings.messages,
-            output={"path": str(out_path), "sha256": checkpoint_hashes(tmp)},
+            output={"path": str(out_path), "sha256": checkpoint_hashes(tmp),
+                    "dtype": str(next(calibrated.parameters()).dtype).removeprefix("torch.")},
         )
         report["seconds"] = {  # load includes load_data; save excludes the final fsync and rename
             "load": round(load_seconds, 3), "load_data": round(data_seconds, 3), "calibrate": round(calibrate_seconds, 3),
