@@ -24,6 +24,8 @@ CALIBRATED_MERGE_METHODS: tuple[str, ...] = ("regmean", "regmean++")
 WHOLE_MODEL_MERGE_METHODS: tuple[str, ...] = ("regmean", "regmean++", "wudi")
 # seeds feed torch.Generator.manual_seed (64-bit) and sha256-derived per-tensor seeds
 MAX_SEED = 2**63 - 1
+MAX_LAMBDA_RATIO = 100.0
+MAX_COVARIANCE_EPS = 0.01
 
 
 class _Strict(BaseModel):
@@ -53,12 +55,19 @@ class MergeConfig(_Strict):
 class FeatCalConfig(_Strict):
     """FeatCal hyperparameters (defaults: the authors' demo, ../shared/SPEC.md §2)."""
 
-    lambda_ratio: float = Field(0.05, ge=0.0, description="ridge λ toward the anchor")
+    # The per-task Grams are normalised to unit Frobenius norm (SPEC §2.6), so both ridge terms compare with
+    # O(1): λ = 100 already pins every weight to the anchor, and an ε past 0.01 stops being a jitter and
+    # shrinks every Linear weight toward zero (ε = 1e300 zeroed them all). Larger values are typos.
+    lambda_ratio: float = Field(
+        0.05, ge=0.0, le=MAX_LAMBDA_RATIO, description="ridge λ toward the anchor (at most 100: the anchor itself)"
+    )
     anchor_blend_rho: float = Field(
         2.2, ge=0.0, le=10.0, description="anchor Ā = ρ·θm + (1−ρ)·θ0 (0: the base, 1: the merge, >1 extrapolates)"
     )
     teacher_interp_alpha: float = Field(0.25, ge=0.0, le=1.0, description="x~ = α·xe + (1−α)·xs")
-    covariance_eps: float = Field(1e-8, ge=0.0, description="ε added to the Gram diagonal")
+    covariance_eps: float = Field(
+        1e-8, ge=0.0, le=MAX_COVARIANCE_EPS, description="ε added to the Gram diagonal, a jitter (at most 0.01)"
+    )
     calibrate_bias: bool = True
     calibrate_layernorm: bool = True
     num_calibration_examples: int = Field(256, ge=1, description="examples per task")

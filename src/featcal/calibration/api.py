@@ -187,7 +187,8 @@ def calibrate(
     merged, base, experts: transformers models, or checkpoint paths / hub ids. Experts and base given as
     paths are read block by block from their safetensors and never loaded whole. calibration: per task,
     a list of batches (a tensor for the model's main input, or a dict of keyword inputs). The result
-    is the merged model's class, with `featcal_drift = [{"block", "stack", "layer", "before", "after"}]`.
+    is the merged model's class, with `featcal_drift = [{"block", "stack", "layer", "before", "after"}]` and
+    `featcal_end_to_end = {"merged", "calibrated", ...}` (final-block drift; a warning is logged when worse).
     A model passed as `merged` is copied unless `inplace=True`.
 
     With `config.resume_dir` every finished block is checkpointed there and a rerun with the same inputs
@@ -264,5 +265,6 @@ def calibrate(
     del template
     model.to(origin)
     model.featcal_drift = drift
+    model.featcal_end_to_end = engine.end_to_end  # the merge's and the calibrated model's final-block drift
     model.featcal_resume_store = store if keep_resume_state else None  # the caller deletes it after writing
     return model

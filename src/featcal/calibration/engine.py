@@ -22,6 +22,12 @@ Drift record per block: mean over valid tokens of ‖hm − he‖² / ‖he‖²
 averaged over tasks, where he is expert t's block output and hm the merged block's output on the
 merged chain (which is already calibrated upstream) — "before" with the block as merged, "after"
 with the block calibrated. Both come from forwards the method runs anyway.
+
+End-to-end drift (`end_to_end`): "before" above is not the merge's own drift past block 0 (its input
+is already calibrated), so the merged model AS MERGED is also run, block by block, on a reference
+chain ("r") of each task's first batch: one more block forward per task and block. After the last
+block its output and the calibrated one are compared with the expert's on that batch (the class
+token only where the output is read from it); calibration that makes this worse is warned about.
 """
 
 from __future__ import annotations
@@ -243,6 +249,9 @@ class FeatCalEngine:
         self.chains = ChainStore(config.chain_dtype, config.spill_dir, compute_dtype=dtype, device=device,
                                  home=self.place.chain_home)
         self.drift: list[dict[str, Any]] = []
+        self.end_to_end: dict[str, Any] | None = None
+        # per task, the first batch of this rank's share: where the uncalibrated merge is followed end to end
+        self._reference = {t: self.calibration[t][0][0] for t in self.tasks if self.calibration[t]}
         self._block_counter = 0
         self._checkpointed = 0  # blocks whose parameters the resume directory already holds
 
@@ -268,6 +277,7 @@ class FeatCalEngine:
                 for layer in range(first, n_blocks):
                     self._calibrate_block(stack, layer, n_blocks)
                     self._commit(si, layer, n_blocks)
+            self.end_to_end = self._end_to_end()
             return self.drift
         finally:
             self.chains.close()
@@ -352,7 +362,10 @@ class FeatCalEngine:
             load_into(self.template, stem, self.experts[t])
             for b, batch in self._batches(t):
                 batch = _to_device(batch, self.device)
-                for side, model, block0 in (("m", self.merged, block0_m), ("e", self.template, block0_e)):
+                sides = [("m", self.merged, block0_m), ("e", self.template, block0_e)]
+                if self._reference.get(t) == b:
+                    sides.append(("r", self.merged, block0_m))  # the merge as merged, followed end to end
+                for side, model, block0 in sides:
                     key = (side, t, b)
                     up = None
                     if previous is not None:
@@ -438,6 +451,8 @@ class FeatCalEngine:
                 with MergedFolder(mods_m, plan, recorder, task_sums, weights):
                     hm_out = _hidden(block_m(self.chains.hidden(("m", t, b)), **self.chains.context(("m", t, b))))
                 del recorder
+                if self._reference.get(t) == b:  # the block still as merged, outside the statistics' hooks
+                    self._advance(("r", t, b), stack, layer, block_m)
                 before.add(t, hm_out, he_next, self.adapter.token_mask(stack, batch, he_next))
                 self.chains.put_hidden(("e", t, b), he_next)
                 new_ctx = self.adapter.next_context(stack, layer, ctx_e, raw_e)
@@ -451,6 +466,49 @@ class FeatCalEngine:
             sums.add_task(t, task_sums, expert_params, rms)
             del task_sums
         return sums, before.reduce(self.group, self.tasks)
+
+    def _advance(self, key: tuple, stack: Stack, layer: int, block: nn.Module) -> None:
+        """Chain `key` <- block(chain `key`), its context updated as the block passes it on."""
+        ctx = self.chains.context(key)
+        raw = block(self.chains.hidden(key), **ctx)
+        self.chains.put_hidden(key, _hidden(raw))
+        new_ctx = self.adapter.next_context(stack, layer, ctx, raw)
+        if new_ctx is not ctx:
+            self.chains.put_context(key, new_ctx)
+
+    def _end_to_end(self) -> dict[str, Any] | None:
+        """Final-block drift of the merge as merged and of the calibrated model, on each task's reference batch.
+
+        Logs a warning when calibration made it worse. None when the chains lack the reference (a resume
+        state written before it existed).
+        """
+        held = set(self.chains.keys())
+        if not self.tasks or any(("r", t, b) not in held for t, b in self._reference.items()):
+            log.info("featcal: no reference chain held; end-to-end drift not measured")
+            return None
+        stack = self.stacks[-1]
+        merged, calibrated = _Drift(), _Drift()
+        for t, b in self._reference.items():
+            batch = _to_device(self.calibration[t][0][1], self.device)
+            he = self.chains.hidden(("e", t, b))
+            mask = self.adapter.token_mask(stack, batch, he)
+            if stack.class_token_head:  # the model's output is read from the class token only
+                only_cls = torch.zeros(tuple(he.shape[:-1]), dtype=torch.float32, device=he.device)
+                only_cls[..., 0] = 1.0
+                mask = only_cls if mask is None else only_cls * mask.to(only_cls.device)
+            merged.add(t, self.chains.hidden(("r", t, b)), he, mask)
+            calibrated.add(t, self.chains.hidden(("m", t, b)), he, mask)
+        before = merged.reduce(self.group, self.tasks).mean()
+        after = calibrated.reduce(self.group, self.tasks).mean()
+        record = {"stack": stack.name, "tokens": "class token" if stack.class_token_head else "all",
+                  "batches": "the first of each task", "merged": before, "calibrated": after}
+        if after > before and self.group.is_main:
+            log.warning(
+                "calibration made the end-to-end drift worse than the merge's: %.6g -> %.6g (final %s block, "
+                "mean ||h-he||^2/||he||^2 on each task's first batch); check lambda_ratio, covariance_eps, "
+                "anchor_blend_rho and the calibration data", before, after, stack.name,
+            )
+        return record
 
     def _propagate(self, stack: Stack, layer: int, block_m: nn.Module, bar) -> _Drift:
         """hm(t) <- calibrated block(hm(t)) for every batch; returns the drift after calibration."""

@@ -34,7 +34,13 @@ from featcal.io.atomic import atomic_output_dir, check_output_dir
 from featcal.io.checkpoint import CheckpointReader, copy_side_files, read_json, resolve_checkpoint
 from featcal.io.models import hf_progress_bars, load_config, load_model
 from featcal.io.report import Timer, build_report, checkpoint_hashes, peak_rss_mb, write_report
-from featcal.io.validate import check_finite_state, check_same_config, check_same_tensors, scan_finite
+from featcal.io.validate import (
+    check_finite_state,
+    check_same_config,
+    check_same_tensors,
+    scan_finite,
+    validate_expert_names,
+)
 from featcal.merging.sources import UnmappedReader
 
 log = logging.getLogger(__name__)
@@ -44,6 +50,7 @@ def check_task_names(experts: Mapping[str, Any], calibration_sources: Mapping[st
     """The task names, in the experts' order; refuse any task that lacks its expert or its data."""
     if not experts:
         raise ConfigError("at least one expert is needed (--expert NAME=PATH)")
+    validate_expert_names(experts)  # e.g. 'glue/sst2' would crash calibration after the first block
     no_data = [t for t in experts if t not in calibration_sources]
     no_expert = [t for t in calibration_sources if t not in experts]
     problems = []
@@ -178,7 +185,8 @@ def check_calibration_inputs(
         try:
             check_calibration_source(
                 calibration_sources[t], model_dir=data_dir, num_examples=config.num_calibration_examples,
-                allow_fewer=allow_fewer, config=model_config,
+                allow_fewer=allow_fewer, config=model_config, text_column=config.text_column,
+                allow_test_split=config.allow_test_split,
             )
         except CalibrationDataError as exc:
             raise CalibrationDataError(f"task {t!r}: {exc}") from None
@@ -316,12 +324,14 @@ def _calibrate_to_dir(
 
         load = Timer()
         calibration: dict[str, list[Batch]] = {}
+        read_as: dict[str, dict] = {t: {} for t in tasks}  # which column each task's data was read from
         for t in tasks:
             try:
                 calibration[t] = load_calibration_batches(
                     calibration_sources[t], model_dir=data_dir, num_examples=config.num_calibration_examples,
                     batch_size=config.calibration_batch_size, seed=config.seed, max_length=max_length,
-                    allow_fewer=allow_fewer, progress=progress,
+                    allow_fewer=allow_fewer, progress=progress, text_column=config.text_column,
+                    allow_test_split=config.allow_test_split, record=read_as[t],
                 )
             except CalibrationDataError as exc:
                 raise CalibrationDataError(f"task {t!r}: {exc}") from None
@@ -353,7 +363,7 @@ def _calibrate_to_dir(
         "base": {"path": str(base_dir), "sha256": checkpoint_hashes(base_dir)},
         "experts": {t: {"path": str(d), "sha256": checkpoint_hashes(d)} for t, d in expert_dirs.items()},
         "calibration": {
-            t: {"source": str(calibration_sources[t]), "examples": _count(b), "batches": len(b),
+            t: {"source": str(calibration_sources[t]), **read_as[t], "examples": _count(b), "batches": len(b),
                 "tensors_sha256": batches_sha256(b)}
             for t, b in calibration.items()
         },
@@ -380,6 +390,7 @@ def _calibrate_to_dir(
             {**config.model_dump(mode="json"), "max_length": max_length, "allow_fewer": allow_fewer},
             inputs=inputs_report,
             drift=getattr(calibrated, "featcal_drift", None),
+            end_to_end_drift=getattr(calibrated, "featcal_end_to_end", None),
             warnings=warnings.messages,
             output={"path": str(out_path), "sha256": checkpoint_hashes(tmp),
                     "dtype": str(next(calibrated.parameters()).dtype).removeprefix("torch.")},
