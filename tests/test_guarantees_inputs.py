@@ -261,11 +261,13 @@ BAD_FEATCAL = {
     "resume": ["perhaps"],  # fields being added to the schema: cases ready before they land
     "resume_dir": [3.5],
     "offload_blocks": ["partly"],
-    "checkpoint_every": [0, -2, 1.5],
+    "checkpoint_every": [0, -2, 1.5, True],
+    "text_column": ["", 3],
+    "allow_test_split": ["sometimes"],
 }
 BAD_MERGE = {
     "method": ["nope", "TIES"],
-    "scaling": [0.0, -0.3, 10.5, math.nan, math.inf],
+    "scaling": [0.0, -0.3, 10.5, math.nan, math.inf, True],
     "density": [0.0, 1.01, math.nan],
     "drop_rate": [-0.1, 1.0, math.nan],
     "seed": [-1, MAX_SEED + 1, 0.5],
@@ -274,6 +276,8 @@ BAD_MERGE = {
     "lr": [0.0, -1e-5, math.inf],
     "num_calibration_examples": [0, -4, 2.5],
     "calibration_batch_size": [0, -1],
+    "text_column": ["", 3],
+    "allow_test_split": ["sometimes"],
 }
 
 

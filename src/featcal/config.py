@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from featcal.errors import ConfigError
 
@@ -32,6 +32,15 @@ class _Strict(BaseModel):
     # allow_inf_nan=False: `--lambda-ratio inf` or a NaN ρ would pass every bound check and poison the solves
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False, allow_inf_nan=False)
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, v: Any, info: ValidationInfo) -> Any:
+        # pydantic's lax mode reads True as 1: YAML `scaling: true` would merge at scale 1.0
+        if isinstance(v, bool) and info.field_name is not None:
+            if cls.model_fields[info.field_name].annotation in (int, float):
+                raise ValueError(f"Input should be a number, not the boolean {str(v).lower()}")
+        return v
+
 
 class MergeConfig(_Strict):
     """How to merge: the method and its hyperparameters (unused ones are ignored by the method)."""
@@ -50,6 +59,13 @@ class MergeConfig(_Strict):
     lr: float = Field(1e-5, gt=0.0, description="WUDI: Adam learning rate, in parameter units")
     num_calibration_examples: int = Field(256, ge=1, description="RegMean(++): calibration examples per task")
     calibration_batch_size: int = Field(16, ge=1, description="RegMean(++): examples per forward")
+    text_column: str | None = Field(
+        None, min_length=1, description="RegMean(++): the column of JSONL / parquet / saved-dataset data holding "
+        "the texts (default: text, sentence, ..., else the one string column; several are refused)",
+    )
+    allow_test_split: bool = Field(
+        False, description="RegMean(++): accept a saved dataset whose only split is 'test' as calibration data"
+    )
 
 
 class FeatCalConfig(_Strict):
@@ -89,6 +105,13 @@ class FeatCalConfig(_Strict):
     )
     resume_dir: Path | None = Field(
         None, description="where the per-block checkpoints go (featcal calibrate: .<out>.featcal-resume beside --out)"
+    )
+    text_column: str | None = Field(
+        None, min_length=1, description="the column of JSONL / parquet / saved-dataset data holding the texts "
+        "(default: text, sentence, ..., else the one string column; several are refused)",
+    )
+    allow_test_split: bool = Field(
+        False, description="accept a saved dataset whose only split is 'test' as calibration data"
     )
 
     @field_validator("device")
@@ -151,14 +174,48 @@ def parse(model: type[BaseModel], data: dict[str, Any]):
         raise ConfigError(f"invalid {model.__name__}: " + "; ".join(problems)) from None
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor` overrides are what merge keys are for
+                continue
+            key, line = self.construct_object(key_node, deep=True), key_node.start_mark.line + 1
+            try:
+                if key in seen:
+                    raise ConfigError(
+                        f"{self.name}, line {line}: key {key!r} is given twice in one mapping (first on line "
+                        f"{seen[key]}); YAML would keep only the last, so remove one"
+                    )
+                seen[key] = line
+            except TypeError:  # an unhashable key: the base loader refuses it
+                continue
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_run_file(path: str | Path) -> RunConfig:
+    """Read and validate a YAML run file: one-line errors for a missing, non-UTF-8 or invalid file."""
     p = Path(path)
     if not p.exists():
         raise ConfigError(f"run file {p} does not exist")
+    raw = p.read_bytes()
     try:
-        data = yaml.safe_load(p.read_text())
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise ConfigError(
+            f"{p}, line {line}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); save it as UTF-8"
+        ) from None
+    loader = _UniqueKeyLoader(text)
+    loader.name = str(p)
+    try:
+        data = loader.get_single_data()
     except yaml.YAMLError as exc:
         raise ConfigError(f"{p} is not valid YAML: {exc}") from None
+    finally:
+        loader.dispose()
     if not isinstance(data, dict):
         raise ConfigError(f"{p} must hold a mapping at the top level")
     return parse(RunConfig, data)

@@ -53,8 +53,13 @@ def resolve_paths(run: RunConfig, root: Path) -> RunConfig:
     })
     update = {"merge": merge, "out": str(_output_path(run.out, root))}
     if run.calibrate is not None:
+        config = dict(run.calibrate.config)
+        for key in ("resume_dir", "spill_dir"):  # directories featcal writes: from the file's folder, like `out`
+            if isinstance(config.get(key), str):
+                config[key] = str(_output_path(config[key], root))
         update["calibrate"] = run.calibrate.model_copy(update={
             "calibration": {t: _input_path(p, root) for t, p in run.calibrate.calibration.items()},
+            "config": config,
         })
     return run.model_copy(update=update)
 

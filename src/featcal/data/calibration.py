@@ -43,24 +43,30 @@ def load_model_config(model_dir: str | Path):
 
 def check_calibration_source(
     source: str | Path, *, model_dir: str | Path, num_examples: int, allow_fewer: bool = False, config=None,
+    text_column: str | None = None, allow_test_split: bool = False,
 ):
     """Open `source` and check it can feed the model in `model_dir`, reading no example.
 
-    Refuses an empty set, the wrong modality, and fewer examples than asked (unless `allow_fewer`).
+    Refuses an empty set, the wrong modality, an ambiguous or missing text column, a test split (unless
+    `allow_test_split`), and fewer examples than asked (unless `allow_fewer`).
     Returns (source, modality the model takes, number of examples that will be drawn). `config` is
     the model's transformers config when the caller already has it.
     """
     config = config if config is not None else load_model_config(model_dir)
     wanted = model_modality(config)
-    src = open_source(source)
+    src = open_source(source, text_column=text_column, allow_test_split=allow_test_split)
     if len(src) == 0:
         raise CalibrationDataError(f"calibration data {src.path} ({src.kind}) holds no examples")
     if wanted not in src.modalities:
         held = " and ".join(_NOUN[m] for m in src.modalities) or "no image or text column"
+        strings = src.string_columns() if wanted == "text" and hasattr(src, "string_columns") else []
+        hint = f" (string columns: {', '.join(map(repr, strings))}; name the text one with --text-column)" if strings else ""
         raise CalibrationDataError(
             f"calibration data {src.path} ({src.kind}) holds {held}, but the model in {model_dir} "
-            f"({config.model_type}) takes {_NOUN[wanted]}"
+            f"({config.model_type}) takes {_NOUN[wanted]}{hint}"
         )
+    if wanted == "text":
+        src.text_column  # noqa: B018 - refuses an ambiguous or unusable text column before any example is read
     available = len(src)
     if available < num_examples:
         message = f"calibration data {src.path} holds {available} examples, fewer than the {num_examples} asked for"
@@ -68,6 +74,18 @@ def check_calibration_source(
             raise CalibrationDataError(message + " (pass --allow-fewer, allow_fewer=True, to use them all)")
         log.warning("%s; using all %d", message, available)
     return src, wanted, min(num_examples, available)
+
+
+def source_record(src, modality: str) -> dict:
+    """What featcal.json records about how a source was read: its kind and the column(s) used."""
+    out: dict = {"kind": src.kind}
+    if modality == "text" and getattr(src, "text_column", None) is not None:
+        out["text_column"] = src.text_column
+        if getattr(src, "target_column", None) is not None:
+            out["target_column"] = src.target_column
+    elif modality == "image" and getattr(src, "image_column", None) is not None:
+        out["image_column"] = src.image_column
+    return out
 
 
 def load_calibration_batches(
@@ -80,11 +98,16 @@ def load_calibration_batches(
     max_length: int = 128,
     allow_fewer: bool = False,
     progress: bool = False,
+    text_column: str | None = None,
+    allow_test_split: bool = False,
+    record: dict | None = None,
 ) -> list[Batch]:
     """Draw `num_examples` examples from `source` and preprocess them for the model in `model_dir`.
 
     Returns batches of at most `batch_size` examples, each a dict of keyword inputs
-    (pixel_values; or input_ids, attention_mask[, decoder_input_ids, ...]).
+    (pixel_values; or input_ids, attention_mask[, decoder_input_ids, ...]). `record`, when given, is
+    filled with what a report should say about the source (its kind; the text column read), so a
+    featcal.json shows which column the model was calibrated on.
     """
     if num_examples < 1 or batch_size < 1 or max_length < 1:
         raise ConfigError(
@@ -92,8 +115,11 @@ def load_calibration_batches(
         )
     config = load_model_config(model_dir)
     src, wanted, count = check_calibration_source(
-        source, model_dir=model_dir, num_examples=num_examples, allow_fewer=allow_fewer, config=config
+        source, model_dir=model_dir, num_examples=num_examples, allow_fewer=allow_fewer, config=config,
+        text_column=text_column, allow_test_split=allow_test_split,
     )
+    if record is not None:
+        record.update(source_record(src, wanted))
     preprocess = make_preprocessor(model_dir, config, max_length)
     indices = sample_indices(len(src), count, seed)
     chunks = [indices[i : i + batch_size] for i in range(0, len(indices), batch_size)]

@@ -67,6 +67,24 @@ def accepted_inputs(config) -> set[str] | None:
     return named or None
 
 
+def to_8bit(image):
+    """`image` with 16-bit (or wider integer) samples scaled into 8 bits, so that `convert("RGB")` keeps them.
+
+    PIL's convert() clips integer modes to 255 instead of scaling: a 16-bit greyscale PNG (mode I;16)
+    would turn almost white. I;16 modes span 0..65535; mode I (how older PIL opens those PNGs, and some
+    TIFFs) is taken as 16-bit when any sample exceeds 255 and as 8-bit otherwise. Other modes pass through.
+    """
+    import numpy as np
+    from PIL import Image
+
+    if not (image.mode.startswith("I;16") or image.mode == "I"):
+        return image
+    samples = np.asarray(image).astype(np.float64)
+    if image.mode.startswith("I;16") or samples.max(initial=0) > 255:
+        samples = samples / 257.0  # 65535 -> 255, exactly
+    return Image.fromarray(np.clip(np.rint(samples), 0, 255).astype(np.uint8))  # mode L
+
+
 class ImagePreprocessor:
     """PIL images -> {"pixel_values"} at the size the model was configured for."""
 
@@ -95,7 +113,9 @@ class ImagePreprocessor:
             pixels = torch.stack([self._fallback(im) for im in images])
         else:
             mode = "L" if self.channels == 1 else "RGB"
-            pixels = self.processor(images=[im.convert(mode) for im in images], return_tensors="pt")["pixel_values"]
+            pixels = self.processor(
+                images=[to_8bit(im).convert(mode) for im in images], return_tensors="pt"
+            )["pixel_values"]
         expected = (self.channels, self.image_size, self.image_size)
         if tuple(pixels.shape[1:]) != expected:
             raise CalibrationDataError(
@@ -114,7 +134,7 @@ class ImagePreprocessor:
                 "save the model's image processor beside it"
             )
         mode = "L" if self.channels == 1 else "RGB"
-        resized = image.convert(mode).resize((self.image_size, self.image_size), Image.BICUBIC)
+        resized = to_8bit(image).convert(mode).resize((self.image_size, self.image_size), Image.BICUBIC)
         array = torch.from_numpy(np.asarray(resized, dtype=np.float32) / 255.0)
         array = array.unsqueeze(-1) if array.ndim == 2 else array
         mean = torch.tensor(CLIP_MEAN if self.channels == 3 else (sum(CLIP_MEAN) / 3,))

@@ -24,6 +24,12 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
 IMAGE_COLUMNS = ("image", "img")
 TEXT_COLUMNS = ("text", "sentence", "content", "prompt", "input", "question", "document", "premise", "sentence1")
 TARGET_COLUMNS = ("target", "label_text")
+# string columns that name or label an example rather than hold its text: never taken as the text by default
+NON_TEXT_COLUMNS = (
+    "id", "idx", "uid", "guid", "uuid", "key", "label", "labels", "class", "category", "split", "source", "path",
+    "file", "filename", "url",
+)
+TEST_SPLITS = ("test", "testing")
 
 
 @dataclass(frozen=True)
@@ -82,6 +88,10 @@ def _open_image(path: Path):
         with Image.open(path) as im:
             im.load()
             return im.copy()
+    except Image.DecompressionBombError as exc:  # not an OSError: it would escape as a traceback
+        raise CalibrationDataError(
+            f"cannot read image file {path}: {exc} (PIL's guard against decompression bombs; downscale the image)"
+        ) from None
     except (OSError, UnidentifiedImageError, ValueError, SyntaxError) as exc:
         raise CalibrationDataError(f"cannot read image file {path}: {exc}") from None
 
@@ -89,23 +99,37 @@ def _open_image(path: Path):
 class TableSource:
     """A `datasets.Dataset` (saved to disk, or read from JSONL/parquet) with its columns resolved."""
 
-    def __init__(self, dataset, path: Path, kind: str) -> None:
+    def __init__(self, dataset, path: Path, kind: str, *, text_column: str | None = None,
+                 image_root: Path | None = None) -> None:
         self.path = path
         self.kind = kind
-        self.dataset, self.image_column = _resolve_image_column(dataset, path)
-        self.text_column = _text_column(self.dataset, exclude=(self.image_column,))
+        self.dataset, self.image_column = _resolve_image_column(dataset, path, image_root)
+        self._text_candidates, self._text_problem = _text_column(
+            self.dataset, path, text_column, exclude=(self.image_column,)
+        )
         self.target_column = next(
             (c for c in TARGET_COLUMNS if c in self.dataset.column_names and _is_string(self.dataset, c)), None
         )
+
+    @property
+    def text_column(self) -> str | None:
+        """The column texts are read from; an ambiguous or unusable choice is refused here, before any read."""
+        if self._text_problem is not None:
+            raise CalibrationDataError(self._text_problem)
+        return self._text_candidates[0] if self._text_candidates else None
 
     @property
     def modalities(self) -> tuple[Modality, ...]:
         found: list[Modality] = []
         if self.image_column is not None:
             found.append("image")
-        if self.text_column is not None:
+        if self._text_candidates or self._text_problem is not None:
             found.append("text")
         return tuple(found)
+
+    def string_columns(self) -> list[str]:
+        """Every string column (what a user may pass as the text column)."""
+        return [c for c in self.dataset.column_names if _is_string(self.dataset, c)]
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -142,36 +166,95 @@ def _is_string(dataset, column: str) -> bool:
     return isinstance(feature, Value) and feature.dtype in ("string", "large_string")
 
 
-def _resolve_image_column(dataset, path: Path):
-    """The first Image feature, else a column named image/img cast to Image (paths or bytes)."""
+def _resolve_image_column(dataset, path: Path, root: Path | None = None):
+    """The first Image feature, else a column named image/img cast to Image (paths or bytes).
+
+    With `root` (the folder of a JSONL / parquet file), relative image paths are taken from there, so a
+    data file reads the same images from whatever directory featcal is run.
+    """
     from datasets import Image
 
-    for name, feature in dataset.features.items():
-        if isinstance(feature, Image):
-            return dataset, name
-    for name in IMAGE_COLUMNS:
-        if name in dataset.column_names:
-            try:
-                return dataset.cast_column(name, Image()), name
-            except Exception as exc:
-                raise CalibrationDataError(
-                    f"{path}: column {name!r} cannot be read as images ({type(exc).__name__}: {exc})"
-                ) from None
-    return dataset, None
+    found = next((name for name, feature in dataset.features.items() if isinstance(feature, Image)), None)
+    if found is None:
+        found = next((name for name in IMAGE_COLUMNS if name in dataset.column_names), None)
+    if found is None:
+        return dataset, None
+    try:
+        if root is not None:
+            dataset = _anchor_image_paths(dataset, found, root)
+        if not isinstance(dataset.features[found], Image) or not dataset.features[found].decode:
+            dataset = dataset.cast_column(found, Image())
+    except Exception as exc:
+        raise CalibrationDataError(
+            f"{path}: column {found!r} cannot be read as images ({type(exc).__name__}: {exc})"
+        ) from None
+    return dataset, found
 
 
-def _text_column(dataset, exclude: Sequence[str | None]) -> str | None:
-    """A conventionally named text column, else the first string column that is not a target."""
+def _anchor_image_paths(dataset, column: str, root: Path):
+    """`dataset` with the relative paths of image column `column` (no embedded bytes) made relative to `root`."""
+    import os
+
+    import pyarrow as pa
+    from datasets import Image
+    from datasets.table import InMemoryTable
+
+    raw = dataset.cast_column(column, Image(decode=False))  # struct<bytes, path>, whatever the column held
+    cells = raw.data.column(column).combine_chunks()
+    data, paths = cells.field("bytes"), cells.field("path").to_pylist()
+
+    def anchored(p: str | None, has_bytes: bool) -> str | None:
+        if p is None or has_bytes or "://" in p:
+            return p
+        q = os.path.expanduser(p)
+        return q if os.path.isabs(q) else str(root / q)
+
+    new_paths = [anchored(p, b) for p, b in zip(paths, data.is_valid().to_pylist(), strict=True)]
+    if new_paths == paths:
+        return raw
+    rebuilt = pa.StructArray.from_arrays(
+        [data, pa.array(new_paths, type=pa.string())], names=["bytes", "path"], mask=cells.is_null()
+    )
+    table = raw.data.table
+    table = table.set_column(table.schema.get_field_index(column), column, rebuilt)
+    return type(dataset)(InMemoryTable(table), info=raw.info)
+
+
+def _text_column(
+    dataset, path: Path, chosen: str | None, exclude: Sequence[str | None]
+) -> tuple[list[str], str | None]:
+    """(candidate text columns, the problem with them or None): the column the user chose, else a
+    conventionally named one, else the one string column that is not an image, target, id or label.
+
+    Several candidates are a problem, not a choice to make silently: calibrating on ids or label words
+    instead of the texts gives a wrong model with no error, so the user must name the column.
+    """
+    strings = [c for c in dataset.column_names if _is_string(dataset, c)]
+    held = ", ".join(repr(c) for c in strings) or "none"
+    if chosen is not None:
+        if chosen not in dataset.column_names:
+            return [], f"{path}: text column {chosen!r} does not exist (string columns: {held})"
+        if not _is_string(dataset, chosen):
+            return [], f"{path}: text column {chosen!r} does not hold strings (string columns: {held})"
+        return [chosen], None
     for name in TEXT_COLUMNS:
-        if name in dataset.column_names and _is_string(dataset, name):
-            return name
-    for name in dataset.column_names:
-        if name not in exclude and name not in TARGET_COLUMNS and _is_string(dataset, name):
-            return name
-    return None
+        if name in strings:
+            return [name], None
+    candidates = [c for c in strings if c not in exclude and c not in TARGET_COLUMNS and c.lower() not in NON_TEXT_COLUMNS]
+    if len(candidates) > 1:
+        return candidates, (
+            f"{path}: no conventionally named text column ({', '.join(TEXT_COLUMNS[:4])}, ...) and several string "
+            f"columns could hold the texts: {', '.join(map(repr, candidates))}; name one with --text-column "
+            "(text_column in the config)"
+        )
+    return candidates, None
 
 
-def _saved_dataset(path: Path) -> TableSource:
+def _is_test_split(name: object) -> bool:
+    return name is not None and str(name).lower() in TEST_SPLITS
+
+
+def _saved_dataset(path: Path, *, text_column: str | None = None, allow_test_split: bool = False) -> TableSource:
     import datasets
 
     try:
@@ -183,6 +266,7 @@ def _saved_dataset(path: Path) -> TableSource:
             loaded = loaded["train"]
         elif len(loaded) == 1:
             (split,) = loaded.keys()
+            _refuse_test_split(path, split, allow_test_split)
             log.info("%s has no 'train' split; using its only split %r", path, split)
             loaded = loaded[split]
         else:
@@ -190,13 +274,43 @@ def _saved_dataset(path: Path) -> TableSource:
                 f"{path} is a DatasetDict without a 'train' split (splits: {', '.join(loaded)}); "
                 "calibration data must come from training data"
             )
-    return TableSource(loaded, path, "saved dataset")
+    else:  # a Dataset saved from a split remembers which one
+        _refuse_test_split(path, getattr(loaded, "split", None), allow_test_split)
+    return TableSource(loaded, path, "saved dataset", text_column=text_column)
 
 
-def _jsonl(path: Path) -> TableSource:
+def _refuse_test_split(path: Path, split: object, allowed: bool) -> None:
+    """Test data must never become calibration data by accident: only when the user says so."""
+    if not _is_test_split(split):
+        return
+    if not allowed:
+        raise CalibrationDataError(
+            f"{path} holds only the {str(split)!r} split; calibrating on test data would leak it into the model "
+            "evaluated on it. Use a training split, or pass --allow-test-split (allow_test_split: true) if you mean it"
+        )
+    log.warning("%s: calibrating on its %r split, as allowed by allow_test_split", path, str(split))
+
+
+def _read_utf8(path: Path) -> str:
+    """The file's text; a file that is not UTF-8 is named with the line and byte at fault."""
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise CalibrationDataError(f"cannot read {path}: {exc.strerror or exc}") from None
+    try:
+        return raw.decode("utf-8-sig")  # a leading byte-order mark is harmless
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise CalibrationDataError(
+            f"{path}, line {line}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); "
+            "save the file as UTF-8"
+        ) from None
+
+
+def _jsonl(path: Path, *, text_column: str | None = None) -> TableSource:
     import datasets
 
-    text = path.read_text(encoding="utf-8")
+    text = _read_utf8(path)
     records: list[dict] = []
     if path.suffix.lower() == ".json" and text.lstrip().startswith("["):
         try:
@@ -206,7 +320,9 @@ def _jsonl(path: Path) -> TableSource:
         if not all(isinstance(r, dict) for r in records):
             raise CalibrationDataError(f"{path}: a JSON array of calibration records must hold objects")
     else:
-        for lineno, line in enumerate(text.splitlines(), 1):
+        # JSON Lines ends records at "\n" only: str.splitlines() would also split at U+2028, U+0085, ...,
+        # which valid JSON may hold unescaped inside a string
+        for lineno, line in enumerate(text.split("\n"), 1):
             if not line.strip():
                 continue
             try:
@@ -220,10 +336,10 @@ def _jsonl(path: Path) -> TableSource:
         dataset = datasets.Dataset.from_list(records)
     except Exception as exc:  # mixed types in one field, nested garbage
         raise CalibrationDataError(f"{path}: records cannot be read as one table: {exc}") from None
-    return TableSource(dataset, path, "jsonl")
+    return TableSource(dataset, path, "jsonl", text_column=text_column, image_root=path.parent)
 
 
-def _parquet(path: Path) -> TableSource:
+def _parquet(path: Path, *, text_column: str | None = None) -> TableSource:
     import datasets
     import pyarrow.parquet as pq
     from datasets.table import InMemoryTable
@@ -232,23 +348,31 @@ def _parquet(path: Path) -> TableSource:
         table = pq.read_table(path)
     except Exception as exc:
         raise CalibrationDataError(f"cannot read parquet file {path}: {exc}") from None
-    return TableSource(datasets.Dataset(InMemoryTable(table)), path, "parquet")
+    return TableSource(
+        datasets.Dataset(InMemoryTable(table)), path, "parquet", text_column=text_column, image_root=path.parent
+    )
 
 
-def open_source(source: str | Path) -> CalibrationSource:
-    """Recognise the format of `source` and open it (reads no image data yet)."""
+def open_source(
+    source: str | Path, *, text_column: str | None = None, allow_test_split: bool = False
+) -> CalibrationSource:
+    """Recognise the format of `source` and open it (reads no image data yet).
+
+    `text_column` names the column texts are read from in a table (else a conventional name, else its one
+    candidate string column); `allow_test_split` lets a saved dataset holding only a test split be used.
+    """
     path = Path(source).expanduser()
     if not path.exists():
         raise CalibrationDataError(f"calibration data {path} does not exist")
     if path.is_dir():
         if (path / "dataset_dict.json").exists() or (path / "state.json").exists():
-            return _saved_dataset(path)
+            return _saved_dataset(path, text_column=text_column, allow_test_split=allow_test_split)
         return ImageFolderSource(path)
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".ndjson", ".json"):
-        return _jsonl(path)
+        return _jsonl(path, text_column=text_column)
     if suffix == ".parquet":
-        return _parquet(path)
+        return _parquet(path, text_column=text_column)
     raise CalibrationDataError(
         f"calibration data {path}: unsupported format {suffix or '(no suffix)'}; expected an image folder, "
         "a folder written by datasets' save_to_disk, a .jsonl file or a .parquet file"

@@ -61,6 +61,7 @@ class CheckpointReader:
         self._files: dict[str, Path] = {}  # tensor name -> file
         self._handles: dict[Path, object] = {}
         self._pickled: dict[str, torch.Tensor] | None = None
+        self._keys_of: dict[Path, set[str]] = {}  # shard -> the tensors its header lists
         index = self.path / SAFE_INDEX
         single = self.path / SAFE_SINGLE
         if index.exists():
@@ -89,6 +90,12 @@ class CheckpointReader:
         for f in set(self._files.values()):
             if not f.exists():
                 raise CheckpointError(f"{self.path}: shard {f.name} named in the index is missing")
+        if index.exists():  # the index must say where each tensor really is (headers only)
+            for name, f in sorted(self._files.items()):
+                if name not in self._shard_keys(f):
+                    raise CheckpointError(
+                        f"{index}: the index puts tensor {name!r} in shard {f.name}, which does not hold it"
+                    )
 
     def _handle(self, file: Path):
         if file not in self._handles:
@@ -97,6 +104,11 @@ class CheckpointReader:
             except Exception as exc:
                 raise CheckpointError(f"cannot read {file}: {exc} (truncated or not a safetensors file?)") from None
         return self._handles[file]
+
+    def _shard_keys(self, file: Path) -> set[str]:
+        if file not in self._keys_of:
+            self._keys_of[file] = set(self._handle(file).keys())
+        return self._keys_of[file]
 
     def _load_pickled(self) -> dict[str, torch.Tensor]:
         files = [self.path / PICKLE_SINGLE]

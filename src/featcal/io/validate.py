@@ -39,23 +39,44 @@ class TensorSource(Protocol):
     def get(self, name: str) -> torch.Tensor: ...
 
 
+MAX_NAME_LENGTH = 100
+
+
 def validate_expert_names(names: Iterable[str]) -> list[str]:
     """At least one expert, each name a non-empty string without '=' or surrounding spaces, all unique.
 
-    Names become task keys (calibration data, reports, CLI `NAME=PATH`), hence the restrictions.
+    Names become task keys (calibration data, reports, CLI `NAME=PATH`) and parts of file names
+    (calibration chains spilled to disk, resume checkpoints), hence the restrictions: no path separator,
+    control character, '.' or '..', at most MAX_NAME_LENGTH characters, and no two names that differ
+    only in case (one file on a case-insensitive file system).
     """
     out = list(names)
     if not out:
         raise ConfigError("at least one expert is needed")
-    seen: set[str] = set()
+    seen: dict[str, str] = {}
     for n in out:
         if not isinstance(n, str) or not n.strip():
             raise ConfigError(f"expert names must be non-empty strings, got {n!r}")
         if n != n.strip() or "=" in n:
             raise ConfigError(f"expert name {n!r} must not contain '=' or leading/trailing spaces")
+        if "/" in n or "\\" in n or n in (".", "..") or any(ord(c) < 32 or ord(c) == 127 for c in n):
+            safe = "-".join(p for p in n.replace("\\", "/").split("/") if p.strip("."))
+            hint = f"; use e.g. {safe!r}" if safe and safe != n and safe.isprintable() else ""
+            raise ConfigError(
+                f"expert name {n!r} must not contain '/', '\\' or control characters, nor be '.' or '..' "
+                f"(task names become parts of file names){hint}"
+            )
+        if len(n) > MAX_NAME_LENGTH:
+            raise ConfigError(f"expert name {n[:20]!r}... is {len(n)} characters long; at most {MAX_NAME_LENGTH}")
         if n in seen:
             raise ConfigError(f"expert name {n!r} is given twice; names must be unique")
-        seen.add(n)
+        if n.casefold() in {k.casefold() for k in seen}:
+            other = next(k for k in seen if k.casefold() == n.casefold())
+            raise ConfigError(
+                f"expert names {other!r} and {n!r} differ only in case; their files would collide on a "
+                "case-insensitive file system"
+            )
+        seen[n] = n
     return out
 
 

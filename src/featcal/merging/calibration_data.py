@@ -78,7 +78,8 @@ def check_calibration_data(
         try:
             if _is_path(data):
                 check_calibration_source(data, model_dir=model_dir, num_examples=config.num_calibration_examples,
-                                         allow_fewer=allow_fewer, config=model_config)
+                                         allow_fewer=allow_fewer, config=model_config, text_column=config.text_column,
+                                         allow_test_split=config.allow_test_split)
             else:
                 as_batches(data, task)
         except CalibrationDataError as exc:
@@ -116,12 +117,14 @@ def load_calibration(
     batches: dict[str, list[Batch]] = {}
     report: dict[str, dict[str, Any]] = {}
     for task, data in calibration.items():
+        read_as: dict[str, Any] = {}  # the source's kind and the column its texts came from
         if _is_path(data):
             try:
                 batches[task] = load_calibration_batches(
                     data, model_dir=model_dir, num_examples=config.num_calibration_examples,
                     batch_size=config.calibration_batch_size, seed=config.seed, max_length=max_length,
-                    allow_fewer=allow_fewer, progress=progress,
+                    allow_fewer=allow_fewer, progress=progress, text_column=config.text_column,
+                    allow_test_split=config.allow_test_split, record=read_as,
                 )
             except CalibrationDataError as exc:
                 raise CalibrationDataError(f"task {task!r}: {exc}") from None
@@ -129,11 +132,12 @@ def load_calibration(
         else:
             batches[task] = as_batches(data, task)
             source = "<in-memory batches>"
-        report[task] = {"source": source, "examples": sum(batch_size(b) for b in batches[task]),
+        report[task] = {"source": source, **read_as, "examples": sum(batch_size(b) for b in batches[task]),
                         "batches": len(batches[task]), "tensors_sha256": _fingerprint(batches[task])}
     params: dict[str, Any] = {}
     if any(_is_path(d) for d in calibration.values()):  # how the sources were sampled and read
         params = {"num_calibration_examples": config.num_calibration_examples,
                   "calibration_batch_size": config.calibration_batch_size, "seed": config.seed,
-                  "max_length": max_length, "allow_fewer": allow_fewer}
+                  "max_length": max_length, "allow_fewer": allow_fewer, "text_column": config.text_column,
+                  "allow_test_split": config.allow_test_split}
     return LoadedCalibration(batches, report, params)
