@@ -12,7 +12,7 @@ import torch
 import transformers as T
 
 from featcal.calibration.distributed import RankGroup, _sum_tensors
-from featcal.calibration.resume import KILL_ENV, default_resume_dir
+from featcal.calibration.resume import CREATED, KILL_ENV, default_resume_dir
 from featcal.calibration.statistics import TaskSums
 from featcal.cli.main import main
 from featcal.errors import CalibrationDataError
@@ -60,7 +60,7 @@ def test_two_gloo_ranks_killed_then_resumed_match_one_process_clip(tmp_path):
     killed = _torchrun(_argv(fam, tmp_path / "two", 4), **{KILL_ENV: "0"})
     assert killed.returncode != 0
     state = default_resume_dir(tmp_path / "two")
-    assert {p.name for p in state.iterdir()} == {"rank-0-of-2", "rank-1-of-2"}
+    assert {p.name for p in state.iterdir()} == {"rank-0-of-2", "rank-1-of-2", CREATED}  # CREATED: featcal made it
     resumed = _torchrun(_argv(fam, tmp_path / "two", 4))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "1 block(s) already calibrated" in resumed.stderr

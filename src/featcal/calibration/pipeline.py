@@ -30,7 +30,7 @@ from featcal.data.preprocess import (
     model_modality,
 )
 from featcal.errors import CalibrationDataError, CheckpointError, ConfigError
-from featcal.io.atomic import atomic_output_dir, check_output_dir
+from featcal.io.atomic import atomic_output_dir, check_output_dir, refuse_output_over_inputs
 from featcal.io.checkpoint import CheckpointReader, copy_side_files, read_json, resolve_checkpoint
 from featcal.io.models import hf_progress_bars, load_config, load_model
 from featcal.io.report import Timer, build_report, checkpoint_hashes, peak_rss_mb, write_report
@@ -172,9 +172,8 @@ def check_calibration_inputs(
         inputs = {"merged": merged_dir, **inputs}
     reference = "merged" if merged_dir is not None else "base"
     _check_same_architecture(inputs, reference)
-    clash = [label for label, d in inputs.items() if d.resolve() == out_path.resolve()]
-    if clash:
-        raise ConfigError(f"the output directory {out_path} is an input ({', '.join(clash)}); choose another --out")
+    refuse_output_over_inputs(out_path, {**inputs, **{f"calibration data {t!r}": calibration_sources[t] for t in tasks}})
+    check_resume_dir(config, out_path, inputs)
     _check_same_tensors(inputs, reference, allow_pickle)
     model_config = load_config(inputs[reference])
     for t in tasks:
@@ -195,6 +194,20 @@ def check_calibration_inputs(
             name = label if label.startswith("expert") else f"{label} model"
             scan_finite(name, UnmappedReader(d, allow_pickle=allow_pickle), progress=progress)
     return CheckedInputs(tasks, out_path, merged_dir, base_dir, expert_dirs, data_dir)
+
+
+def check_resume_dir(config: FeatCalConfig, out: Path, inputs: Mapping[str, Path]) -> None:
+    """A `--resume-dir` must not sit in (or be) a checkpoint featcal reads, nor the output it writes:
+    its files would change the input's identity (and its content), or stop the output's final rename."""
+    if not config.resume or config.resume_dir is None:
+        return
+    state = Path(config.resume_dir).expanduser().resolve()
+    for label, d in {**inputs, "output": out}.items():
+        d = Path(d).expanduser().resolve()
+        if state == d or d in state.parents:
+            where = "is" if state == d else "lies inside"
+            raise ConfigError(f"the resume directory {config.resume_dir} {where} the {label} directory {d}; "
+                              "choose another --resume-dir")
 
 
 def processor_dir(merged: Path, base: Path) -> Path:

@@ -27,6 +27,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -45,6 +46,7 @@ from featcal.io.atomic import atomic_write_text
 log = logging.getLogger("featcal.calibration")
 
 STATE = "state.json"
+CREATED = ".created-by-featcal"  # marks a directory featcal itself created, so that only such a one is removed
 FORMAT = 1
 KILL_ENV = "FEATCAL_DEBUG_KILL_AFTER_BLOCK"  # tests only: SIGKILL this process once block N is finished
 
@@ -163,6 +165,7 @@ class ResumeStore:
         self.fingerprint = dict(fingerprint)
         self.barrier = barrier
         self._state: dict[str, Any] | None = None
+        self._blocks: set[int] = set()  # block files this store wrote or restored: the only ones it deletes
 
     # reading
     def _read_state(self) -> dict[str, Any] | None:
@@ -172,15 +175,19 @@ class ResumeStore:
         try:
             state = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as exc:
-            raise ResumeStateError(f"resume state {path} is unreadable ({exc}); delete {self.root} to start again") from None
-        if state.get("format") != FORMAT:
-            raise ResumeStateError(f"resume state {path} has another format ({state.get('format')}); delete {self.root}")
+            raise ResumeStateError(f"resume state {path} is unreadable ({exc}); delete that file to start again") from None
+        if not isinstance(state, dict) or state.get("format") != FORMAT:
+            raise ResumeStateError(
+                f"{path} is not featcal resume state of this version "
+                f"(format {state.get('format') if isinstance(state, dict) else None!r}); "
+                "delete it or choose another --resume-dir"
+            )
         theirs = state.get("fingerprint", {})
         differ = sorted(k for k in set(theirs) | set(self.fingerprint) if theirs.get(k) != self.fingerprint.get(k))
         if differ:
             raise ResumeStateError(
                 f"resume state in {self.root} was made by a run with other inputs or options ({', '.join(differ)} "
-                f"differ); rerun with the same ones, or delete {self.root} (or choose another --resume-dir) to start again"
+                f"differ); rerun with the same ones, or delete {self.dir / STATE} (or choose another --resume-dir) to start again"
             )
         return state
 
@@ -200,7 +207,8 @@ class ResumeStore:
                 put_chain: Callable[[tuple, torch.Tensor, Any], None], device: torch.device) -> None:
         """Load the calibrated parameters of every finished block and the chains of `position`."""
         for k in range(position.blocks_done):
-            put_block(k, load_file(str(self.dir / f"block-{k:04d}.safetensors")))
+            put_block(k, load_file(str(self.dir / _block_name(k))))
+            self._blocks.add(k)
         chains = self.dir / _chains_name(position.blocks_done)
         index = json.loads((chains / "index.json").read_text())
         for entry in index:
@@ -215,12 +223,13 @@ class ResumeStore:
                chains: Iterable[tuple[tuple, torch.Tensor, Any]]) -> None:
         """Checkpoint `blocks` (index -> calibrated parameters: every block since the previous
         checkpoint, up to `position.blocks_done - 1`) and the chains that follow them, atomically."""
-        self.dir.mkdir(parents=True, exist_ok=True)
         k = position.blocks_done - 1
         if k not in blocks:
             raise FeatCalError(f"resume checkpoint after {position.blocks_done} blocks lacks block {k}")
+        _make_marked(self.dir)
         for i, params in sorted(blocks.items()):
-            _save_atomic(self.dir / f"block-{i:04d}.safetensors", {n: t.detach().contiguous().cpu() for n, t in params.items()})
+            self._blocks.add(i)
+            _save_atomic(self.dir / _block_name(i), {n: t.detach().contiguous().cpu() for n, t in params.items()})
         name = _chains_name(position.blocks_done)
         tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=self.dir))
         index = []
@@ -249,23 +258,62 @@ class ResumeStore:
         """Block `block` finished without a checkpoint (checkpoint_every > 1): nothing is written."""
         _maybe_kill(block)
 
-    def _cleanup(self, keep: str) -> None:
+    def _cleanup(self, keep: str | None) -> None:
+        """Remove chain generations other than `keep` and interrupted temporary files (featcal's names only)."""
         for p in self.dir.iterdir():
-            if (p.name.startswith(("chains-", ".chains-")) and p.name != keep) or p.name.endswith(".tmp"):
+            ours = _CHAINS.fullmatch(p.name) or (p.name.endswith(".tmp") and _BLOCK.fullmatch(p.name[:-4]))
+            if ours and p.name != keep:
                 shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
 
     def delete(self) -> None:
-        """Remove the whole resume directory (after the calibrated checkpoint is safely written)."""
-        shutil.rmtree(self.dir, ignore_errors=True)
-        if self.dir != self.root:
-            # under torchrun every rank tidies its own folder; whichever is last removes the root
-            with contextlib.suppress(FileNotFoundError, OSError):
-                if not any(self.root.iterdir()):
-                    self.root.rmdir()
+        """Remove this run's resume state (after the calibrated checkpoint is safely written, or after an
+        error): the files featcal wrote, and the directories it created once they are empty. Anything
+        else in a user's `--resume-dir` (their files, the output itself) stays where it is."""
+        if not self.dir.is_dir():
+            return
+        if self._state is not None or self._blocks:  # state.json is ours only once read or written
+            with contextlib.suppress(FileNotFoundError):
+                (self.dir / STATE).unlink()
+        for k in sorted(self._blocks):
+            (self.dir / _block_name(k)).unlink(missing_ok=True)
+        self._cleanup(keep=None)
+        # under torchrun every rank tidies its own folder; whichever is last removes the root
+        for d in (self.dir, *self.dir.parents):
+            if not _remove_if_created_and_empty(d):
+                break
+
+
+_CHAINS = re.compile(r"\.?chains-\d{4,}(-\w+)?")  # a generation, or its temporary directory (mkdtemp suffix)
+_BLOCK = re.compile(r"block-\d{4,}\.safetensors")
 
 
 def _chains_name(blocks_done: int) -> str:
     return f"chains-{blocks_done:04d}"
+
+
+def _block_name(block: int) -> str:
+    return f"block-{block:04d}.safetensors"
+
+
+def _make_marked(directory: Path) -> None:
+    """mkdir -p `directory`, leaving a marker in each directory this call created (deepest last)."""
+    missing = [d for d in (directory, *directory.parents) if not d.exists()]
+    directory.mkdir(parents=True, exist_ok=True)
+    for d in missing:
+        (d / CREATED).touch()
+
+
+def _remove_if_created_and_empty(directory: Path) -> bool:
+    """rmdir `directory` if featcal created it (its marker) and nothing else is in it now; True if removed."""
+    marker = directory / CREATED
+    try:
+        if marker.is_file() and {p.name for p in directory.iterdir()} == {CREATED}:
+            marker.unlink()
+            directory.rmdir()
+            return True
+    except OSError:
+        pass
+    return False
 
 
 def _save_atomic(path: Path, tensors: dict[str, torch.Tensor]) -> None:

@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 
 from featcal.config import RunConfig, load_run_file
-from featcal.io.atomic import check_output_dir
+from featcal.io.atomic import check_output_dir, refuse_output_over_inputs
 from featcal.merging.calibration_data import check_calibration_request
 
 
@@ -72,6 +72,8 @@ def execute(run: RunConfig, *, progress: bool = True) -> Path:
     calibration = run.merge.calibration  # RegMean(++)'s own data (merge() checks its sources before it works)
     check_calibration_request(merge_config.method, run.merge.experts, calibration)
     out = check_output_dir(run.out, run.overwrite)
+    refuse_output_over_inputs(out, {"base": run.merge.base, **{f"expert {t!r}": p for t, p in run.merge.experts.items()},
+                                    **{f"calibration data {t!r}": p for t, p in (calibration or {}).items()}})
     if run.calibrate is None:
         merge(run.merge.base, run.merge.experts, config=merge_config, out=out, overwrite=run.overwrite,
               allow_pickle=run.allow_pickle, progress=progress, calibration=calibration)

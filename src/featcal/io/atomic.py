@@ -12,10 +12,11 @@ import contextlib
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
-from featcal.errors import FeatCalError, OutputExistsError
+from featcal.errors import ConfigError, FeatCalError, OutputExistsError
 
 TMP_PREFIX = ".featcal-tmp-"
 
@@ -38,6 +39,27 @@ def check_output_dir(out: str | os.PathLike, overwrite: bool = False) -> Path:
             f"output directory {path} exists and is not empty; pass --overwrite (overwrite=True) to replace it"
         )
     return path
+
+
+def refuse_output_over_inputs(out: str | os.PathLike, inputs: Mapping[str, Any], *, what: str = "output directory",
+                              flag: str = "--out") -> None:
+    """Refuse an output that is an input or holds one (replacing it with --overwrite would delete the input).
+
+    `inputs`: label -> path (entries that are not existing paths, e.g. hub ids or in-memory models,
+    are skipped). Checked on resolved paths, so symlinks and `..` cannot hide the nesting.
+    """
+    target = Path(out).expanduser().resolve()
+    for label, item in inputs.items():
+        if not isinstance(item, (str, os.PathLike)) or not Path(item).expanduser().exists():
+            continue
+        source = Path(item).expanduser().resolve()
+        if source == target:
+            raise ConfigError(f"the {what} {out} is an input ({label}); choose another {flag}")
+        if target in source.parents:
+            raise ConfigError(
+                f"the {what} {out} contains an input ({label}: {item}), which replacing it would delete; "
+                f"choose another {flag}"
+            )
 
 
 def _make_parents(directory: Path) -> list[Path]:

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from featcal.config import MergeConfig, parse
 from featcal.errors import ConfigError
-from featcal.io.atomic import atomic_output_dir, check_output_dir
+from featcal.io.atomic import atomic_output_dir, check_output_dir, refuse_output_over_inputs
 from featcal.io.checkpoint import CheckpointReader, copy_side_files
 from featcal.io.report import Timer, build_report, checkpoint_hashes, peak_rss_mb, write_report
 from featcal.io.validate import check_finite_state, validate_expert_names, validate_family
@@ -59,13 +59,6 @@ def _describe(source) -> dict[str, Any]:
     if isinstance(source, CheckpointReader):
         return {"path": str(source.path), "sha256": checkpoint_hashes(source.path)}
     return {"path": str(source.path), "in_memory": True}
-
-
-def _refuse_input_as_output(out: Path, inputs: Mapping[str, Any]) -> None:
-    target = out.resolve()
-    for label, item in inputs.items():
-        if isinstance(item, (str, os.PathLike)) and Path(item).exists() and Path(item).resolve() == target:
-            raise ConfigError(f"the output directory {out} is an input ({label}); choose another output")
 
 
 def _write_output(
@@ -134,7 +127,8 @@ def merge(
     check_calibration_request(cfg.method, experts, calibration)
     if out is not None:
         check_output_dir(out, overwrite)
-        _refuse_input_as_output(Path(out), {"base": base, **{f"expert {n!r}": e for n, e in experts.items()}})
+        refuse_output_over_inputs(out, {"base": base, **{f"expert {n!r}": e for n, e in experts.items()},
+                                        **{f"calibration data {t!r}": c for t, c in (calibration or {}).items()}})
 
     base_src = open_source(base, label="base", allow_pickle=allow_pickle)
     expert_srcs = {n: open_source(e, label=f"expert {n!r}", allow_pickle=allow_pickle) for n, e in experts.items()}
