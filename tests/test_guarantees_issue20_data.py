@@ -133,6 +133,13 @@ def test_text_column_picks_the_column_and_featcal_json_records_it(bert, tmp_path
     assert "text column 'bodyy' does not exist (string columns: 'title', 'body')" in one_line_error(err)
 
 
+def test_text_column_for_a_vision_model_is_refused(clip, tmp_path, capsys, no_calibration_work):
+    rc, _, err = cli(calibrate_argv(clip, tmp_path / "out", "--text-column", "caption"), capsys)
+    assert rc == 2
+    assert re.search(r"text_column 'caption' is set, but the model in .* \(clip_vision_model\) takes images",
+                     one_line_error(err)), err
+
+
 def test_text_column_in_a_run_file_and_the_python_api(bert, tmp_path, capsys):
     data = _two_column_data(bert, tmp_path / "data", first="summary")
     experts = {t: str(p) for t, p in bert["experts"].items()}
@@ -404,8 +411,9 @@ def test_a_decompression_bomb_is_one_line(clip, tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
 
 
-def _shard(directory: Path, misplace: bool) -> None:
-    """Split a checkpoint into two shards; with `misplace`, the index puts one tensor in the wrong one."""
+def _shard(directory: Path, misplace: bool | str | int) -> None:
+    """Split a checkpoint into two shards; with `misplace`, the index puts one tensor in the wrong one
+    (True) or in the file named by `misplace`."""
     state = load_file(directory / "model.safetensors")
     names = sorted(state)
     halves = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
@@ -415,22 +423,33 @@ def _shard(directory: Path, misplace: bool) -> None:
         save_file({k: state[k] for k in keys}, directory / file, metadata={"format": "pt"})
         weight_map.update({k: file for k in keys})
     if misplace:
-        weight_map[names[-1]] = "model-00001-of-00002.safetensors"
+        weight_map[names[-1]] = "model-00001-of-00002.safetensors" if misplace is True else misplace
     (directory / "model.safetensors").unlink()
     (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
 
+SHARD_CASES = {
+    "a shard without the tensor": (True, r"expert1/model.safetensors.index.json: the index puts tensor '.*' in "
+                                         r"shard model-00001-of-00002.safetensors, which does not hold it"),
+    "a file outside the folder": ("../base/model.safetensors",
+                                  r"expert1/model.safetensors.index.json: weight_map names "
+                                  r"'../base/model.safetensors', not a shard file in .*expert1"),
+    "not a file name": (3, r"weight_map names 3, not a shard file"),
+}
+
+
+@pytest.mark.parametrize("case", list(SHARD_CASES))
 @pytest.mark.parametrize("command", ["merge", "calibrate"])
-def test_a_shard_index_that_misplaces_a_tensor_is_one_line(clip, tmp_path, capsys, command):
+def test_a_shard_index_that_misplaces_a_tensor_is_one_line(clip, tmp_path, capsys, command, case):
+    misplace, message = SHARD_CASES[case]
     fam = copy_family(clip, tmp_path / "fam")
-    _shard(fam["experts"]["task1"], misplace=True)
+    _shard(fam["experts"]["task1"], misplace=misplace)
     out = tmp_path / "out"
     argv = merge_argv(fam["base"], fam["experts"], out) if command == "merge" else calibrate_argv(fam, out)
     rc, _, err = cli(argv, capsys)
     assert rc == 2
     line = one_line_error(err)
-    assert re.search(r"expert1/model.safetensors.index.json: the index puts tensor '.*' in shard "
-                     r"model-00001-of-00002.safetensors, which does not hold it", line), line
+    assert re.search(message, line), line
     assert not out.exists() and leftovers(tmp_path) == []
 
 

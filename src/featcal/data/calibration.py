@@ -54,6 +54,10 @@ def check_calibration_source(
     """
     config = config if config is not None else load_model_config(model_dir)
     wanted = model_modality(config)
+    if text_column is not None and wanted != "text":  # an option that cannot apply is a mistake, not a no-op
+        raise CalibrationDataError(
+            f"text_column {text_column!r} is set, but the model in {model_dir} ({config.model_type}) takes images"
+        )
     src = open_source(source, text_column=text_column, allow_test_split=allow_test_split)
     if len(src) == 0:
         raise CalibrationDataError(f"calibration data {src.path} ({src.kind}) holds no examples")

@@ -68,6 +68,12 @@ class CheckpointReader:
             weight_map = read_json(index).get("weight_map")
             if not isinstance(weight_map, dict):
                 raise CheckpointError(f"{index} has no weight_map: not a safetensors shard index")
+            odd = [v for v in weight_map.values() if not _is_shard_name(v)]
+            if odd:
+                raise CheckpointError(
+                    f"{index}: weight_map names {odd[0]!r}, not a shard file in {self.path} (a file name ending "
+                    ".safetensors)"
+                )
             self._files = {k: self.path / v for k, v in weight_map.items()}
         elif single.exists():
             self._files = {k: single for k in self._handle(single).keys()}
@@ -166,6 +172,12 @@ class CheckpointReader:
     def items(self) -> Iterator[tuple[str, torch.Tensor]]:
         for k in self.keys():
             yield k, self.get(k)
+
+
+def _is_shard_name(value: object) -> bool:
+    """A shard index entry must name a safetensors file in the checkpoint folder itself, nothing elsewhere."""
+    return (isinstance(value, str) and value.endswith(".safetensors") and "/" not in value and "\\" not in value
+            and value not in (".", ".."))
 
 
 def read_json(path: Path) -> dict:
