@@ -290,22 +290,23 @@ def test_mode_i_images_are_scaled_when_they_hold_16_bit_values():
 # --- item 8: a saved dataset holding only test data ---------------------------------------------------------
 
 
-def _save_images_as(kind: str, root: Path) -> Path:
+def _save_images_as(kind: str, root: Path) -> tuple[Path, str]:
     rng = np.random.default_rng(0)
     images = [Image.fromarray(rng.integers(0, 256, (20, 20, 3), dtype=np.uint8)) for _ in range(4)]
     features = datasets.Features({"image": datasets.Image()})
     if kind == "DatasetDict":
         datasets.DatasetDict({"test": datasets.Dataset.from_dict({"image": images}, features=features)}).save_to_disk(
             str(root))
-    else:  # a Dataset saved from a test split remembers it
-        datasets.Dataset.from_dict({"image": images}, features=features, split="test").save_to_disk(str(root))
-    return root
+        return root, "test"
+    split = {"Dataset": "test", "Dataset from train+test": "train+test", "Dataset from test[:4]": "test[:4]"}[kind]
+    datasets.Dataset.from_dict({"image": images}, features=features, split=split).save_to_disk(str(root))
+    return root, split  # a Dataset saved from a split (as datasets names it) remembers which
 
 
-@pytest.mark.parametrize("kind", ["DatasetDict", "Dataset"])
+@pytest.mark.parametrize("kind", ["DatasetDict", "Dataset", "Dataset from train+test", "Dataset from test[:4]"])
 def test_a_test_only_saved_dataset_needs_allow_test_split(clip, tmp_path, capsys, monkeypatch, kind):
     fam = copy_family(clip, tmp_path / "fam")
-    fam["data"]["task1"] = _save_images_as(kind, tmp_path / "test-only")
+    fam["data"]["task1"], split = _save_images_as(kind, tmp_path / "test-only")
     out = tmp_path / "out"
 
     def boom(*a, **k):
@@ -316,11 +317,12 @@ def test_a_test_only_saved_dataset_needs_allow_test_split(clip, tmp_path, capsys
         rc, _, err = cli(calibrate_argv(fam, out), capsys)
     assert rc == 2
     line = one_line_error(err)
-    assert re.search(r"task 'task1': .*test-only holds only the 'test' split; .* pass --allow-test-split", line), line
+    assert re.search(rf"task 'task1': .*test-only is the {re.escape(repr(split))} split, test data: .* pass "
+                     r"--allow-test-split", line), line
     assert not out.exists() and leftovers(tmp_path) == []
     rc, _, err = cli(calibrate_argv(fam, out, "--allow-test-split"), capsys)
     assert rc == 0, err
-    assert any("calibrating on its 'test' split" in w for w in _report(out)["warnings"])
+    assert any(f"calibrating on its {split!r} split" in w for w in _report(out)["warnings"])
 
 
 def test_a_train_split_beside_test_is_still_used_silently(clip, tmp_path):

@@ -251,7 +251,10 @@ def _text_column(
 
 
 def _is_test_split(name: object) -> bool:
-    return name is not None and str(name).lower() in TEST_SPLITS
+    """Whether a split name (as datasets records it: 'test', 'test[:100]', 'train+test') holds test data."""
+    if name is None:
+        return False
+    return any(part.split("[", 1)[0].strip().lower() in TEST_SPLITS for part in str(name).split("+"))
 
 
 def _saved_dataset(path: Path, *, text_column: str | None = None, allow_test_split: bool = False) -> TableSource:
@@ -285,7 +288,7 @@ def _refuse_test_split(path: Path, split: object, allowed: bool) -> None:
         return
     if not allowed:
         raise CalibrationDataError(
-            f"{path} holds only the {str(split)!r} split; calibrating on test data would leak it into the model "
+            f"{path} is the {str(split)!r} split, test data: calibrating on it would leak it into the model "
             "evaluated on it. Use a training split, or pass --allow-test-split (allow_test_split: true) if you mean it"
         )
     log.warning("%s: calibrating on its %r split, as allowed by allow_test_split", path, str(split))
