@@ -61,10 +61,12 @@ class MergeConfig(_Strict):
     calibration_batch_size: int = Field(16, ge=1, description="RegMean(++): examples per forward")
     text_column: str | None = Field(
         None, min_length=1, description="RegMean(++): the column of JSONL / parquet / saved-dataset data holding "
-        "the texts (default: text, sentence, ..., else the one string column; several are refused)",
+        "the texts; unset: a column named text, sentence, ..., else the one candidate string column (several are "
+        "refused)",
     )
     allow_test_split: bool = Field(
-        False, description="RegMean(++): accept a saved dataset whose only split is 'test' as calibration data"
+        False, description="RegMean(++): accept a saved dataset of test data (its only split 'test', or saved from "
+        "a test split) as calibration data"
     )
 
 
@@ -107,11 +109,12 @@ class FeatCalConfig(_Strict):
         None, description="where the per-block checkpoints go (featcal calibrate: .<out>.featcal-resume beside --out)"
     )
     text_column: str | None = Field(
-        None, min_length=1, description="the column of JSONL / parquet / saved-dataset data holding the texts "
-        "(default: text, sentence, ..., else the one string column; several are refused)",
+        None, min_length=1, description="the column of JSONL / parquet / saved-dataset data holding the texts; "
+        "unset: a column named text, sentence, ..., else the one candidate string column (several are refused)",
     )
     allow_test_split: bool = Field(
-        False, description="accept a saved dataset whose only split is 'test' as calibration data"
+        False, description="accept a saved dataset of test data (its only split 'test', or saved from a test "
+        "split) as calibration data"
     )
 
     @field_validator("device")
