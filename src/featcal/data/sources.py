@@ -192,16 +192,15 @@ def _resolve_image_column(dataset, path: Path, root: Path | None = None):
 
 
 def _anchor_image_paths(dataset, column: str, root: Path):
-    """`dataset` with the relative paths of image column `column` (no embedded bytes) made relative to `root`."""
+    """`dataset` with the relative paths of image column `column` (no embedded bytes) made relative to `root`.
+
+    Works on the Arrow chunks, so embedded image bytes are never copied into Python objects.
+    """
     import os
 
     import pyarrow as pa
     from datasets import Image
     from datasets.table import InMemoryTable
-
-    raw = dataset.cast_column(column, Image(decode=False))  # struct<bytes, path>, whatever the column held
-    cells = raw.data.column(column).combine_chunks()
-    data, paths = cells.field("bytes"), cells.field("path").to_pylist()
 
     def anchored(p: str | None, has_bytes: bool) -> str | None:
         if p is None or has_bytes or "://" in p:
@@ -209,14 +208,20 @@ def _anchor_image_paths(dataset, column: str, root: Path):
         q = os.path.expanduser(p)
         return q if os.path.isabs(q) else str(root / q)
 
-    new_paths = [anchored(p, b) for p, b in zip(paths, data.is_valid().to_pylist(), strict=True)]
-    if new_paths == paths:
+    raw = dataset.cast_column(column, Image(decode=False))  # struct<bytes, path>, whatever the column held
+    cells = raw.data.column(column)
+    chunks, changed = [], False
+    for chunk in cells.chunks:
+        data, paths = chunk.field("bytes"), chunk.field("path").to_pylist()
+        new_paths = [anchored(p, b) for p, b in zip(paths, data.is_valid().to_pylist(), strict=True)]
+        changed = changed or new_paths != paths
+        chunks.append(pa.StructArray.from_arrays(
+            [data, pa.array(new_paths, type=pa.string())], names=["bytes", "path"], mask=chunk.is_null()
+        ))
+    if not changed:
         return raw
-    rebuilt = pa.StructArray.from_arrays(
-        [data, pa.array(new_paths, type=pa.string())], names=["bytes", "path"], mask=cells.is_null()
-    )
     table = raw.data.table
-    table = table.set_column(table.schema.get_field_index(column), column, rebuilt)
+    table = table.set_column(table.schema.get_field_index(column), column, pa.chunked_array(chunks, type=cells.type))
     return type(dataset)(InMemoryTable(table), info=raw.info)
 
 
