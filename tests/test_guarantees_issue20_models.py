@@ -11,9 +11,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
+import huggingface_hub.constants as hf_constants
 import pytest
 import torch
 import yaml
@@ -22,6 +27,7 @@ from safetensors.torch import load_file
 import featcal.calibration.pipeline as pipeline
 from featcal.config import FeatCalConfig, parse
 from featcal.errors import ConfigError
+from fixtures_hub import build_clip_hub
 from test_guarantees_support import (
     calibrate_argv,
     cli,
@@ -30,10 +36,12 @@ from test_guarantees_support import (
     merge_argv,
     one_line_error,
     rewrite,
+    weights_sha,
 )
-from test_pipeline_support import clip_family
+from test_pipeline_support import clip_family, t5_family
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -146,3 +154,140 @@ def test_the_console_warns_when_the_end_to_end_drift_gets_worse(clip, tmp_path):
                           timeout=300)
     assert done.returncode == 0, done.stderr
     assert "WARNING featcal.calibration: calibration made the end-to-end drift worse than the merge's" in done.stderr
+
+
+# --- item 12: the README's hub pairing, transformers-4 layouts, one-sided position_ids, explicit tied copies ----
+
+REV = "0" * 40
+
+
+def _hub_cache(models: Path, cache: Path) -> Path:
+    """A hub cache (models--ORG--NAME/snapshots/REV, refs/main) holding every checkpoint under `models`."""
+    for d in sorted(p.parent for p in models.rglob("config.json")):
+        org, name = d.relative_to(models).parts
+        repo = cache / f"models--{org}--{name}"
+        shutil.copytree(d, repo / "snapshots" / REV)
+        (repo / "refs").mkdir(parents=True)
+        (repo / "refs" / "main").write_text(REV)
+    return cache
+
+
+def _readme_commands() -> list[list[str]]:
+    """The README's `featcal ...` command lines (continuations joined), placeholders (`...`) left out."""
+    text = (REPO / "README.md").read_text()
+    block = text.split("## Command line", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    joined = re.sub(r"\\\n\s*", " ", block)
+    commands = [shlex.split(line, comments=True) for line in joined.splitlines() if line.startswith("featcal ")]
+    return [c for c in commands if "..." not in c]
+
+
+@pytest.fixture(scope="module")
+def clip_hub(tmp_path_factory):
+    """The README's hub ids, resolved offline from a hub cache of tiny stand-ins laid out like the hub.
+
+    The base is a whole CLIPModel whose file also keeps `position_ids` buffers (as the hub's does); the
+    eurosat expert is a CLIPVisionModel in the transformers-4 layout (`vision_model.` prefix), svhn in the 5.x one.
+    """
+    root = tmp_path_factory.mktemp("clip-hub")
+    models, data = build_clip_hub(root, ("eurosat", "svhn"), n_train=256, n_test=2)
+    base = models / "openai" / "clip-vit-base-patch32"
+    rewrite(base, lambda sd: sd.update({"vision_model.embeddings.position_ids": torch.arange(17)[None],
+                                        "text_model.embeddings.position_ids": torch.arange(77)[None]}))
+    cache = _hub_cache(models, root / "hub-cache")
+    work = root / "work"
+    for where in (work / "data", work / "examples" / "data"):  # README paths, and the example's own folder
+        where.mkdir(parents=True)
+        (where / "eurosat-train").symlink_to(data / "tanganke" / "eurosat")
+        (where / "svhn-train").symlink_to(data / "svhn" / "cropped_digits")
+    shutil.copy2(REPO / "examples" / "ta_featcal.yaml", work / "examples" / "ta_featcal.yaml")
+    return {"models": models, "cache": cache, "work": work}
+
+
+@pytest.fixture
+def offline_hub(clip_hub, monkeypatch):
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(clip_hub["cache"]))
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.chdir(clip_hub["work"])
+    return clip_hub
+
+
+def test_the_readme_hub_commands_work(offline_hub, capsys):
+    from featcal.reproduce.clip import load_vision_tower
+
+    commands = _readme_commands()
+    assert [c[:2] for c in commands] == [["featcal", "merge"], ["featcal", "calibrate"], ["featcal", "run"]]
+    assert "openai/clip-vit-base-patch32" in commands[0] and "tanganke/clip-vit-base-patch32_eurosat" in " ".join(commands[0])
+    for argv in commands:
+        rc, _, err = cli([*argv[1:], "--no-progress"], capsys)
+        assert rc == 0, (argv, err)
+
+    work, models = offline_hub["work"], offline_hub["models"]
+    # merge: the base's vision tower with the experts' task vectors, written as a CLIPVisionModel (5.x names)
+    config = json.loads((work / "merged" / "config.json").read_text())
+    assert (config["model_type"], config["architectures"]) == ("clip_vision_model", ["CLIPVisionModel"])
+    merged = load_file(work / "merged" / "model.safetensors")
+    base = load_vision_tower(models / "openai" / "clip-vit-base-patch32").state_dict()
+    experts = [load_vision_tower(models / "tanganke" / f"clip-vit-base-patch32_{t}").state_dict()
+               for t in ("eurosat", "svhn")]
+    assert merged.keys() == base.keys()
+    for k, v in base.items():
+        torch.testing.assert_close(merged[k], v + 0.3 * sum(e[k] - v for e in experts), rtol=0, atol=1e-6)
+    report = json.loads((work / "merged" / "featcal.json").read_text())
+    assert report["inputs"]["base"]["read_as"] == "the vision tower of a CLIPModel"
+    # calibrate and run: CLIPVisionModel checkpoints the base's processor preprocesses for
+    for out in (work / "calibrated", work / "examples" / "runs" / "clip-b32-ta-featcal"):
+        tower = load_vision_tower(out)
+        assert set(tower.state_dict()) == set(base)
+        assert (out / "processor_config.json").is_file() or (out / "preprocessor_config.json").is_file()
+    calibrated = load_file(work / "calibrated" / "model.safetensors")
+    assert not torch.equal(calibrated["encoder.layers.0.mlp.fc1.weight"], merged["encoder.layers.0.mlp.fc1.weight"])
+
+
+def test_a_position_ids_buffer_on_one_side_only_is_left_out(clip, tmp_path, capsys):
+    rc, _, err = cli(merge_argv(clip["base"], clip["experts"], tmp_path / "clean"), capsys)
+    assert rc == 0, err
+    fam = copy_family(clip, tmp_path / "fam")
+    rewrite(fam["base"], lambda sd: sd.update({"embeddings.position_ids": torch.arange(17)[None]}))  # as 4.x saved
+    rc, _, err = cli(merge_argv(fam["base"], fam["experts"], tmp_path / "merged"), capsys)
+    assert rc == 0, err
+    assert load_file(tmp_path / "merged" / "model.safetensors").keys() == load_file(
+        tmp_path / "clean" / "model.safetensors").keys()  # recreated by the model: not written
+    assert weights_sha(tmp_path / "merged") == weights_sha(tmp_path / "clean")
+
+    for d in fam["experts"].values():  # now the other way round: the experts have it, merged model and base not
+        rewrite(d, lambda sd: sd.update({"embeddings.position_ids": torch.arange(17)[None]}))
+    rewrite(fam["base"], lambda sd: sd.pop("embeddings.position_ids"))
+    for name, family in (("cal", fam), ("cal-clean", clip)):
+        rc, _, err = cli(calibrate_argv(family, tmp_path / name), capsys)
+        assert rc == 0, err
+    assert weights_sha(tmp_path / "cal") == weights_sha(tmp_path / "cal-clean")
+
+
+def _store_tied_copies(directory: Path, bump: float = 0.0) -> None:
+    """What transformers 4 wrote for T5: the tied encoder/decoder embeddings stored beside `shared.weight`."""
+    def add(sd):
+        sd["encoder.embed_tokens.weight"] = sd["shared.weight"].clone()
+        sd["decoder.embed_tokens.weight"] = sd["shared.weight"].clone() + bump
+    rewrite(directory, add)
+
+
+def test_t5_experts_that_store_tied_embeddings_merge_and_calibrate(tmp_path, capsys):
+    fam = t5_family(tmp_path / "t5")
+    tied = copy_family(fam, tmp_path / "tied")
+    for d in tied["experts"].values():
+        _store_tied_copies(d)
+    for family, name in ((fam, "m-clean"), (tied, "m-tied")):
+        rc, _, err = cli(merge_argv(family["base"], family["experts"], tmp_path / name), capsys)
+        assert rc == 0, err
+    assert weights_sha(tmp_path / "m-tied") == weights_sha(tmp_path / "m-clean")
+    for family, name in ((fam, "c-clean"), (tied, "c-tied")):
+        rc, _, err = cli(calibrate_argv(family, tmp_path / name), capsys)
+        assert rc == 0, err
+    assert weights_sha(tmp_path / "c-tied") == weights_sha(tmp_path / "c-clean")
+
+    _store_tied_copies(next(iter(tied["experts"].values())), bump=1.0)  # a copy that is not the tied value
+    rc, _, err = cli(merge_argv(tied["base"], tied["experts"], tmp_path / "m-bad"), capsys)
+    assert rc == 2 and "'decoder.embed_tokens.weight' differs from 'shared.weight'" in one_line_error(err)
+    rc, _, err = cli(calibrate_argv(tied, tmp_path / "c-bad"), capsys)
+    assert rc == 2 and "'decoder.embed_tokens.weight' differs from 'shared.weight'" in one_line_error(err)
+    assert not (tmp_path / "m-bad").exists() and not (tmp_path / "c-bad").exists()

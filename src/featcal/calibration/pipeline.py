@@ -85,6 +85,8 @@ def _model_type(label: str, path: Path) -> str | None:
 
 def _check_same_architecture(inputs: Mapping[str, Path], reference: str = "merged") -> None:
     types = {label: _model_type(label, p) for label, p in inputs.items()}
+    if set(types.values()) == {"clip", "clip_vision_model"}:
+        return  # a CLIPModel base with vision-tower experts: read as vision towers (io/layouts.py)
     ref_type = types[reference]
     odd = [f"{label} ({t})" for label, t in types.items() if t != ref_type]
     if odd:
@@ -98,13 +100,16 @@ def _check_same_tensors(inputs: Mapping[str, Path], reference: str, allow_pickle
 
     One reader besides the reference is open at a time (an allowed pickle is held whole while open).
     """
+    from featcal.io.layouts import harmonise
+
     ref = CheckpointReader(inputs[reference], allow_pickle=allow_pickle)
     for label, path in inputs.items():
         if label != reference:
-            reader = CheckpointReader(path, allow_pickle=allow_pickle)
-            check_same_config(ref, label, reader, what=label, reference=f"the {reference} model")
-            check_same_tensors(ref, label, reader, what=label, reference=f"the {reference} model")
-            del reader
+            # under one naming first (transformers-4 layouts, a CLIPModel base's vision tower, tied copies)
+            pair = harmonise({reference: ref, label: CheckpointReader(path, allow_pickle=allow_pickle)}, reference)
+            check_same_config(pair[reference], label, pair[label], what=label, reference=f"the {reference} model")
+            check_same_tensors(pair[reference], label, pair[label], what=label, reference=f"the {reference} model")
+            del pair
 
 
 def check_options(config: FeatCalConfig, max_length: int) -> None:

@@ -20,6 +20,7 @@ from featcal.config import MergeConfig, parse
 from featcal.errors import ConfigError
 from featcal.io.atomic import atomic_output_dir, check_output_dir, refuse_output_over_inputs
 from featcal.io.checkpoint import CheckpointReader, copy_side_files
+from featcal.io.layouts import RenamedSource, harmonise
 from featcal.io.report import Timer, build_report, checkpoint_hashes, peak_rss_mb, write_report
 from featcal.io.validate import check_finite_state, validate_expert_names, validate_family
 from featcal.merging.calibration_data import (
@@ -56,6 +57,8 @@ def resolve_config(method: str, config: MergeConfig | None, params: Mapping[str,
 
 
 def _describe(source) -> dict[str, Any]:
+    if isinstance(source, RenamedSource):  # read under other names (layouts.py): say which
+        return {**_describe(source.source), "read_as": source.view}
     if isinstance(source, CheckpointReader):
         return {"path": str(source.path), "sha256": checkpoint_hashes(source.path)}
     return {"path": str(source.path), "in_memory": True}
@@ -72,6 +75,8 @@ def _write_output(
             family.base.save_config(tmp)
         else:
             copy_side_files(family.base.path, tmp)
+            if isinstance(family.base, RenamedSource):
+                family.base.write_config(tmp)  # a CLIPModel base's vision tower: a CLIPVisionModel config
         files = save_state_dict(merged, tmp)
         copied = [n for n in family.names if not family.is_floating(n)]
         report = build_report(
@@ -132,6 +137,8 @@ def merge(
 
     base_src = open_source(base, label="base", allow_pickle=allow_pickle)
     expert_srcs = {n: open_source(e, label=f"expert {n!r}", allow_pickle=allow_pickle) for n, e in experts.items()}
+    viewed = harmonise({"base": base_src, **{f"expert {n!r}": s for n, s in expert_srcs.items()}}, "base")
+    base_src, expert_srcs = viewed["base"], {n: viewed[f"expert {n!r}"] for n in expert_srcs}  # one naming
     if out is not None and isinstance(base_src, ModuleSource):
         base_src.check_can_save()
     model_dir = None if isinstance(base_src, ModuleSource) else Path(base_src.path)

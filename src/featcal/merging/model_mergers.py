@@ -31,7 +31,14 @@ def _model(source, label: str, allow_pickle: bool) -> nn.Module:
     """An input as a model: an in-memory one as given, a checkpoint through featcal's safe loader."""
     if isinstance(source, ModuleSource):
         return source.module
+    from featcal.io.layouts import RenamedSource, load_view
     from featcal.io.models import load_model
+
+    if isinstance(source, RenamedSource):  # read under other names (a CLIPModel base's vision tower, ...)
+        try:
+            return load_view(source)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{label}: {exc}") from None
 
     try:
         return load_model(source.path, allow_pickle=allow_pickle)
