@@ -115,6 +115,17 @@ def test_an_id_or_label_column_is_never_taken_as_the_text(bert, tmp_path, capsys
     assert "--text-column" in line
 
 
+def test_a_text_column_without_strings_is_refused(bert, tmp_path, capsys, no_calibration_work):
+    fam = copy_family(bert, tmp_path / "fam")
+    rows = [{"text": [3, 4, 5], "body": s} for s in sentences(6)]  # pre-tokenised ids under the usual name
+    fam["data"]["task1"] = write_jsonl(tmp_path / "ids.jsonl", rows)
+    rc, _, err = cli(calibrate_argv(fam, tmp_path / "out"), capsys)
+    assert rc == 2
+    line = one_line_error(err)
+    assert re.search(r"task 'task1': .*ids.jsonl: column 'text' does not hold strings .*--text-column "
+                     r"\(string columns: 'body'\)", line), line
+
+
 def test_text_column_picks_the_column_and_featcal_json_records_it(bert, tmp_path, capsys):
     plain = tmp_path / "plain"  # the same texts under the conventional name
     rc, _, err = cli(calibrate_argv(bert, plain), capsys)

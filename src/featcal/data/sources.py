@@ -245,6 +245,12 @@ def _text_column(
     for name in TEXT_COLUMNS:
         if name in strings:
             return [name], None
+    odd = next((n for n in TEXT_COLUMNS if n in dataset.column_names and n not in exclude), None)
+    if odd is not None:  # e.g. pre-tokenised ids under `text`: the texts are not where the name says
+        return [], (
+            f"{path}: column {odd!r} does not hold strings ({dataset.features[odd]}); name the column holding "
+            f"the texts with --text-column (string columns: {held})"
+        )
     candidates = [c for c in strings if c not in exclude and c not in TARGET_COLUMNS and c.lower() not in NON_TEXT_COLUMNS]
     if len(candidates) > 1:
         return candidates, (
