@@ -291,3 +291,25 @@ def test_t5_experts_that_store_tied_embeddings_merge_and_calibrate(tmp_path, cap
     rc, _, err = cli(calibrate_argv(tied, tmp_path / "c-bad"), capsys)
     assert rc == 2 and "'decoder.embed_tokens.weight' differs from 'shared.weight'" in one_line_error(err)
     assert not (tmp_path / "m-bad").exists() and not (tmp_path / "c-bad").exists()
+
+
+def test_whole_model_merges_read_the_clip_pairing_as_vision_towers(clip_hub, tmp_path, capsys):
+    """RegMean on the hub pairing gives exactly RegMean on the same towers saved as CLIPVisionModels."""
+    from featcal.reproduce.clip import load_vision_tower
+
+    models, work = clip_hub["models"], clip_hub["work"]
+    paired = {"base": models / "openai" / "clip-vit-base-patch32",
+              "experts": {t: models / "tanganke" / f"clip-vit-base-patch32_{t}" for t in ("eurosat", "svhn")}}
+    towers = {"base": tmp_path / "base", "experts": {t: tmp_path / t for t in paired["experts"]}}
+    for src, dst in ((paired["base"], towers["base"]), *((paired["experts"][t], towers["experts"][t]) for t in paired["experts"])):
+        load_vision_tower(src).save_pretrained(dst)
+    for f in paired["base"].iterdir():  # the processor files
+        if f.suffix != ".safetensors" and f.name != "config.json":
+            shutil.copy2(f, towers["base"] / f.name)
+    flags = ["--method", "regmean", "--num-calibration-examples", "4", "--calibration-batch-size", "2",
+             "--calib", f"eurosat={work / 'data' / 'eurosat-train'}", "--calib", f"svhn={work / 'data' / 'svhn-train'}"]
+    for fam, out in ((paired, tmp_path / "rm-paired"), (towers, tmp_path / "rm-towers")):
+        rc, _, err = cli(merge_argv(fam["base"], fam["experts"], out, *flags), capsys)
+        assert rc == 0, err
+    assert json.loads((tmp_path / "rm-paired" / "config.json").read_text())["architectures"] == ["CLIPVisionModel"]
+    assert weights_sha(tmp_path / "rm-paired") == weights_sha(tmp_path / "rm-towers")
