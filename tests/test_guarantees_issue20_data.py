@@ -334,6 +334,7 @@ def test_a_test_only_saved_dataset_needs_allow_test_split(clip, tmp_path, capsys
     rc, _, err = cli(calibrate_argv(fam, out, "--allow-test-split"), capsys)
     assert rc == 0, err
     assert any(f"calibrating on its {split!r} split" in w for w in _report(out)["warnings"])
+    assert _report(out)["inputs"]["calibration"]["task1"]["split"] == split  # and featcal.json says which
 
 
 def test_a_train_split_beside_test_is_still_used_silently(clip, tmp_path):

@@ -81,8 +81,10 @@ def check_calibration_source(
 
 
 def source_record(src, modality: str) -> dict:
-    """What featcal.json records about how a source was read: its kind and the column(s) used."""
+    """What featcal.json records about how a source was read: its kind, split and the column(s) used."""
     out: dict = {"kind": src.kind}
+    if getattr(src, "split", None) is not None:
+        out["split"] = src.split
     if modality == "text" and getattr(src, "text_column", None) is not None:
         out["text_column"] = src.text_column
         if getattr(src, "target_column", None) is not None:

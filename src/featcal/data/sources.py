@@ -103,6 +103,7 @@ class TableSource:
                  image_root: Path | None = None) -> None:
         self.path = path
         self.kind = kind
+        self.split: str | None = None  # a saved dataset's split, when known
         self.dataset, self.image_column = _resolve_image_column(dataset, path, image_root)
         self._text_candidates, self._text_problem = _text_column(
             self.dataset, path, text_column, exclude=(self.image_column,)
@@ -277,20 +278,23 @@ def _saved_dataset(path: Path, *, text_column: str | None = None, allow_test_spl
         raise CalibrationDataError(f"cannot load the saved dataset {path}: {type(exc).__name__}: {exc}") from None
     if isinstance(loaded, datasets.DatasetDict):
         if "train" in loaded:
-            loaded = loaded["train"]
+            split = "train"
         elif len(loaded) == 1:
             (split,) = loaded.keys()
             _refuse_test_split(path, split, allow_test_split)
             log.info("%s has no 'train' split; using its only split %r", path, split)
-            loaded = loaded[split]
         else:
             raise CalibrationDataError(
                 f"{path} is a DatasetDict without a 'train' split (splits: {', '.join(loaded)}); "
                 "calibration data must come from training data"
             )
+        loaded = loaded[split]
     else:  # a Dataset saved from a split remembers which one
-        _refuse_test_split(path, getattr(loaded, "split", None), allow_test_split)
-    return TableSource(loaded, path, "saved dataset", text_column=text_column)
+        split = getattr(loaded, "split", None)
+        _refuse_test_split(path, split, allow_test_split)
+    source = TableSource(loaded, path, "saved dataset", text_column=text_column)
+    source.split = None if split is None else str(split)  # featcal.json records which split was read
+    return source
 
 
 def _refuse_test_split(path: Path, split: object, allowed: bool) -> None:
