@@ -313,3 +313,17 @@ def test_whole_model_merges_read_the_clip_pairing_as_vision_towers(clip_hub, tmp
         assert rc == 0, err
     assert json.loads((tmp_path / "rm-paired" / "config.json").read_text())["architectures"] == ["CLIPVisionModel"]
     assert weights_sha(tmp_path / "rm-paired") == weights_sha(tmp_path / "rm-towers")
+
+
+def test_a_vision_expert_of_another_shape_is_refused_not_truncated(clip_hub, tmp_path, capsys):
+    import transformers as T
+
+    from fixtures_hub import _save_v4_vision
+
+    base = clip_hub["models"] / "openai" / "clip-vit-base-patch32"
+    vision = json.loads((base / "config.json").read_text())["vision_config"]
+    deeper = T.CLIPVisionModel(T.CLIPVisionConfig(**{**vision, "num_hidden_layers": 3}))
+    _save_v4_vision(deeper, tmp_path / "deeper")  # the transformers-4 layout: renamed, then compared
+    rc, _, err = cli(merge_argv(base, {"deep": tmp_path / "deeper"}, tmp_path / "out"), capsys)
+    assert rc == 2 and "has tensor 'vision_model.encoder.layers.2.layer_norm1.bias' and 15 more" in one_line_error(err)
+    assert not (tmp_path / "out").exists()

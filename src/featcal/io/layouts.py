@@ -17,7 +17,7 @@ the layout `featcal reproduce` writes too; the base's text tower and projections
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -101,9 +101,22 @@ def vision_tower_config(clip_config: dict) -> dict:
     return vision
 
 
-def _view(source: Any, label: str, template: torch.nn.Module, config: dict, *, keep_unmapped: bool,
+def _recreated(key: str) -> bool:
+    return key.endswith(RECREATED_BUFFERS)
+
+
+def _outside_vision_tower(key: str) -> bool:
+    """A CLIPModel key that is not its vision tower's (text tower, projections, logit scale), or recreated."""
+    return not key.startswith("vision_model.") or _recreated(key)
+
+
+def _view(source: Any, label: str, template: torch.nn.Module, config: dict, *, drop: Callable[[str], bool],
           view: str) -> RenamedSource:
-    """`source` under `template`'s canonical names; explicit copies of tied tensors must equal their tie."""
+    """`source` under `template`'s canonical names; explicit copies of tied tensors must equal their tie.
+
+    A checkpoint key the template does not know is dropped when `drop(key)`, else kept under its own name,
+    so that validation names it (an expert with one block more than the base is refused, not truncated).
+    """
     from featcal.calibration.sources import checkpoint_key_map, parameter_aliases
 
     keys = source.keys()
@@ -127,7 +140,7 @@ def _view(source: Any, label: str, template: torch.nn.Module, config: dict, *, k
             continue
         if key in buffers:
             key_map[key] = key
-        elif keep_unmapped and not key.endswith(RECREATED_BUFFERS):
+        elif not drop(key):
             key_map.setdefault(key, key)  # unknown to the class: left for validation to name
     return RenamedSource(source, key_map, config, view)
 
@@ -154,8 +167,8 @@ def harmonise(sources: Mapping[str, Any], reference: str) -> dict[str, Any]:
         for label, s in out.items():
             whole = types[label] == "clip"
             view = "the vision tower of a CLIPModel" if whole else "a CLIPVisionModel"
-            out[label] = _view(s, label, template, config if whole else configs[label], keep_unmapped=False,
-                               view=view)
+            out[label] = _view(s, label, template, config if whole else configs[label],
+                               drop=_outside_vision_tower if whole else _recreated, view=view)
         return out
     if len(set(types.values())) != 1:
         return out
@@ -166,7 +179,7 @@ def harmonise(sources: Mapping[str, Any], reference: str) -> dict[str, Any]:
     if template is None:
         return out
     for label, s in out.items():
-        out[label] = _view(s, label, template, configs[label], keep_unmapped=True, view="renamed")
+        out[label] = _view(s, label, template, configs[label], drop=_recreated, view="renamed")
     return out
 
 
