@@ -132,19 +132,22 @@ WORSE = ("--anchor-blend-rho", "10", "--lambda-ratio", "100")
 
 
 def test_a_calibration_that_worsens_the_end_to_end_drift_is_reported(clip, tmp_path, capsys):
-    rc, _, err = cli(calibrate_argv(clip, tmp_path / "good"), capsys)
+    rc, out, err = cli(calibrate_argv(clip, tmp_path / "good"), capsys)
     assert rc == 0, err
+    assert "end-to-end drift (final vision block, class token, first batch of each task): merged" in out
+    assert "WORSE" not in out
     good = json.loads((tmp_path / "good" / "featcal.json").read_text())
     e2e = good["end_to_end_drift"]
     assert e2e["tokens"] == "class token" and 0 <= e2e["calibrated"] < e2e["merged"]
     assert good["warnings"] == []
 
-    rc, _, err = cli(calibrate_argv(clip, tmp_path / "bad", *WORSE), capsys)
+    rc, out, err = cli(calibrate_argv(clip, tmp_path / "bad", *WORSE), capsys)
     assert rc == 0, err  # a legal configuration: the output is written, and the report says what it did
     bad = json.loads((tmp_path / "bad" / "featcal.json").read_text())
     assert bad["end_to_end_drift"]["calibrated"] > bad["end_to_end_drift"]["merged"]
     assert bad["end_to_end_drift"]["merged"] == pytest.approx(e2e["merged"])  # the merge's drift, not the run's
     assert [w for w in bad["warnings"] if "end-to-end drift worse than the merge's" in w]
+    assert "WORSE than the merge" in out
 
 
 def test_the_console_warns_when_the_end_to_end_drift_gets_worse(clip, tmp_path):

@@ -500,7 +500,7 @@ class FeatCalEngine:
             calibrated.add(t, self.chains.hidden(("m", t, b)), he, mask)
         before = merged.reduce(self.group, self.tasks).mean()
         after = calibrated.reduce(self.group, self.tasks).mean()
-        record = {"stack": stack.name, "tokens": "class token" if stack.class_token_head else "all",
+        record = {"stack": stack.name, "tokens": "class token" if stack.class_token_head else "all tokens",
                   "batches": "the first of each task", "merged": before, "calibrated": after}
         if after > before and self.group.is_main:
             log.warning(

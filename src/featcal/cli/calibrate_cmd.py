@@ -87,6 +87,14 @@ def drift_table(drift: list[dict] | None) -> str:
     return "\n".join(lines)
 
 
+def end_to_end_line(e2e: dict) -> str:
+    """The merge's and the calibrated model's final-block drift: the per-block "before" column starts from
+    calibrated inputs past block 0, so only this line compares the calibrated model with the merge itself."""
+    worse = "  WORSE than the merge" if e2e["calibrated"] > e2e["merged"] else ""
+    return (f"end-to-end drift (final {e2e['stack']} block, {e2e['tokens']}, first batch of each task): "
+            f"merged {e2e['merged']:.4g} -> calibrated {e2e['calibrated']:.4g}{worse}")
+
+
 def run(args: argparse.Namespace) -> int:
     from featcal.calibration.distributed import init_from_env
     from featcal.calibration.pipeline import calibrate_to_dir
@@ -107,6 +115,8 @@ def run(args: argparse.Namespace) -> int:
     if not group.is_main:
         return 0  # rank 0 wrote the checkpoint and prints the summary
     print(drift_table(report.get("drift")))
+    if report.get("end_to_end_drift"):
+        print(end_to_end_line(report["end_to_end_drift"]))
     s = report["seconds"]
     print(
         f"calibrated checkpoint: {args.out}  (load {s['load']:.1f} s, calibrate {s['calibrate']:.1f} s, "
