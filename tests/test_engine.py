@@ -126,7 +126,7 @@ def test_spill_dir_is_identical_and_bfloat16_chains_stay_close(some_setting, tmp
     spill = calibrate(merged, base=base, experts=experts, calibration=data, progress=False,
                       config=FeatCalConfig(spill_dir=tmp_path / "spill"))
     assert max_abs_diff(ram, spill)[0] == 0.0
-    assert list((tmp_path / "spill").iterdir()) == []  # spilled chains are removed afterwards
+    assert not (tmp_path / "spill").exists()  # spilled chains, and the spill dir featcal created, are removed
     bf16 = calibrate(merged, base=base, experts=experts, calibration=data, progress=False,
                      config=FeatCalConfig(chain_dtype="bfloat16"))
     diff, where = max_abs_diff(ram, bf16)

@@ -11,12 +11,15 @@ to an accelerator) entries kept in RAM are held there and moved to `device` one 
 from __future__ import annotations
 
 import os
-import tempfile
+import shutil
+import weakref
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from featcal.io.atomic import owned_tempdir, sweep_stale
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -61,6 +64,9 @@ class _Slot:
         self.key = key
 
 
+SPILL_PREFIX = "featcal-chains-"
+
+
 class ChainStore:
     """Per (side, task, batch): hidden states and block context, in RAM or on disk."""
 
@@ -73,12 +79,16 @@ class ChainStore:
         self.home = None if home is None else torch.device(home)  # where RAM entries are held; None: as made
         self._ram: dict[tuple, torch.Tensor] = {}
         self._ctx: dict[tuple, Any] = {}
-        self._tmp: tempfile.TemporaryDirectory | None = None
         self.dir: Path | None = None
+        self._created: list[Path] = []  # spill directories this store made (removed by close() once empty)
         if spill_dir is not None:
-            Path(spill_dir).mkdir(parents=True, exist_ok=True)
-            self._tmp = tempfile.TemporaryDirectory(prefix="featcal-chains-", dir=spill_dir)
-            self.dir = Path(self._tmp.name)
+            spill = Path(spill_dir).expanduser()
+            self._created = [d for d in (spill, *spill.parents) if not d.exists()]
+            spill.mkdir(parents=True, exist_ok=True)
+            sweep_stale(spill, SPILL_PREFIX)  # chains a killed run left (they are not resumed from)
+            self.dir = owned_tempdir(SPILL_PREFIX, spill)
+            # removed even if close() is never reached (an exception unwinding the run, interpreter exit)
+            self._finalizer = weakref.finalize(self, shutil.rmtree, self.dir, ignore_errors=True)
 
     def _file(self, kind: str, key: tuple) -> Path:
         assert self.dir is not None
@@ -137,6 +147,12 @@ class ChainStore:
     def close(self) -> None:
         self._ram.clear()
         self._ctx.clear()
-        if self._tmp is not None:
-            self._tmp.cleanup()
-            self._tmp = None
+        if self.dir is not None:
+            self._finalizer()  # rmtree, once
+            self.dir = None
+            for d in self._created:  # deepest first; stops at the first that holds something else
+                try:
+                    d.rmdir()
+                except OSError:
+                    break
+            self._created = []

@@ -112,15 +112,18 @@ def _check_same_tensors(inputs: Mapping[str, Path], reference: str, allow_pickle
             del pair
 
 
-def check_options(config: FeatCalConfig, max_length: int) -> None:
-    """Options whose problems would otherwise surface only after data and models are loaded."""
+def check_options(config: FeatCalConfig, max_length: int, check_device: bool = True) -> None:
+    """Options whose problems would otherwise surface only after data and models are loaded.
+
+    `check_device=False` (featcal plan): the device need not exist here, a GPU run may be planned anywhere."""
     from featcal.calibration.api import resolve_device
 
     if not isinstance(config, FeatCalConfig):
         raise ConfigError(f"config must be a FeatCalConfig, not {type(config).__name__}")
     if max_length < 1:
         raise ConfigError(f"max_length must be at least 1, got {max_length}")
-    resolve_device(config.device, offload=config.offload_blocks)  # e.g. cuda asked for on a machine without it
+    if check_device:
+        resolve_device(config.device, offload=config.offload_blocks)  # e.g. cuda asked for on a machine without it
     spill = config.spill_dir
     if spill is not None:
         spill = Path(spill).expanduser()
@@ -157,6 +160,7 @@ def check_calibration_inputs(
     allow_fewer: bool = False,
     check_finite: bool = True,
     progress: bool = False,
+    check_device: bool = True,
 ) -> CheckedInputs:
     """Every check that needs no model loaded, cheapest first; raises a FeatCalError naming the culprit.
 
@@ -167,7 +171,7 @@ def check_calibration_inputs(
     everything but the merged model, against the base (what `featcal run` does before merging).
     """
     tasks = check_task_names(experts, calibration_sources)
-    check_options(config, max_length)
+    check_options(config, max_length, check_device)
     out_path = check_output_dir(out, overwrite)
     merged_dir = _checkpoint("merged model", merged, allow_pickle) if merged is not None else None
     base_dir = _checkpoint("base model", base, allow_pickle)

@@ -41,7 +41,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from featcal.errors import ConfigError, FeatCalError
-from featcal.io.atomic import atomic_write_text
+from featcal.io.atomic import OutputWriteError, atomic_write_text, os_error_of
 
 log = logging.getLogger("featcal.calibration")
 
@@ -222,7 +222,22 @@ class ResumeStore:
     def commit(self, position: Position, blocks: Mapping[int, Mapping[str, torch.Tensor]],
                chains: Iterable[tuple[tuple, torch.Tensor, Any]]) -> None:
         """Checkpoint `blocks` (index -> calibrated parameters: every block since the previous
-        checkpoint, up to `position.blocks_done - 1`) and the chains that follow them, atomically."""
+        checkpoint, up to `position.blocks_done - 1`) and the chains that follow them, atomically.
+        A write that fails (a full disk: safetensors wraps the OSError) is an OutputWriteError naming the
+        resume directory."""
+        try:
+            self._commit(position, blocks, chains)
+        except Exception as exc:
+            cause = None if isinstance(exc, FeatCalError) else os_error_of(exc)
+            if cause is None:
+                raise
+            error = OutputWriteError(f"could not write the resume checkpoint in {self.dir}: {cause.strerror or cause}; "
+                                     "nothing was written to the output")
+            error.errno = cause.errno
+            raise error from exc
+
+    def _commit(self, position: Position, blocks: Mapping[int, Mapping[str, torch.Tensor]],
+                chains: Iterable[tuple[tuple, torch.Tensor, Any]]) -> None:
         k = position.blocks_done - 1
         if k not in blocks:
             raise FeatCalError(f"resume checkpoint after {position.blocks_done} blocks lacks block {k}")

@@ -10,6 +10,7 @@ import sys
 import threading
 
 from featcal.errors import FeatCalError
+from featcal.io.atomic import os_error_of
 
 # sub-command modules, each with register(subparsers) setting `func` on its parser
 COMMANDS = ("merge", "calibrate", "run", "zoo", "bench", "reproduce", "plan")
@@ -84,6 +85,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except OSError as exc:  # the environment (a file vanished, permissions): one line, not a traceback
         print(f"featcal: error: {one_line(exc)}", file=sys.stderr)
+        return 1
+    except Exception as exc:
+        cause = os_error_of(exc)  # an OSError a library wrapped in its own exception (safetensors on ENOSPC)
+        if cause is None:
+            raise
+        print(f"featcal: error: {cause.strerror or cause} ({one_line(exc)})", file=sys.stderr)
         return 1
     except KeyboardInterrupt as exc:
         print(interrupted_message(args, exc), file=sys.stderr)

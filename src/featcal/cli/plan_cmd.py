@@ -12,26 +12,33 @@ import os
 from featcal.config import FeatCalConfig
 
 
-def _plan(args: argparse.Namespace, config: FeatCalConfig):
+def _plan(args: argparse.Namespace, config: FeatCalConfig, check_device: bool):
+    from featcal.calibration.pipeline import check_calibration_inputs
     from featcal.calibration.planner import plan_for_checkpoint
     from featcal.cli.calibrate_cmd import parse_pairs
-    from featcal.io.checkpoint import resolve_checkpoint
 
     experts = parse_pairs(args.expert, "--expert")
-    import featcal.calibration.pipeline  # noqa: F401  (the measured baseline includes what calibrate imports)
-
-    merged = resolve_checkpoint(args.merged, allow_pickle=args.allow_pickle)
+    # every check the run makes before its work (task names, options, output, checkpoints' headers, each
+    # task's data), so a plan that prints is a run that starts; the NaN scan, which reads all weights, is left
+    checked = check_calibration_inputs(
+        args.merged, base=args.base, experts=experts, calibration_sources=parse_pairs(args.calib, "--calib"),
+        config=config, out=args.out, overwrite=args.overwrite, allow_pickle=args.allow_pickle,
+        max_length=args.max_length, allow_fewer=args.allow_fewer, check_finite=False, check_device=check_device,
+    )
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    return plan_for_checkpoint(merged, tasks=len(experts), config=config, max_length=args.max_length, world=world)
+    return plan_for_checkpoint(checked.merged, tasks=len(experts), config=config, max_length=args.max_length,
+                               world=world)
 
 
-def check_plan(args: argparse.Namespace, config: FeatCalConfig, show: bool) -> bool:
-    """Print the plan when `show`; raise ConfigError when it exceeds --max-memory. Returns `show`."""
+def check_plan(args: argparse.Namespace, config: FeatCalConfig, show: bool, check_device: bool = True) -> bool:
+    """Print the plan when `show`; raise ConfigError when it exceeds --max-memory. Returns `show`.
+
+    `check_device=False` (featcal plan) plans for a device this machine may lack."""
     from featcal.calibration.planner import fmt, parse_size, render
     from featcal.errors import ConfigError
 
     limit = parse_size(args.max_memory) if args.max_memory is not None else None
-    plan, options = _plan(args, config)
+    plan, options = _plan(args, config, check_device)
     if show:
         print(render(plan, options, limit))
     elif limit is not None and plan.total > limit:
@@ -44,7 +51,7 @@ def check_plan(args: argparse.Namespace, config: FeatCalConfig, show: bool) -> b
 def run(args: argparse.Namespace) -> int:
     from featcal.cli.calibrate_cmd import config_from_args
 
-    check_plan(args, config_from_args(args, FeatCalConfig), show=True)
+    check_plan(args, config_from_args(args, FeatCalConfig), show=True, check_device=False)
     return 0
 
 
@@ -55,7 +62,8 @@ def register(subparsers) -> None:
         "plan", help="estimate the peak memory of a calibration (same arguments as calibrate)",
         description="Print the peak memory per process that `featcal calibrate` with these arguments would "
         "need, broken down, and the options (bf16 chains, spilling, smaller batches, more ranks) that "
-        "reduce it. Reads configs only: no weights, no data.",
+        "reduce it. Makes every check calibrate makes before its work (checkpoint headers, each task's "
+        "data, the output directory), but loads no weights and scans none for NaN.",
     )
     add_arguments(p)
     p.set_defaults(func=run)

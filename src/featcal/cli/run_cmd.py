@@ -23,11 +23,10 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import tempfile
 from pathlib import Path
 
 from featcal.config import RunConfig, load_run_file
-from featcal.io.atomic import check_output_dir, refuse_output_over_inputs
+from featcal.io.atomic import check_output_dir, owned_tempdir, refuse_output_over_inputs, sweep_stale
 from featcal.merging.calibration_data import check_calibration_request
 
 
@@ -88,7 +87,8 @@ def execute(run: RunConfig, *, progress: bool = True) -> Path:
         config=featcal_config, out=out, overwrite=run.overwrite, allow_pickle=run.allow_pickle, check_finite=False,
     )
     out.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=f".featcal-merge-{out.name}-", dir=out.parent))
+    sweep_stale(out.parent, f".featcal-merge-{out.name}-")  # a killed run's scratch merge (a whole checkpoint)
+    scratch = owned_tempdir(f".featcal-merge-{out.name}-", out.parent)
     try:
         merged_dir = scratch / "merged"
         merge(run.merge.base, run.merge.experts, config=merge_config, out=merged_dir,

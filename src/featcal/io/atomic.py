@@ -9,8 +9,12 @@ old or the new checkpoint that sits at the target, never neither.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import logging
 import os
+import re
 import shutil
+import socket
 import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -19,6 +23,75 @@ from typing import Any
 from featcal.errors import ConfigError, FeatCalError, OutputExistsError
 
 TMP_PREFIX = ".featcal-tmp-"
+_OWNED = re.compile(r"-(\d+)_([0-9a-f]{8})-\w+$")  # `-PID_HOST-XXXXXX` at the end of an owned temp name
+log = logging.getLogger(__name__)
+
+
+def _host_tag() -> str:
+    return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+
+
+def owned_tempdir(prefix: str, parent: Path) -> Path:
+    """mkdtemp whose name says which process on which host made it (so a rerun can tell it was killed),
+    with the permissions the umask gives a new directory (mkdtemp's are always 0700)."""
+    tmp = Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}_{_host_tag()}-", dir=parent))
+    os.chmod(tmp, 0o777 & ~current_umask())
+    return tmp
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it exists, someone else's
+        return True
+    return True
+
+
+def sweep_stale(parent: Path, prefix: str) -> list[Path]:
+    """Remove temp directories `owned_tempdir(prefix, parent)` made in processes of this host that are dead
+    (SIGKILL, power cut): featcal's own leftovers, never anything it did not name. Returns what went."""
+    gone = []
+    if not parent.is_dir():
+        return gone
+    for p in parent.iterdir():
+        m = _OWNED.search(p.name)
+        if not (p.name.startswith(prefix) and p.is_dir() and m and m.group(2) == _host_tag()):
+            continue
+        if int(m.group(1)) != os.getpid() and not _alive(int(m.group(1))):
+            shutil.rmtree(p, ignore_errors=True)
+            log.info("removed %s, left by a featcal process (pid %s) that was killed", p, m.group(1))
+            gone.append(p)
+    return gone
+
+
+def current_umask() -> int:
+    """The process umask (read without changing it where /proc allows; else set and restored at once)."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def os_error_of(exc: BaseException) -> OSError | None:
+    """The OSError behind `exc`: itself, one it was raised from, or one a library wrapped into its own
+    exception's text (safetensors raises SafetensorError('... (os error 28)') on a full disk)."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError):
+            return e
+        m = re.search(r"os error (\d+)|Os \{ code: (\d+)", str(e))
+        if m:
+            code = int(m.group(1) or m.group(2))
+            return OSError(code, os.strerror(code))
+        e = e.__cause__ or e.__context__
+    return None
 
 
 class OutputWriteError(FeatCalError, OSError):
@@ -38,7 +111,22 @@ def check_output_dir(out: str | os.PathLike, overwrite: bool = False) -> Path:
         raise OutputExistsError(
             f"output directory {path} exists and is not empty; pass --overwrite (overwrite=True) to replace it"
         )
+    _check_writable(path)
     return path
+
+
+def _check_writable(path: Path) -> None:
+    """Can the output be created beside `path`? Tried for real (a directory made and removed in the nearest
+    existing ancestor): permission bits say nothing to root, nor about a read-only mount."""
+    ancestor = path.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise OutputWriteError(f"cannot create the output {path}: {ancestor} is a file, not a directory")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}probe-", dir=ancestor))
+    except OSError as exc:
+        raise OutputWriteError(f"cannot write the output {path}: {ancestor} is not writable ({exc.strerror or exc})") from None
 
 
 def refuse_output_over_inputs(out: str | os.PathLike, inputs: Mapping[str, Any], *, what: str = "output directory",
@@ -74,10 +162,16 @@ def _make_parents(directory: Path) -> list[Path]:
 
 
 def _fsync_tree(root: Path) -> None:
+    """Persist every file, and give files and folders the umask's permissions: some writers (transformers'
+    shard writer, mkstemp, mkdtemp) make them 0600 / 0700 whatever the umask."""
+    mask = current_umask()
     for f in root.rglob("*"):
-        if f.is_file():
+        if f.is_file() and not f.is_symlink():
+            os.chmod(f, 0o666 & ~mask)
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
+        elif f.is_dir() and not f.is_symlink():
+            os.chmod(f, 0o777 & ~mask)
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -96,15 +190,16 @@ def _swap_in(tmp: Path, target: Path, overwrite: bool) -> None:
         os.replace(tmp, target)
         return
     check_output_dir(target, overwrite)  # re-check: something may have appeared meanwhile
-    trash = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}old-{target.name}-", dir=target.parent))
+    trash = owned_tempdir(f"{TMP_PREFIX}old-{target.name}-", target.parent)
     old = trash / "old"
-    os.replace(target, old)
     try:
+        os.replace(target, old)
         os.replace(tmp, target)
     except BaseException:
-        if not target.exists():
+        if not target.exists() and old.exists():
             os.replace(old, target)  # the previous checkpoint goes back where it was
-        shutil.rmtree(trash, ignore_errors=True)
+        if not old.exists():  # never delete the previous checkpoint while it is still in there
+            shutil.rmtree(trash, ignore_errors=True)
         raise
     shutil.rmtree(trash, ignore_errors=True)
 
@@ -119,7 +214,9 @@ def atomic_output_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterat
     """
     target = check_output_dir(out, overwrite)
     created = _make_parents(target.parent)
-    tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{target.name}-", dir=target.parent))
+    for prefix in (f"{TMP_PREFIX}{target.name}-", f"{TMP_PREFIX}old-{target.name}-"):
+        sweep_stale(target.parent, prefix)  # what a killed run for this output left
+    tmp = owned_tempdir(f"{TMP_PREFIX}{target.name}-", target.parent)
     try:
         yield tmp
         _fsync_tree(tmp)
@@ -130,13 +227,14 @@ def atomic_output_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterat
         for d in created:  # deepest first; stops at the first one something else has written into
             with contextlib.suppress(OSError):
                 d.rmdir()
-        if isinstance(exc, OSError) and not isinstance(exc, FeatCalError):
+        cause = None if isinstance(exc, (FeatCalError, KeyboardInterrupt)) else os_error_of(exc)
+        if cause is not None:
             kept = "; its previous content is intact" if target.exists() else ""
             error = OutputWriteError(
-                f"could not write {target}: {exc.strerror or exc}; nothing was written there "
+                f"could not write {target}: {cause.strerror or cause}; nothing was written there "
                 f"(the temporary directory was removed){kept}"
             )
-            error.errno = exc.errno
+            error.errno = cause.errno
             raise error from exc
         raise
 
@@ -147,6 +245,7 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
+        os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp's files are always 0600
         with os.fdopen(fd, "w") as fh:
             fh.write(text)
             fh.flush()

@@ -64,6 +64,13 @@ class CheckpointReader:
         self._keys_of: dict[Path, set[str]] = {}  # shard -> the tensors its header lists
         index = self.path / SAFE_INDEX
         single = self.path / SAFE_SINGLE
+        if index.exists() and single.exists():
+            # transformers loads model.safetensors and ignores the shards, so a reader that took the index
+            # would check, hash and merge other weights than the ones calibrated: refuse the folder instead
+            raise CheckpointError(
+                f"{self.path} holds both {SAFE_SINGLE} and a shard index ({SAFE_INDEX}), two sets of weights; "
+                "featcal cannot tell which one you mean: remove the one that is stale"
+            )
         if index.exists():
             weight_map = read_json(index).get("weight_map")
             if not isinstance(weight_map, dict):
