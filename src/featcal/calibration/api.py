@@ -239,6 +239,9 @@ def calibrate(
             base, template, "base", allow_pickle=allow_pickle
         )
 
+    from featcal.merging.vocab import pad_param_sources
+
+    sources = pad_param_sources(sources, model)  # fewer vocabulary rows than a grown merge: its rows complete them
     stem_names, block_names = needed_param_names(model, stacks)
     for src in sources.values():
         validate_source(src, model, stem_names + block_names)

@@ -101,12 +101,14 @@ def _check_same_tensors(inputs: Mapping[str, Path], reference: str, allow_pickle
     One reader besides the reference is open at a time (an allowed pickle is held whole while open).
     """
     from featcal.io.layouts import harmonise
+    from featcal.merging.vocab import vocab_rows_view
 
     ref = CheckpointReader(inputs[reference], allow_pickle=allow_pickle)
     for label, path in inputs.items():
         if label != reference:
             # under one naming first (transformers-4 layouts, a CLIPModel base's vision tower, tied copies)
             pair = harmonise({reference: ref, label: CheckpointReader(path, allow_pickle=allow_pickle)}, reference)
+            pair[label] = vocab_rows_view(pair[reference], reference, label, pair[label])  # grown vocabularies
             check_same_config(pair[reference], label, pair[label], what=label, reference=f"the {reference} model")
             check_same_tensors(pair[reference], label, pair[label], what=label, reference=f"the {reference} model")
             del pair

@@ -33,6 +33,7 @@ from featcal.merging.family import Family
 from featcal.merging.registry import check_method, make_merger
 from featcal.merging.sources import MergeInput, ModuleSource, open_source
 from featcal.merging.streaming import merge_family
+from featcal.merging.vocab import VocabPlan, grown_vocabulary
 from featcal.merging.writer import save_state_dict
 
 log = logging.getLogger(__name__)
@@ -66,7 +67,7 @@ def _describe(source) -> dict[str, Any]:
 
 def _write_output(
     out: Path, overwrite: bool, merged: dict[str, Tensor], merger, family: Family, *, seconds: dict[str, float],
-    total: Timer,
+    total: Timer, vocab: VocabPlan | None = None,
 ) -> None:
     """The checkpoint directory: the base's side files, the weights, then featcal.json, atomically."""
     save = Timer()
@@ -78,6 +79,8 @@ def _write_output(
             if isinstance(family.base, RenamedSource):
                 family.base.write_config(tmp)  # a CLIPModel base's vision tower: a CLIPVisionModel config
         files = save_state_dict(merged, tmp)
+        if vocab is not None:  # config vocab_size and tokenizer of the grown rows (merging/vocab.py)
+            vocab.write(tmp)
         copied = [n for n in family.names if not family.is_floating(n)]
         report = build_report(
             "merge",
@@ -91,6 +94,8 @@ def _write_output(
             **{k: round(v, 3) for k, v in seconds.items()}, "save": round(save.seconds, 3), "total": round(total.seconds, 3),
         }
         report["peak_rss_mb"] = round(peak_rss_mb(), 1)
+        if vocab is not None:
+            report["vocabulary"] = vocab.report()
         write_report(tmp, report)
     log.info("merged checkpoint written to %s", out)
 
@@ -139,6 +144,7 @@ def merge(
     expert_srcs = {n: open_source(e, label=f"expert {n!r}", allow_pickle=allow_pickle) for n, e in experts.items()}
     viewed = harmonise({"base": base_src, **{f"expert {n!r}": s for n, s in expert_srcs.items()}}, "base")
     base_src, expert_srcs = viewed["base"], {n: viewed[f"expert {n!r}"] for n in expert_srcs}  # one naming
+    expert_srcs, vocab = grown_vocabulary(base_src, expert_srcs)  # more rows than the base: base rows merged
     if out is not None and isinstance(base_src, ModuleSource):
         base_src.check_can_save()
     model_dir = None if isinstance(base_src, ModuleSource) else Path(base_src.path)
@@ -157,11 +163,14 @@ def merge(
     family = Family(base_src, expert_srcs)
     work = Timer()
     merged = merge_family(merger, family, progress=progress)
+    if vocab is not None:
+        merged = vocab.grow(merged)  # the extra vocabulary rows: the mean of the experts that have them
     check_finite_state(f"the {cfg.method} merge", merged)  # finite inputs can still overflow the base dtype
     merge_seconds = work.seconds
     log.info("merged %d experts with %s in %.2f s", len(expert_srcs), cfg.method, merge_seconds)
 
     if out is not None:
         _write_output(Path(out), overwrite, merged, merger, family,
-                      seconds={"validate": validate_seconds, **data_seconds, "merge": merge_seconds}, total=total)
+                      seconds={"validate": validate_seconds, **data_seconds, "merge": merge_seconds}, total=total,
+                      vocab=vocab)
     return merged
