@@ -14,6 +14,7 @@ from typing import Any
 from featcal.bench.memory import PeakRSS
 from featcal.bench.metrics import gap_closed, mean, normalised_accuracy
 from featcal.errors import ConfigError
+from featcal.evaluation.features import batch_of, feature_fn, num_examples
 
 SURGERY_BASELINES = ("surgery", "probsurgery")
 MERGE_BASELINES = ("regmean", "regmean++", "wudi")
@@ -33,13 +34,27 @@ def parse_baselines(text: str | Sequence[str] | None) -> tuple[str, ...]:
 
 
 def _examples_per_task(calibration: Mapping[str, list]) -> int:
-    return max(sum(len(b["pixel_values"]) for b in batches) for batches in calibration.values())
+    return max(sum(num_examples(b) for b in batches) for batches in calibration.values())
 
 
 def _score(result, heads: Mapping[str, Any], tests: Mapping[str, tuple], batch: int) -> dict[str, float]:
+    """Accuracy through the frozen heads; text test sets (dicts) are fed batch by batch, trimmed."""
+    import torch
+
     from featcal.baselines.evaluate import task_accuracy
 
-    return {t: task_accuracy(result, t, heads[t], x, y, batch) for t, (x, y) in tests.items()}
+    out = {}
+    for t, (x, y) in tests.items():
+        if not isinstance(x, Mapping):
+            out[t] = task_accuracy(result, t, heads[t], x, y, batch)
+            continue
+        result.model.eval()
+        with torch.no_grad():
+            n = num_examples(x)
+            pred = torch.cat([heads[t](result.features(t, batch_of(x, i, min(i + batch, n)))).argmax(-1)
+                              for i in range(0, n, batch)])
+        out[t] = float((pred == torch.as_tensor(y)).float().mean())
+    return out
 
 
 def baseline_row(
@@ -86,6 +101,7 @@ def surgery_rows(
     params: Mapping[str, dict],
     batch: int,
     progress: bool = True,
+    pooling: str = "pooler",
 ) -> list[dict[str, Any]]:
     """Surgery/ProbSurgery on top of one merge, trained on FeatCal's calibration batches, at the authors' cost."""
     from featcal.baselines.api import run_baseline
@@ -95,7 +111,8 @@ def surgery_rows(
     for name in (n_ for n_ in names if n_ in SURGERY_BASELINES):
         with PeakRSS() as rss:
             res = run_baseline(name, merged=merged, experts=experts, calibration=calibration,
-                               recompute_features=True, progress=progress, **params.get(name, {}))
+                               feature_fn=feature_fn(pooling), recompute_features=True, progress=progress,
+                               **params.get(name, {}))
         per_task = _score(res, heads, tests, batch)
         rows.append(baseline_row(res, per_task, rss.mb, expert_acc, merge=merge, merge_average=merge_average,
                                  calibration_examples=n))
@@ -115,6 +132,7 @@ def merge_baseline_rows(
     params: Mapping[str, dict],
     batch: int,
     progress: bool = True,
+    pooling: str = "pooler",
 ) -> list[dict[str, Any]]:
     """RegMean, RegMean++ (on the calibration batches) and WUDI (data-free): one row each."""
     from featcal.baselines.api import run_baseline
@@ -125,7 +143,7 @@ def merge_baseline_rows(
         data = None if name == "wudi" else calibration
         with PeakRSS() as rss:
             res = run_baseline(name, base=base, experts=experts, calibration=data, progress=progress,
-                               **params.get(name, {}))
+                               feature_fn=feature_fn(pooling), **params.get(name, {}))
         per_task = _score(res, heads, tests, batch)
         rows.append(baseline_row(res, per_task, rss.mb, expert_acc,
                                  calibration_examples=None if data is None else n))

@@ -47,7 +47,9 @@ def block_macs(hidden: int, intermediate: int, tokens: int) -> BlockMacs:
     return BlockMacs(forward=forward, statistics=statistics)
 
 
-def arithmetic_cost_ratio(model_config) -> float:
-    """Multiply-accumulates of the exact method / those of the forward floor, for a CLIP vision config."""
-    tokens = (model_config.image_size // model_config.patch_size) ** 2 + 1
+def arithmetic_cost_ratio(model_config, tokens: int | None = None) -> float:
+    """Multiply-accumulates of the exact method / those of the forward floor: a CLIP vision config
+    (tokens from its image and patch size), or any encoder config with `tokens` per example given."""
+    if tokens is None:
+        tokens = (model_config.image_size // model_config.patch_size) ** 2 + 1
     return block_macs(model_config.hidden_size, model_config.intermediate_size, tokens).ratio

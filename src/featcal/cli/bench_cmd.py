@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from featcal.config import MERGE_METHODS, WHOLE_MODEL_MERGE_METHODS
+from featcal.config import MERGE_METHODS
 from featcal.errors import ConfigError
 from featcal.zoo.presets import PRESETS, get_preset
 
@@ -40,7 +40,8 @@ def _run(args: argparse.Namespace) -> int:
     sizes = _sizes(args.calib_sizes) if args.calib_sizes else (min(256, get_preset(args.preset).calibration),)
     settings = BenchSettings(
         preset=args.preset, seed=args.seed, calib_sizes=sizes,
-        methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
+        methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()) if args.methods is not None else None,
+        sources=Path(args.sources) if args.sources else None,
         zoo_dir=Path(args.zoo_dir) if args.zoo_dir else None,
         base_cache=Path(args.base_cache) if args.base_cache else None,
         rebuild_zoo=args.rebuild_zoo,
@@ -52,7 +53,7 @@ def _run(args: argparse.Namespace) -> int:
     report = run_bench(settings, progress=not args.no_progress)
     out = write_bench(report, args.out, args.overwrite)
     print(bench_table(report), end="")
-    for m in settings.methods:
+    for m in settings.resolved_methods():
         s = report["summary"][m]
         for n in settings.calib_sizes:
             closed = s["gap_closed"][n]
@@ -64,6 +65,7 @@ def _run(args: argparse.Namespace) -> int:
             closed = r["gap_closed"]
             print(f"{r['merge']} + {r['method']}: gap closed {'n/a' if closed is None else f'{100 * closed:.1f}%'} "
                   f"in {r['seconds']:.1f}s (authors' procedure, features recomputed every step)")
+    print(report["regime"]["line"])
     print(f"wrote {out / 'bench.json'}")
     return 0
 
@@ -75,16 +77,18 @@ def register(subparsers) -> None:
     p.add_argument("--out", required=True, help="output directory: bench.json, table.md, drift.png")
     p.add_argument("--calib-sizes", default=None,
                    help="calibration examples per task, comma-separated for a sweep (default: 256, or the preset's pool)")
-    p.add_argument("--methods", default="average,task_arithmetic,ties",
-                   help="merge methods, comma-separated, from "
-                        f"{', '.join(m for m in MERGE_METHODS if m not in WHOLE_MODEL_MERGE_METHODS)} "
-                        f"({', '.join(WHOLE_MODEL_MERGE_METHODS)}: see --baselines)")
+    p.add_argument("--methods", default=None,
+                   help=f"merge methods, each alone and + FeatCal, comma-separated, from {', '.join(MERGE_METHODS)} "
+                        "(default: the preset's; vision presets average,task_arithmetic,ties; text all but DARE)")
     p.add_argument("--baselines", default="",
                    help="comparison baselines, comma-separated, from surgery, probsurgery, regmean, regmean++, wudi, "
                         "or 'all' (default: none)")
     p.add_argument("--surgery-steps", type=int, default=None,
                    help="Adam steps per task of surgery and probsurgery (default: the authors' 500)")
     p.add_argument("--wudi-steps", type=int, default=None, help="Adam steps per Linear of wudi (default: 300)")
+    p.add_argument("--sources", default=None,
+                   help="text presets: folder of the downloaded data archives (default $FEATCAL_TEXT_SOURCES or "
+                        "zoo-cache/sources; `featcal zoo fetch-text` fills it)")
     p.add_argument("--zoo-dir", default=None, help="zoo cache directory (default zoo-cache/<preset>-seed<seed>)")
     p.add_argument("--base-cache", default="zoo-cache/pretrained",
                    help="cache of pretrained bases used when the zoo is built ('' to disable)")

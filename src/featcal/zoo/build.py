@@ -21,7 +21,7 @@ from featcal.errors import OutputExistsError
 from featcal.evaluation.classification import accuracy, fit_linear_probe, pooled_features
 from featcal.io.atomic import atomic_output_dir, atomic_write_text, check_output_dir
 from featcal.io.report import package_versions, peak_rss_mb
-from featcal.zoo.presets import ZooPreset, get_preset
+from featcal.zoo.presets import AnyPreset, TextZooPreset, ZooPreset, get_preset
 from featcal.zoo.pretrain import pretrain
 from featcal.zoo.store import MANIFEST, Zoo
 from featcal.zoo.tasks import TASKS, make_splits
@@ -44,12 +44,14 @@ def cached(out: str | os.PathLike, preset: ZooPreset, seed: int) -> Zoo | None:
     return Zoo.open(out)
 
 
-def build_zoo(out: str | os.PathLike, preset: str | ZooPreset = "default", seed: int = 0, *,
-              overwrite: bool = False, progress: bool = True, base_cache: str | os.PathLike | None = None) -> Zoo:
+def build_zoo(out: str | os.PathLike, preset: str | AnyPreset = "default", seed: int = 0, *,
+              overwrite: bool = False, progress: bool = True, base_cache: str | os.PathLike | None = None,
+              sources: str | os.PathLike | None = None) -> Zoo:
     """Return the zoo at `out`, building it first unless an identical one is already there.
 
-    `base_cache`: a directory of pretrained bases keyed by `preset.pretrain_fingerprint(seed)`; the
-    pretraining stage (most of the build) is skipped when the key is there, and stored when not.
+    `base_cache` (vision): a directory of pretrained bases keyed by `preset.pretrain_fingerprint(seed)`;
+    the pretraining stage (most of the build) is skipped when the key is there, and stored when not.
+    `sources` (text): the folder of downloaded text archives (featcal.zoo.text_sources).
     """
     p = get_preset(preset) if isinstance(preset, str) else preset
     hit = cached(out, p, seed)
@@ -61,6 +63,13 @@ def build_zoo(out: str | os.PathLike, preset: str | ZooPreset = "default", seed:
             f"{out} holds a zoo built from another preset, seed or zoo version; pass --overwrite to rebuild it"
         )
     check_output_dir(out, overwrite)
+    if isinstance(p, TextZooPreset):
+        from featcal.zoo.text_build import build_text, check_text_inputs
+
+        check_text_inputs(sources)  # a missing source is named before the output directory is touched
+        with atomic_output_dir(out, overwrite) as tmp:
+            build_text(tmp, p, seed, progress, sources)
+        return Zoo.open(out)
     with atomic_output_dir(out, overwrite) as tmp:
         _build(tmp, p, seed, progress, Path(base_cache) if base_cache else None)
     return Zoo.open(out)

@@ -3,8 +3,12 @@
     DIR/zoo.json                  manifest: preset, seed, fingerprint, tasks and classes, build log
     DIR/base/                     the pretrained encoder (HF checkpoint, safetensors)
     DIR/experts/<task>/           one fine-tuned encoder per task (HF checkpoint, safetensors)
-    DIR/heads/<task>.safetensors  the frozen linear head of each task, shared by every model
-    DIR/data/<task>.safetensors   uint8 images and labels of the train / calibration / test splits
+    DIR/heads/<task>.safetensors  the frozen head of each task (linear or cosine), shared by every model
+    DIR/data/<task>.safetensors   uint8 images (vision) or token ids and attention masks (text), and
+                                  labels, of the train / calibration / test splits
+
+The manifest's `modality` ("vision", the default for zoos built before text existed, or "text") and
+`pooling` ("pooler" or "mean") say how a split becomes model inputs and what the heads read.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ import torch
 from safetensors import safe_open
 
 from featcal.errors import CheckpointError
-from featcal.evaluation.classification import LinearHead
+from featcal.evaluation.classification import CosineHead, LinearHead, load_head
+from featcal.evaluation.features import Inputs
 from featcal.zoo.train import pixel_values
 
 MANIFEST = "zoo.json"
@@ -32,15 +37,16 @@ class LoadedZoo:
 
     base: torch.nn.Module
     experts: dict[str, torch.nn.Module]
-    heads: dict[str, LinearHead]
-    tests: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    heads: dict[str, LinearHead | CosineHead]
+    tests: dict[str, tuple[Inputs, torch.Tensor]]
+    pooling: str = "pooler"
 
     def mean_accuracy(self, model: torch.nn.Module, tasks: Iterable[str] | None = None) -> float:
         """`model`'s test accuracy through each task's head, averaged over `tasks` (default: all)."""
         from featcal.evaluation.classification import accuracy
 
         names = list(self.tests if tasks is None else tasks)
-        return sum(accuracy(model, self.heads[t], *self.tests[t]) for t in names) / len(names)
+        return sum(accuracy(model, self.heads[t], *self.tests[t], pooling=self.pooling) for t in names) / len(names)
 
 
 @dataclass(frozen=True)
@@ -67,6 +73,14 @@ class Zoo:
         return list(self.manifest["tasks"])
 
     @property
+    def modality(self) -> str:
+        return self.manifest.get("modality", "vision")
+
+    @property
+    def pooling(self) -> str:
+        return self.manifest.get("pooling", "pooler")
+
+    @property
     def base_dir(self) -> Path:
         return self.root / "base"
 
@@ -77,27 +91,35 @@ class Zoo:
     def expert_dirs(self) -> dict[str, Path]:
         return {t: self.expert_dir(t) for t in self.tasks}
 
-    def head(self, task: str) -> LinearHead:
-        return LinearHead.load(self.root / "heads" / f"{task}.safetensors")
+    def head(self, task: str) -> LinearHead | CosineHead:
+        return load_head(self.root / "heads" / f"{task}.safetensors")
 
-    def heads(self) -> dict[str, LinearHead]:
+    def heads(self) -> dict[str, LinearHead | CosineHead]:
         return {t: self.head(t) for t in self.tasks}
 
-    def test_splits(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    def test_splits(self) -> dict[str, tuple[Inputs, torch.Tensor]]:
         return {t: self.split(t, "test") for t in self.tasks}
 
     def split_size(self, task: str, split: str) -> int:
         return int(self.manifest["tasks"][task]["sizes"][split])
 
-    def split(self, task: str, split: str, limit: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(pixel_values, labels) of one split; `limit` keeps its first examples (a fixed subset)."""
+    def split(self, task: str, split: str, limit: int | None = None) -> tuple[Inputs, torch.Tensor]:
+        """(inputs, labels) of one split: pixel_values, or a dict of text tensors; `limit` keeps its
+        first examples (a fixed subset)."""
         if split not in SPLITS:
             raise ValueError(f"unknown split {split!r}; one of {SPLITS}")
         with safe_open(str(self.root / "data" / f"{task}.safetensors"), framework="pt") as f:
-            x, y = f.get_tensor(f"{split}_images"), f.get_tensor(f"{split}_labels")
+            y = f.get_tensor(f"{split}_labels")
+            if self.modality == "text":
+                prefix = f"{split}_"
+                x: Inputs = {k[len(prefix):]: f.get_tensor(k).long() for k in f.keys()
+                             if k.startswith(prefix) and k != f"{split}_labels"}
+            else:
+                x = f.get_tensor(f"{split}_images")
         if limit is not None:
-            x, y = x[:limit], y[:limit]
-        return pixel_values(x), y
+            y = y[:limit]
+            x = {k: v[:limit] for k, v in x.items()} if isinstance(x, dict) else x[:limit]
+        return (x, y) if isinstance(x, dict) else (pixel_values(x), y)
 
     def load(self, experts: bool = True) -> LoadedZoo:
         """Base, experts (unless `experts=False`), heads and test splits, loaded."""
@@ -108,4 +130,5 @@ class Zoo:
             experts={t: load_model(self.expert_dir(t)) for t in self.tasks} if experts else {},
             heads=self.heads(),
             tests=self.test_splits(),
+            pooling=self.pooling,
         )
