@@ -169,6 +169,19 @@ def resume_store(
                                   barrier=group.barrier)
 
 
+def adapter_reader(expert: ModelLike, base: ModelLike | None, label: str, allow_pickle: bool):
+    """A LoRA / PEFT adapter folder read as base + ΔW (io/lora.py); None for any other expert."""
+    from featcal.io.lora import is_adapter_dir, open_adapter
+    from featcal.merging.sources import open_source
+
+    if not is_adapter_dir(expert):
+        return None
+    if base is None:
+        raise ConfigError(f"{label}: {expert} is a LoRA adapter; pass base= (the model it was trained on) to apply it")
+    return open_adapter(expert, open_source(base, label="base", allow_pickle=allow_pickle), label,
+                        allow_pickle=allow_pickle)
+
+
 def calibrate(
     merged: ModelLike,
     *,
@@ -232,7 +245,8 @@ def calibrate(
         if isinstance(e, nn.Module):
             sources[t] = ModelSource(e, f"expert {t!r}")
         else:
-            sources[t] = CheckpointSource(e, template, f"expert {t!r}", allow_pickle=allow_pickle)
+            sources[t] = CheckpointSource(e, template, f"expert {t!r}", allow_pickle=allow_pickle,
+                                          reader=adapter_reader(e, base, f"expert {t!r}", allow_pickle))
     base_src: ParamSource | None = None
     if base is not None:
         base_src = ModelSource(base, "base") if isinstance(base, nn.Module) else CheckpointSource(

@@ -65,6 +65,10 @@ def check_task_names(experts: Mapping[str, Any], calibration_sources: Mapping[st
 
 def _checkpoint(label: str, path_or_id: str | Path, allow_pickle: bool) -> Path:
     """Resolve and validate one input checkpoint (headers only), naming it in any error."""
+    from featcal.io.lora import is_adapter_dir
+
+    if is_adapter_dir(path_or_id):  # a LoRA adapter: checked against the base in _check_same_tensors
+        return Path(path_or_id).expanduser()
     try:
         path = resolve_checkpoint(path_or_id, allow_pickle=allow_pickle)
         CheckpointReader(path, allow_pickle=allow_pickle)
@@ -84,7 +88,9 @@ def _model_type(label: str, path: Path) -> str | None:
 
 
 def _check_same_architecture(inputs: Mapping[str, Path], reference: str = "merged") -> None:
-    types = {label: _model_type(label, p) for label, p in inputs.items()}
+    from featcal.io.lora import is_adapter_dir
+
+    types = {label: _model_type(label, p) for label, p in inputs.items() if not is_adapter_dir(p)}  # adapters: the base's
     if set(types.values()) == {"clip", "clip_vision_model"}:
         return  # a CLIPModel base with vision-tower experts: read as vision towers (io/layouts.py)
     ref_type = types[reference]
@@ -93,6 +99,15 @@ def _check_same_architecture(inputs: Mapping[str, Path], reference: str = "merge
         raise CheckpointError(
             f"all checkpoints must share the {reference} model's type ({ref_type}); these differ: {', '.join(odd)}"
         )
+
+
+def _reader(label: str, path: Path, inputs: Mapping[str, Path], allow_pickle: bool, cls: type):
+    """A reader of one input: a LoRA adapter folder is read applied to the base (io/lora.py)."""
+    from featcal.io.lora import is_adapter_dir, open_adapter
+
+    if is_adapter_dir(path):
+        return open_adapter(path, cls(inputs["base"], allow_pickle=allow_pickle), label, allow_pickle=allow_pickle)
+    return cls(path, allow_pickle=allow_pickle)
 
 
 def _check_same_tensors(inputs: Mapping[str, Path], reference: str, allow_pickle: bool) -> None:
@@ -107,7 +122,8 @@ def _check_same_tensors(inputs: Mapping[str, Path], reference: str, allow_pickle
     for label, path in inputs.items():
         if label != reference:
             # under one naming first (transformers-4 layouts, a CLIPModel base's vision tower, tied copies)
-            pair = harmonise({reference: ref, label: CheckpointReader(path, allow_pickle=allow_pickle)}, reference)
+            reader = _reader(label, path, inputs, allow_pickle, CheckpointReader)
+            pair = harmonise({reference: ref, label: reader}, reference)
             pair[label] = vocab_rows_view(pair[reference], reference, label, pair[label])  # grown vocabularies
             check_same_config(pair[reference], label, pair[label], what=label, reference=f"the {reference} model")
             check_same_tensors(pair[reference], label, pair[label], what=label, reference=f"the {reference} model")
@@ -203,7 +219,7 @@ def check_calibration_inputs(
     if check_finite:  # the costliest check, last: reads every checkpoint once, one tensor at a time
         for label, d in inputs.items():
             name = label if label.startswith("expert") else f"{label} model"
-            scan_finite(name, UnmappedReader(d, allow_pickle=allow_pickle), progress=progress)
+            scan_finite(name, _reader(label, d, inputs, allow_pickle, UnmappedReader), progress=progress)
     return CheckedInputs(tasks, out_path, merged_dir, base_dir, expert_dirs, data_dir)
 
 

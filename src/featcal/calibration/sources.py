@@ -90,11 +90,13 @@ class CheckpointSource(ParamSource):
     last block although only one block is ever needed.
     """
 
-    def __init__(self, path: str | os.PathLike, template: nn.Module, label: str, *, allow_pickle: bool = False) -> None:
+    def __init__(self, path: str | os.PathLike, template: nn.Module, label: str, *, allow_pickle: bool = False,
+                 reader: object | None = None) -> None:
         from featcal.merging.sources import UnmappedReader
 
         self.label = label
-        self.reader: CheckpointReader = UnmappedReader(path, allow_pickle=allow_pickle)
+        # `reader`: another CheckpointReader-like view (a LoRA adapter applied to the base, io/lora.py)
+        self.reader: CheckpointReader = reader or UnmappedReader(path, allow_pickle=allow_pickle)
         self.key_map = checkpoint_key_map(template, self.reader.keys())
         aliases = parameter_aliases(template)
         for name, names in aliases.items():  # a tied parameter may be saved under one alias only

@@ -58,6 +58,8 @@ def resolve_config(method: str, config: MergeConfig | None, params: Mapping[str,
 
 
 def _describe(source) -> dict[str, Any]:
+    if hasattr(source, "describe"):  # a LoRA adapter applied to the base (io/lora.py), a dequantised GGUF
+        return source.describe()
     if isinstance(source, RenamedSource):  # read under other names (layouts.py): say which
         return {**_describe(source.source), "read_as": source.view}
     if isinstance(source, CheckpointReader):

@@ -149,12 +149,25 @@ class ModuleSource:
             gen.save_pretrained(directory)
 
 
-def open_source(item: MergeInput, *, label: str, allow_pickle: bool = False) -> CheckpointReader | ModuleSource:
-    """A reader for one merge input; errors name the input (`label`, e.g. "expert 'mnist'")."""
+def open_source(
+    item: MergeInput, *, label: str, allow_pickle: bool = False, base: object | None = None
+) -> CheckpointReader | ModuleSource:
+    """A reader for one merge input; errors name the input (`label`, e.g. "expert 'mnist'").
+
+    A LoRA / PEFT adapter folder is an expert over `base` (the base's reader): io/lora.py.
+    """
     if isinstance(item, (CheckpointReader, ModuleSource)):
         return item
     if isinstance(item, nn.Module):
         return ModuleSource(item, label=f"<in-memory {type(item).__name__} ({label})>")
+    from featcal.io.lora import is_adapter_dir, open_adapter
+
+    if is_adapter_dir(item):
+        if base is None:
+            raise CheckpointError(
+                f"{label}: {item} is a LoRA/PEFT adapter, not a model; give the model it was trained on as the base"
+            )
+        return open_adapter(item, base, label, allow_pickle=allow_pickle)
     if isinstance(item, (str, os.PathLike)):
         try:
             return UnmappedReader(item, allow_pickle=allow_pickle)
