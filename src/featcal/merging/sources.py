@@ -154,13 +154,19 @@ def open_source(
 ) -> CheckpointReader | ModuleSource:
     """A reader for one merge input; errors name the input (`label`, e.g. "expert 'mnist'").
 
-    A LoRA / PEFT adapter folder is an expert over `base` (the base's reader): io/lora.py.
+    A LoRA / PEFT adapter folder is an expert over `base` (the base's reader): io/lora.py. A `.gguf`
+    file (or a folder holding one) is dequantised into memory: io/gguf.py.
     """
     if isinstance(item, (CheckpointReader, ModuleSource)):
         return item
     if isinstance(item, nn.Module):
         return ModuleSource(item, label=f"<in-memory {type(item).__name__} ({label})>")
+    from featcal.io.gguf import open_gguf
     from featcal.io.lora import is_adapter_dir, open_adapter
+
+    gguf = open_gguf(item, label, base)
+    if gguf is not None:
+        return gguf
 
     if is_adapter_dir(item):
         if base is None:

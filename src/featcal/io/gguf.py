@@ -1,0 +1,175 @@
+"""GGUF files (llama.cpp's format) as merge and calibration inputs, dequantised to float32.
+
+Why: small decoders are often published only as GGUF (SmolLM2, Gemma 3 in the offline set). featcal
+reads them through transformers' own GGUF loader (`load_gguf_checkpoint`, the one behind
+`from_pretrained(dir, gguf_file=...)`, which also undoes llama.cpp's q/k permutation) and holds the
+dequantised model in memory: GGUF blocks are quantised in groups, so there is no tensor-by-tensor
+streaming to gain, and these models are small. The model is built by featcal (a fresh model of the
+config's built-in class, `trust_remote_code` never), so `accelerate` is not needed; the `gguf`
+package is (`pip install gguf`, or `pip install 'featcal[gguf]'`). What is written is always
+safetensors; featcal.json marks each such input `dequantised_from_gguf`.
+
+A `.gguf` path, or a folder holding exactly one `.gguf` and no safetensors weights, is a GGUF input.
+Refused before any work: a truncated or unreadable file, an architecture transformers cannot read
+from GGUF, an expert GGUF of another architecture than the base (checked from its header, before
+it is dequantised), several `.gguf` files in one folder.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from featcal.errors import CheckpointError
+from featcal.merging.sources import ModuleSource
+
+log = logging.getLogger(__name__)
+
+INSTALL_HINT = "pip install gguf (or pip install 'featcal[gguf]')"
+
+
+def gguf_file(path: Any) -> Path | None:
+    """The GGUF file a merge/calibration input names, or None when it is no GGUF input."""
+    if not isinstance(path, (str, os.PathLike)):
+        return None
+    p = Path(path).expanduser()
+    if p.is_file() and p.suffix.lower() == ".gguf":
+        return p
+    if not p.is_dir() or any(p.glob("*.safetensors")):
+        return None
+    found = sorted(f for f in p.iterdir() if f.is_file() and f.suffix.lower() == ".gguf")
+    if len(found) > 1:
+        raise CheckpointError(f"{p} holds several GGUF files ({', '.join(f.name for f in found)}); name the one to read")
+    return found[0] if found else None
+
+
+def require_gguf() -> None:
+    """Refuse, with the command that fixes it, when the `gguf` package is missing."""
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        raise CheckpointError(f"reading GGUF files needs the gguf package: {INSTALL_HINT}") from None
+
+
+def gguf_config(file: Path, label: str):
+    """The transformers config in a GGUF header (no tensor is read), with `architectures` set."""
+    require_gguf()
+    import transformers
+
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(file.parent), gguf_file=file.name)
+    except Exception as exc:  # truncated header, unsupported architecture, not a GGUF file
+        reason = " ".join(str(exc).split())[:300]
+        raise CheckpointError(f"{label}: cannot read the GGUF file {file}: {reason} (truncated or not GGUF?)") from None
+    if getattr(config, "quantization_config", None) is not None:
+        del config.quantization_config  # dequantised: the output is plain float weights
+    if not getattr(config, "architectures", None):
+        config.architectures = [_model_class(config).__name__]
+    return config
+
+
+def _model_class(config) -> type:
+    """The config's built-in class for a language model (GGUF files hold decoders and T5s), else AutoModel's."""
+    import transformers
+
+    from featcal.io.models import model_class_for
+
+    cls = model_class_for(config)
+    if cls is not transformers.AutoModel:
+        return cls
+    for auto in (transformers.AutoModelForCausalLM, transformers.AutoModelForSeq2SeqLM, transformers.AutoModel):
+        try:
+            return auto._model_mapping[type(config)]
+        except KeyError:
+            continue
+    raise CheckpointError(f"no transformers model class for a {type(config).__name__}")
+
+
+def load_gguf_model(file: Path, label: str, config=None) -> torch.nn.Module:
+    """The GGUF file's model, dequantised to float32 (transformers' GGUF tensor loader, no accelerate)."""
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from featcal.calibration.sources import parameter_aliases
+
+    config = config if config is not None else gguf_config(file, label)
+    cls = _model_class(config)
+    with torch.device("meta"):
+        layout = cls(config)  # tells the loader which GGUF name is which parameter
+    try:
+        tensors = load_gguf_checkpoint(str(file), return_tensors=True, model_to_load=layout,
+                                       torch_dtype=torch.float32)["tensors"]
+    except Exception as exc:
+        reason = " ".join(str(exc).split())[:300]
+        raise CheckpointError(f"{label}: cannot dequantise the GGUF file {file}: {reason} (truncated?)") from None
+    model = cls(config).to(torch.float32)
+    result = model.load_state_dict(tensors, strict=False)
+    tied = {n for names in parameter_aliases(model).values() for n in names[1:]}
+    buffers = {n for n, _ in model.named_buffers()}
+    missing = [n for n in result.missing_keys if n not in tied and n not in buffers]
+    if missing:
+        raise CheckpointError(
+            f"{label}: the GGUF file {file} lacks {len(missing)} tensor(s) of a {cls.__name__}, e.g. {missing[0]!r}"
+        )
+    model.tie_weights()
+    return model.eval()
+
+
+class GGUFSource(ModuleSource):
+    """A GGUF input, dequantised: an in-memory model whose `path` is the file and whose report says so."""
+
+    def __init__(self, file: Path, label: str, config=None) -> None:
+        self.file = Path(file)
+        super().__init__(load_gguf_model(self.file, label, config), label=str(self.file))
+        self.path = self.file
+
+    def describe(self) -> dict[str, Any]:
+        from featcal.io.report import file_sha256
+
+        return {"path": str(self.file), "sha256": {self.file.name: file_sha256(self.file)},
+                "dequantised_from_gguf": True, "dtype": "float32"}
+
+    def save_config(self, directory: Path) -> None:
+        """config.json (+ generation config) and, when transformers can rebuild it, the GGUF's tokenizer."""
+        super().save_config(directory)
+        save_gguf_tokenizer(self.file, directory)
+
+
+def save_gguf_tokenizer(file: Path, directory: Path) -> bool:
+    """Write the tokenizer stored in a GGUF file into `directory`; False (logged) when it cannot be rebuilt."""
+    import transformers
+
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
+        tokenizer.save_pretrained(directory)
+        return True
+    except Exception as exc:
+        log.warning("%s: its tokenizer could not be rebuilt (%s); the output has no tokenizer files", file,
+                    " ".join(str(exc).split())[:200])
+        return False
+
+
+def open_gguf(item: Any, label: str, base: Any | None = None) -> GGUFSource | None:
+    """A GGUF input as a source, or None when `item` is no GGUF input.
+
+    An expert's architecture is compared with the base's from the header, before it is dequantised.
+    """
+    try:
+        file = gguf_file(item)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{label}: {exc}") from None
+    if file is None:
+        return None
+    config = gguf_config(file, label)
+    if base is not None:
+        want = base.config.get("model_type")
+        if want is not None and config.model_type != want:
+            raise CheckpointError(
+                f"{label}: the GGUF file {file} holds a {config.model_type} model but the base is {want}; "
+                "experts must be fine-tunes of the base architecture"
+            )
+    log.info("%s: dequantising %s to float32", label, file)
+    return GGUFSource(file, label, config)
