@@ -69,6 +69,7 @@ def test_existing_output_needs_overwrite(clip, tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
     (out / "x").write_text("x")
+    (out / "featcal.json").write_text("{}")  # an earlier output: --overwrite replaces only those
     assert main(_argv(clip, out)) == 2
     assert "--overwrite" in capsys.readouterr().err
     assert main(_argv(clip, out, "--overwrite")) == 0

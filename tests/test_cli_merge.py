@@ -99,6 +99,10 @@ def test_merge_existing_output(clip, tmp_path, capsys):
     assert main(_argv(base, experts, out)) == 2
     assert "--overwrite" in _error(capsys)
     assert (out / "notes.txt").read_text() == "keep me"
+    assert main(_argv(base, experts, out, "--overwrite")) == 2  # not an output featcal wrote
+    assert "replaces only an output featcal wrote" in _error(capsys)
+    assert (out / "notes.txt").read_text() == "keep me"
+    (out / "featcal.json").write_text("{}")  # an earlier output: replaced on request
     assert main(_argv(base, experts, out, "--overwrite")) == 0
     assert (out / "model.safetensors").is_file() and not (out / "notes.txt").exists()
 

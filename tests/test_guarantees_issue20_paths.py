@@ -314,3 +314,40 @@ def test_plan_and_dry_run_check_the_data_and_the_output(tmp_path, capsys, comman
         f.unlink()  # task1 now has no images
     rc, out, err = cli(argv, capsys)
     assert rc == 2 and "task1" in one_line_error(err) and "estimated" not in out, err
+
+
+# --- beyond the list: --overwrite of a folder featcal did not write; a run file under its own out ------------
+
+
+@pytest.mark.parametrize("command", ["merge", "calibrate"])
+def test_overwrite_replaces_only_an_output_featcal_wrote(tmp_path, capsys, command):
+    fam = clip_family(tmp_path / "fam")
+    home = tmp_path / "home"  # `--out ~ --overwrite`, a typo away
+    (home / "thesis").mkdir(parents=True)
+    (home / "thesis" / "draft.tex").write_text("years of work")
+    before = _tree(home)
+    argv = (merge_argv(fam["base"], fam["experts"], home, "--overwrite") if command == "merge"
+            else calibrate_argv(fam, home, "--overwrite"))
+    rc, _, err = cli(argv, capsys)
+    assert rc == 2 and "replaces only an output featcal wrote" in one_line_error(err)
+    assert _tree(home) == before
+    # an output featcal wrote is replaced as before
+    out = tmp_path / "out"
+    first = merge_argv(fam["base"], fam["experts"], out) if command == "merge" else calibrate_argv(fam, out)
+    assert cli(first, capsys)[0] == 0
+    assert cli([*first, "--overwrite"], capsys)[0] == 0 and (out / "featcal.json").is_file()
+
+
+def test_a_run_file_inside_its_own_out_is_refused(tmp_path, capsys):
+    fam = clip_family(tmp_path / "fam")
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "featcal.json").write_text("{}")  # looks like an earlier output, so --overwrite would replace it
+    run = work / "run.yaml"
+    run.write_text(yaml.safe_dump({
+        "merge": {"base": str(fam["base"]), "experts": {t: str(p) for t, p in fam["experts"].items()}},
+        "out": ".", "overwrite": True,
+    }))
+    rc, _, err = cli(["run", str(run), "--no-progress"], capsys)
+    assert rc == 2 and "run file" in one_line_error(err)
+    assert run.is_file()

@@ -331,6 +331,7 @@ def test_overwrite_replaces(bert, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "old.txt").write_text("old")
+    (out / "featcal.json").write_text("{}")  # an earlier output: --overwrite replaces only those
     merge(base, experts, out=out, overwrite=True, progress=False)
     assert not (out / "old.txt").exists() and (out / "model.safetensors").is_file()
 

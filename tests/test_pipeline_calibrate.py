@@ -113,6 +113,10 @@ def test_existing_output_dir_is_refused_then_replaced_on_request(clip, tmp_path)
     with pytest.raises(OutputExistsError, match="not empty"):
         _run(clip, out)
     assert (out / "keep.txt").read_text() == "mine"
+    with pytest.raises(OutputExistsError, match="replaces only an output featcal wrote"):
+        _run(clip, out, overwrite=True)  # not a featcal output: never replaced
+    assert (out / "keep.txt").read_text() == "mine"
+    (out / "featcal.json").write_text("{}")  # an earlier output: replaced on request
     _run(clip, out, overwrite=True)
     assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
 

@@ -30,7 +30,12 @@ from featcal.data.preprocess import (
     model_modality,
 )
 from featcal.errors import CalibrationDataError, CheckpointError, ConfigError
-from featcal.io.atomic import atomic_output_dir, check_output_dir, refuse_output_over_inputs
+from featcal.io.atomic import (
+    atomic_output_dir,
+    check_output_dir,
+    check_replaceable,
+    refuse_output_over_inputs,
+)
 from featcal.io.checkpoint import CheckpointReader, copy_side_files, read_json, resolve_checkpoint
 from featcal.io.models import hf_progress_bars, load_config, load_model
 from featcal.io.report import Timer, build_report, checkpoint_hashes, peak_rss_mb, write_report
@@ -201,6 +206,7 @@ def check_calibration_inputs(
     _check_same_architecture(inputs, reference)
     refuse_output_over_inputs(out_path, {**inputs, **{f"calibration data {t!r}": calibration_sources[t] for t in tasks}})
     check_resume_dir(config, out_path, inputs)
+    check_replaceable(out_path, overwrite)
     _check_same_tensors(inputs, reference, allow_pickle)
     model_config = load_config(inputs[reference])
     for t in tasks:

@@ -26,7 +26,13 @@ import shutil
 from pathlib import Path
 
 from featcal.config import RunConfig, load_run_file
-from featcal.io.atomic import check_output_dir, owned_tempdir, refuse_output_over_inputs, sweep_stale
+from featcal.io.atomic import (
+    check_output_dir,
+    check_replaceable,
+    owned_tempdir,
+    refuse_output_over_inputs,
+    sweep_stale,
+)
 from featcal.merging.calibration_data import check_calibration_request
 
 
@@ -73,6 +79,7 @@ def execute(run: RunConfig, *, progress: bool = True) -> Path:
     out = check_output_dir(run.out, run.overwrite)
     refuse_output_over_inputs(out, {"base": run.merge.base, **{f"expert {t!r}": p for t, p in run.merge.experts.items()},
                                     **{f"calibration data {t!r}": p for t, p in (calibration or {}).items()}})
+    check_replaceable(out, run.overwrite)
     if run.calibrate is None:
         merge(run.merge.base, run.merge.experts, config=merge_config, out=out, overwrite=run.overwrite,
               allow_pickle=run.allow_pickle, progress=progress, calibration=calibration)
@@ -106,6 +113,7 @@ def execute(run: RunConfig, *, progress: bool = True) -> Path:
 def run_file(args: argparse.Namespace) -> int:
     path = Path(args.file)
     run = resolve_paths(load_run_file(path), path.resolve().parent)
+    refuse_output_over_inputs(run.out, {"run file": path})  # `out: .` with overwrite would delete the file itself
     out = execute(run, progress=not args.no_progress)
     what = "merged and calibrated" if run.calibrate is not None else "merged"
     print(f"{what} {len(run.merge.experts)} experts with {run.merge.method} into {out}")

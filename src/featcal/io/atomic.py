@@ -115,6 +115,17 @@ def check_output_dir(out: str | os.PathLike, overwrite: bool = False) -> Path:
     return path
 
 
+def check_replaceable(out: str | os.PathLike, overwrite: bool, marker: str = "featcal.json") -> None:
+    """With `overwrite`, replace only an empty directory or one featcal wrote (it holds `marker`): a typo
+    such as `--out ~ --overwrite` must not swap a home directory, or any folder of the user's, for a merge."""
+    path = Path(out).expanduser()
+    if overwrite and path.is_dir() and any(path.iterdir()) and not (path / marker).is_file():
+        raise OutputExistsError(
+            f"--overwrite replaces only an output featcal wrote, and {path} holds no {marker}: it is not one; "
+            "choose another --out, or empty it yourself"
+        )
+
+
 def _check_writable(path: Path) -> None:
     """Can the output be created beside `path`? Tried for real (a directory made and removed in the nearest
     existing ancestor): permission bits say nothing to root, nor about a read-only mount."""

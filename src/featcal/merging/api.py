@@ -18,7 +18,12 @@ from torch import Tensor
 
 from featcal.config import MergeConfig, parse
 from featcal.errors import ConfigError
-from featcal.io.atomic import atomic_output_dir, check_output_dir, refuse_output_over_inputs
+from featcal.io.atomic import (
+    atomic_output_dir,
+    check_output_dir,
+    check_replaceable,
+    refuse_output_over_inputs,
+)
 from featcal.io.checkpoint import CheckpointReader, copy_side_files
 from featcal.io.layouts import RenamedSource, harmonise
 from featcal.io.report import Timer, build_report, checkpoint_hashes, peak_rss_mb, write_report
@@ -141,6 +146,7 @@ def merge(
         check_output_dir(out, overwrite)
         refuse_output_over_inputs(out, {"base": base, **{f"expert {n!r}": e for n, e in experts.items()},
                                         **{f"calibration data {t!r}": c for t, c in (calibration or {}).items()}})
+        check_replaceable(out, overwrite)
 
     base_src = open_source(base, label="base", allow_pickle=allow_pickle)
     expert_srcs = {n: open_source(e, label=f"expert {n!r}", allow_pickle=allow_pickle) for n, e in experts.items()}
