@@ -44,6 +44,9 @@ def write_gguf(model, path):
     w.add_token_list(tokens)
     w.add_token_scores([0.0] * len(tokens))
     w.add_token_types([2, 3, 3] + [1] * (len(tokens) - 3))
+    w.add_unk_token_id(0)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.num_hidden_layers)
     for key, value in model.state_dict().items():
         a = value.detach().float().numpy()
@@ -130,3 +133,23 @@ def test_gguf_without_the_gguf_package_names_the_install(family, monkeypatch):
     monkeypatch.setitem(sys.modules, "gguf", None)  # import gguf now raises ImportError
     with pytest.raises(CheckpointError, match=r"needs the gguf package: pip install gguf"):
         merge(st["base"], {"a": gg["e1"]}, progress=False)
+
+
+def test_gguf_base_and_expert_calibrate(family, tmp_path, capsys):
+    """featcal calibrate --base X.gguf --expert a=Y.gguf: dequantised, checked, calibrated, reported."""
+    _, st, gg = family
+    merged = tmp_path / "merged"
+    merge(gg["base"], {"a": gg["e1"], "b": st["e2"]}, out=merged, progress=False)
+    argv = ["calibrate", "--base", str(gg["base"]), "--merged", str(merged), "--out", str(tmp_path / "cal"),
+            "--no-progress", "--num-calibration-examples", "8", "--calibration-batch-size", "4"]
+    for t, d in (("a", gg["e1"].parent), ("b", st["e2"])):
+        f = tmp_path / f"{t}.jsonl"
+        f.write_text("".join(json.dumps({"text": " ".join(f"w{(i * 5 + j) % 90}" for j in range(6))}) + "\n"
+                             for i in range(8)))
+        argv += ["--expert", f"{t}={d}", "--calib", f"{t}={f}"]
+    assert main(argv) == 0, capsys.readouterr().err
+    report = json.loads((tmp_path / "cal" / "featcal.json").read_text())
+    assert report["inputs"]["base"]["dequantised_from_gguf"] and report["inputs"]["experts"]["a"]["dequantised_from_gguf"]
+    assert "base.gguf" in report["inputs"]["base"]["sha256"]
+    before, after = load_file(merged / "model.safetensors"), load_file(tmp_path / "cal" / "model.safetensors")
+    assert any(not torch.equal(before[k], after[k]) for k in before if "layers.0.self_attn" in k)

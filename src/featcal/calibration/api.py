@@ -170,14 +170,20 @@ def resume_store(
 
 
 def adapter_reader(expert: ModelLike, base: ModelLike | None, label: str, allow_pickle: bool):
-    """A LoRA / PEFT adapter folder read as base + ΔW (io/lora.py); None for any other expert."""
+    """A LoRA / PEFT adapter folder read as base + ΔW (io/lora.py), a GGUF file dequantised (io/gguf.py);
+    None for any other input (a checkpoint folder, read by CheckpointSource itself)."""
+    from featcal.io.gguf import open_gguf
     from featcal.io.lora import is_adapter_dir, open_adapter
     from featcal.merging.sources import open_source
 
+    gguf = open_gguf(expert, label)
+    if gguf is not None:
+        return gguf
     if not is_adapter_dir(expert):
         return None
     if base is None:
-        raise ConfigError(f"{label}: {expert} is a LoRA adapter; pass base= (the model it was trained on) to apply it")
+        need = "pass base= (the model it was trained on) to apply it" if label != "base" else "the base must be a model"
+        raise ConfigError(f"{label}: {expert} is a LoRA adapter; {need}")
     return open_adapter(expert, open_source(base, label="base", allow_pickle=allow_pickle), label,
                         allow_pickle=allow_pickle)
 
@@ -250,7 +256,7 @@ def calibrate(
     base_src: ParamSource | None = None
     if base is not None:
         base_src = ModelSource(base, "base") if isinstance(base, nn.Module) else CheckpointSource(
-            base, template, "base", allow_pickle=allow_pickle
+            base, template, "base", allow_pickle=allow_pickle, reader=adapter_reader(base, None, "base", allow_pickle)
         )
 
     from featcal.merging.vocab import pad_param_sources

@@ -70,9 +70,21 @@ def check_task_names(experts: Mapping[str, Any], calibration_sources: Mapping[st
 
 def _checkpoint(label: str, path_or_id: str | Path, allow_pickle: bool) -> Path:
     """Resolve and validate one input checkpoint (headers only), naming it in any error."""
+    from featcal.io.gguf import gguf_config, gguf_file
     from featcal.io.lora import is_adapter_dir
 
     if is_adapter_dir(path_or_id):  # a LoRA adapter: checked against the base in _check_same_tensors
+        if not label.startswith("expert"):
+            raise CheckpointError(f"{label}: {path_or_id} is a LoRA/PEFT adapter, not a model; only experts may be adapters")
+        return Path(path_or_id).expanduser()
+    try:
+        gguf = gguf_file(path_or_id)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{label}: {exc}") from None
+    if gguf is not None:  # dequantised when read (io/gguf.py); its header is checked now
+        if label == "merged model":
+            raise CheckpointError(f"{label}: {gguf} is a GGUF file; calibrate the safetensors checkpoint featcal merge wrote")
+        gguf_config(gguf, label)
         return Path(path_or_id).expanduser()
     try:
         path = resolve_checkpoint(path_or_id, allow_pickle=allow_pickle)
@@ -83,6 +95,11 @@ def _checkpoint(label: str, path_or_id: str | Path, allow_pickle: bool) -> Path:
 
 
 def _model_type(label: str, path: Path) -> str | None:
+    from featcal.io.gguf import gguf_config, gguf_file
+
+    gguf = gguf_file(path)
+    if gguf is not None:
+        return gguf_config(gguf, label).model_type
     config = path / "config.json"
     if not config.is_file():
         raise CheckpointError(f"{label}: {path} has no config.json")
@@ -107,12 +124,26 @@ def _check_same_architecture(inputs: Mapping[str, Path], reference: str = "merge
 
 
 def _reader(label: str, path: Path, inputs: Mapping[str, Path], allow_pickle: bool, cls: type):
-    """A reader of one input: a LoRA adapter folder is read applied to the base (io/lora.py)."""
+    """A reader of one input: a LoRA adapter folder applied to the base (io/lora.py), a GGUF file
+    dequantised (io/gguf.py), else `cls` (CheckpointReader, UnmappedReader) over the folder."""
+    from featcal.io.gguf import open_gguf
     from featcal.io.lora import is_adapter_dir, open_adapter
 
     if is_adapter_dir(path):
-        return open_adapter(path, cls(inputs["base"], allow_pickle=allow_pickle), label, allow_pickle=allow_pickle)
-    return cls(path, allow_pickle=allow_pickle)
+        base = _reader("base model", inputs["base"], inputs, allow_pickle, cls)
+        return open_adapter(path, base, label, allow_pickle=allow_pickle)
+    gguf = open_gguf(path, label)
+    return gguf if gguf is not None else cls(path, allow_pickle=allow_pickle)
+
+
+def _input_kind(path: Path) -> dict[str, bool]:
+    """What featcal.json says of an input that is no plain checkpoint (a GGUF file, a LoRA adapter)."""
+    from featcal.io.gguf import gguf_file
+    from featcal.io.lora import is_adapter_dir
+
+    if is_adapter_dir(path):
+        return {"lora_adapter": True}
+    return {"dequantised_from_gguf": True} if gguf_file(path) is not None else {}
 
 
 def _check_same_tensors(inputs: Mapping[str, Path], reference: str, allow_pickle: bool) -> None:
@@ -123,7 +154,7 @@ def _check_same_tensors(inputs: Mapping[str, Path], reference: str, allow_pickle
     from featcal.io.layouts import harmonise
     from featcal.merging.vocab import vocab_rows_view
 
-    ref = CheckpointReader(inputs[reference], allow_pickle=allow_pickle)
+    ref = _reader(reference, inputs[reference], inputs, allow_pickle, CheckpointReader)
     for label, path in inputs.items():
         if label != reference:
             # under one naming first (transformers-4 layouts, a CLIPModel base's vision tower, tied copies)
@@ -208,6 +239,9 @@ def check_calibration_inputs(
     check_resume_dir(config, out_path, inputs)
     check_replaceable(out_path, overwrite)
     _check_same_tensors(inputs, reference, allow_pickle)
+    if reference == "base" and _input_kind(base_dir).get("dequantised_from_gguf"):  # no tokenizer files to check with
+        raise CheckpointError(f"base model: {base_dir} is a GGUF file; featcal run checks the calibration data against "
+                              "the base's tokenizer files: run featcal merge, then featcal calibrate on its output")
     model_config = load_config(inputs[reference])
     for t in tasks:
         if not Path(calibration_sources[t]).expanduser().exists():
@@ -406,8 +440,8 @@ def _calibrate_to_dir(
     hashing = Timer()
     inputs_report = {
         "merged": {"path": str(merged_dir), "sha256": checkpoint_hashes(merged_dir)},
-        "base": {"path": str(base_dir), "sha256": checkpoint_hashes(base_dir)},
-        "experts": {t: {"path": str(d), "sha256": checkpoint_hashes(d)} for t, d in expert_dirs.items()},
+        "base": {"path": str(base_dir), "sha256": checkpoint_hashes(base_dir), **_input_kind(base_dir)},
+        "experts": {t: {"path": str(d), "sha256": checkpoint_hashes(d), **_input_kind(d)} for t, d in expert_dirs.items()},
         "calibration": {
             t: {"source": str(calibration_sources[t]), **read_as[t], "examples": _count(b), "batches": len(b),
                 "tensors_sha256": batches_sha256(b)}

@@ -17,6 +17,7 @@ it is dequantised), several `.gguf` files in one folder.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from pathlib import Path
@@ -91,7 +92,7 @@ def _model_class(config) -> type:
 
 def load_gguf_model(file: Path, label: str, config=None) -> torch.nn.Module:
     """The GGUF file's model, dequantised to float32 (transformers' GGUF tensor loader, no accelerate)."""
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    from transformers import modeling_gguf_pytorch_utils as hf_gguf
 
     from featcal.calibration.sources import parameter_aliases
 
@@ -99,12 +100,16 @@ def load_gguf_model(file: Path, label: str, config=None) -> torch.nn.Module:
     cls = _model_class(config)
     with torch.device("meta"):
         layout = cls(config)  # tells the loader which GGUF name is which parameter
+    bar = hf_gguf.tqdm  # its per-tensor bar ignores --no-progress; featcal logs the file instead
+    hf_gguf.tqdm = functools.partial(bar, disable=True)
     try:
-        tensors = load_gguf_checkpoint(str(file), return_tensors=True, model_to_load=layout,
-                                       torch_dtype=torch.float32)["tensors"]
+        tensors = hf_gguf.load_gguf_checkpoint(str(file), return_tensors=True, model_to_load=layout,
+                                               torch_dtype=torch.float32)["tensors"]
     except Exception as exc:
         reason = " ".join(str(exc).split())[:300]
         raise CheckpointError(f"{label}: cannot dequantise the GGUF file {file}: {reason} (truncated?)") from None
+    finally:
+        hf_gguf.tqdm = bar
     model = cls(config).to(torch.float32)
     result = model.load_state_dict(tensors, strict=False)
     tied = {n for names in parameter_aliases(model).values() for n in names[1:]}

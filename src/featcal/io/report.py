@@ -47,6 +47,8 @@ def file_sha256(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
 def checkpoint_hashes(directory: str | os.PathLike) -> dict[str, str]:
     """sha256 of each weight file and config of a checkpoint directory (what identifies an input)."""
     d = Path(directory)
+    if d.is_file():  # a single-file input (a GGUF file)
+        return {d.name: file_sha256(d)}
     files = sorted(p for p in d.iterdir() if p.suffix in {".safetensors", ".json", ".bin"} and p.is_file())
     return {p.name: file_sha256(p) for p in files}
 
