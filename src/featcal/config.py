@@ -26,6 +26,7 @@ WHOLE_MODEL_MERGE_METHODS: tuple[str, ...] = ("regmean", "regmean++", "wudi")
 MAX_SEED = 2**63 - 1
 MAX_LAMBDA_RATIO = 100.0
 MAX_COVARIANCE_EPS = 0.01
+DEFAULT_TUNE_BUDGET = 10.0  # --tune-budget default: at most ~10 calibrations' cost, the refit included
 
 
 class _Strict(BaseModel):
@@ -115,6 +116,18 @@ class FeatCalConfig(_Strict):
     allow_test_split: bool = Field(
         False, description="accept a saved dataset of test data (its only split 'test', or saved from a test "
         "split) as calibration data"
+    )
+    tune: bool = Field(
+        False, description="choose anchor_blend_rho, lambda_ratio, teacher_interp_alpha (and a task-vector merge's "
+        "scaling, where known) by a label-free score on held-out calibration examples, then refit on all of them "
+        "(docs/tuning.md)"
+    )
+    tune_budget: float = Field(
+        DEFAULT_TUNE_BUDGET, ge=3.0, le=100.0,
+        description="tune: cost of the search and the final refit together, in calibrations on all the data",
+    )
+    tune_holdout: float = Field(
+        0.25, ge=0.05, le=0.5, description="tune: fraction of each task's calibration examples held out for scoring"
     )
 
     @field_validator("device")

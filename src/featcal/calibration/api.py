@@ -200,6 +200,8 @@ def calibrate(
     allow_pickle: bool = False,
     keep_resume_state: bool = False,
     check_finite: bool = True,
+    heads: Mapping[str, Any] | None = None,
+    merge_scaling: float | None = None,
 ) -> nn.Module:
     """Calibrate a merged model toward its experts with FeatCal (SPEC §2); returns the calibrated model.
 
@@ -217,10 +219,25 @@ def calibrate(
     calibrated goes to `config.device` (placement.py). `check_finite` scans, before any work, every
     parameter the run reads (merged, base, experts; one tensor at a time) for NaN/Inf. Under an initialised torch.distributed process
     group the batches are shared out over the ranks and the statistics all-reduced (distributed.py).
+
+    With `config.tune` the hyperparameters are first chosen on held-out calibration examples without
+    labels, then refit on all of them (tuning.py; the result carries `featcal_tuning`): `heads` (task ->
+    nn.Module on the pooled output, or callable head(model, batch) -> logits) add agreement with the
+    experts' predictions to the score, and `merge_scaling` (the s of a task-vector merge θ0 + s·v) lets the
+    search rebuild the merge at other scalings.
     """
     config = config if config is not None else FeatCalConfig()
     if not isinstance(config, FeatCalConfig):
         raise ConfigError(f"config must be a FeatCalConfig, not {type(config).__name__}")
+    from featcal.calibration import tuning
+
+    tuning.check_request(config, base, experts, heads, merge_scaling)
+    if config.tune:
+        return tuning.calibrate_tuned(
+            merged, base=base, experts=experts, calibration=calibration, config=config, heads=heads,
+            merge_scaling=merge_scaling, progress=progress, inplace=inplace, allow_pickle=allow_pickle,
+            keep_resume_state=keep_resume_state, check_finite=check_finite,
+        )
     validate_expert_names(experts.keys())
     _check_tasks(experts, calibration)
     device = resolve_device(config.device, offload=config.offload_blocks)

@@ -117,6 +117,10 @@ def run(args: argparse.Namespace) -> int:
     print(drift_table(report.get("drift")))
     if report.get("end_to_end_drift"):
         print(end_to_end_line(report["end_to_end_drift"]))
+    if report.get("tuning"):
+        from featcal.calibration.tuning import summary_line
+
+        print(summary_line(report["tuning"]))
     s = report["seconds"]
     print(
         f"calibrated checkpoint: {args.out}  (load {s['load']:.1f} s, calibrate {s['calibrate']:.1f} s, "

@@ -1,0 +1,548 @@
+"""Label-free selection of FeatCal's hyperparameters (issue 17): `tune` in FeatCalConfig.
+
+Why: ρ, λ, α and where the merge starts move FeatCal's result a lot, and the right values differ between
+models, while a user has an unlabeled calibration set and nothing else. So each task's calibration
+examples are split (seeded) into a fit part and a held-out part; each candidate setting is calibrated on
+the fit part and scored on the held-out part by a criterion that needs no labels:
+
+- final-feature drift: mean over tasks of ||h − h_t||² / ||h_t||² at the output of the last block (class
+  token only where the model's output is read from it, padding left out), h the candidate's features and
+  h_t expert t's, on task t's held-out examples;
+- where a task head is given: disagreement with expert t's predictions through that head (fewer is
+  better), the drift breaking ties.
+
+The search is a deterministic pattern search along fixed ladders, one knob at a time (the starting merge's
+scaling where the merge can be rebuilt, then ρ, λ, α), from the configured values (the paper's by default):
+the first candidate IS the configured setting, so the choice never scores worse on the held-out part.
+The chosen setting is then refit on ALL calibration examples by a plain calibration.
+
+Reuse: the experts' held-out features and predictions are computed once for all candidates. Statistics
+are not shared between candidates: past block 1 every block's statistics are taken on the chain calibrated
+with the candidate's own values, so the identity that makes α free (statistics.py) holds within one block
+only, and using it would change the method (a per-block choice), not reuse its work.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import logging
+import math
+import os
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from featcal.calibration.adapters import Adapter, adapter_for
+from featcal.calibration.adapters.base import accepted_inputs
+from featcal.calibration.distributed import current_group
+from featcal.calibration.sources import CheckpointSource, ModelSource, ParamSource, load_into
+from featcal.config import FeatCalConfig
+from featcal.errors import CalibrationDataError, ConfigError
+from featcal.io.report import Timer
+
+log = logging.getLogger("featcal.calibration")
+
+Batch = dict[str, torch.Tensor]
+# a task head: an nn.Module applied to the model's pooled output, or a callable head(model, batch) -> logits
+Head = nn.Module | Callable[[nn.Module, Batch], torch.Tensor]
+
+# merges of the form θ0 + s·v(experts), v independent of s: rescaling the merged task vector rebuilds them
+TASK_VECTOR_METHODS: tuple[str, ...] = ("task_arithmetic", "ties", "dare_ta", "dare_ties")
+
+# the ladders the search steps along (the configured value is inserted where it is not on one)
+SCALING_FACTORS: tuple[float, ...] = (0.5, 0.75, 1.0, 1.5, 2.25, 3.4)  # × the merge's own scaling
+LADDERS: dict[str, tuple[float, ...]] = {
+    "anchor_blend_rho": (0.0, 0.5, 1.0, 1.6, 2.2, 3.0, 4.0, 6.0, 8.0, 10.0),
+    "lambda_ratio": (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0),
+    "teacher_interp_alpha": (0.0, 0.25, 0.5, 0.75, 1.0),
+}
+MAX_MERGE_SCALING = 10.0  # MergeConfig.scaling's bound
+# a calibration runs about three block forwards per example (expert, merged as merged, calibrated);
+# scoring a candidate runs one forward of the model over the held-out examples
+FORWARDS_PER_CALIBRATION = 3.0
+
+CRITERION = (
+    "mean over tasks of ||h - h_expert||^2 / ||h_expert||^2 at the last block's output (class token only where "
+    "the output is read from it; padding excluded) on each task's held-out calibration examples; with task "
+    "heads, first the mean over tasks of the fraction of held-out examples whose prediction differs from the "
+    "expert's, the drift breaking ties; lower is better"
+)
+
+
+# --- budget ------------------------------------------------------------------------------------------
+def candidate_cost(holdout: float) -> float:
+    """One candidate's cost in calibrations on all the data: a calibration on the fit part plus scoring."""
+    return (1.0 - holdout) + holdout / FORWARDS_PER_CALIBRATION
+
+
+def max_candidates(budget: float, holdout: float) -> int:
+    """How many candidates fit in `budget` calibrations once the refit and the experts' scoring are paid."""
+    fixed = 1.0 + holdout / FORWARDS_PER_CALIBRATION
+    return max(1, math.floor((budget - fixed) / candidate_cost(holdout) + 1e-9))
+
+
+# --- the split ---------------------------------------------------------------------------------------
+@dataclass
+class Split:
+    """Each task's calibration examples cut into a fit part and a held-out part (never mixed)."""
+
+    fit: dict[str, list[Batch]]
+    held: dict[str, list[Batch]]
+    record: dict[str, dict[str, Any]]
+
+
+def _task_seed(seed: int, task: str) -> int:
+    digest = hashlib.sha256(f"featcal-tune:{seed}:{task}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def _batch_size(task: str, index: int, batch: Batch) -> int:
+    sizes = {k: (int(v.shape[0]) if v.dim() else None) for k, v in batch.items()}
+    if len(set(sizes.values())) != 1 or None in sizes.values():
+        raise CalibrationDataError(
+            f"task {task!r}, batch {index}: tune splits examples along the first dimension, but the batch's "
+            f"tensors have first sizes {sizes}"
+        )
+    return next(iter(sizes.values()))
+
+
+def split_calibration(data: Mapping[str, list[Batch]], holdout: float, seed: int) -> Split:
+    """Hold out round(holdout·n) of each task's n examples (at least one, leaving at least one to fit).
+
+    Which examples depends only on the seed, the task's name and n. Examples keep their batch: a batch's
+    rows are cut into its fit rows and its held-out rows (padding stays that of the batch). Indices in the
+    record count examples in the order the task's batches hold them.
+    """
+    fit: dict[str, list[Batch]] = {}
+    held: dict[str, list[Batch]] = {}
+    record: dict[str, dict[str, Any]] = {}
+    for t, batches in data.items():
+        sizes = [_batch_size(t, i, b) for i, b in enumerate(batches)]
+        n = sum(sizes)
+        if n < 2:
+            raise CalibrationDataError(
+                f"task {t!r} has {n} calibration example(s); tune needs at least 2 (one to fit, one held out)"
+            )
+        n_held = min(n - 1, max(1, round(holdout * n)))
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(_task_seed(seed, t)))
+        is_held = torch.zeros(n, dtype=torch.bool)
+        is_held[perm[:n_held]] = True
+        fit[t], held[t] = [], []
+        offset = 0
+        for batch, size in zip(batches, sizes, strict=True):
+            rows = is_held[offset:offset + size]
+            offset += size
+            for keep, dest in ((~rows, fit[t]), (rows, held[t])):
+                idx = keep.nonzero().flatten()
+                if len(idx):
+                    dest.append({k: v.index_select(0, idx.to(v.device)) for k, v in batch.items()})
+        record[t] = {"examples": n, "fit": n - n_held, "held_out": n_held,
+                     "held_out_indices": sorted(int(i) for i in perm[:n_held])}
+    return Split(fit, held, record)
+
+
+# --- settings and scores -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Setting:
+    """One candidate: FeatCal's three knobs and (None: not searched) the starting merge's scaling."""
+
+    anchor_blend_rho: float
+    lambda_ratio: float
+    teacher_interp_alpha: float
+    merge_scaling: float | None = None
+
+    def with_(self, knob: str, value: float) -> Setting:
+        return dataclasses.replace(self, **{knob: value})
+
+    def as_dict(self) -> dict[str, float | None]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class Score:
+    """A candidate's held-out score: drift always, disagreement where every task has a head."""
+
+    drift: float
+    disagreement: float | None
+    per_task: dict[str, dict[str, float]]
+
+    def improves_on(self, other: Score) -> bool:
+        """Strictly better: fewer disagreements, else (equal) a drift lower by more than round-off."""
+        if self.disagreement is not None and other.disagreement is not None and self.disagreement != other.disagreement:
+            return self.disagreement < other.disagreement
+        return self.drift < other.drift * (1.0 - 1e-9)
+
+
+# --- features and predictions on the held-out part ---------------------------------------------------
+class _Stop(Exception):
+    """Raised by the last block's hook when nothing after it is needed."""
+
+
+def _hidden(output: Any) -> torch.Tensor:
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+def _to(batch: Batch, device: torch.device) -> Batch:
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+@torch.no_grad()
+def final_features(model: nn.Module, adapter: Adapter, batch: Batch, *, whole: bool = False):
+    """(features, 0/1 token mask or None, model output or None): the last stack's last block output.
+
+    Only the class token where the stack's output is read from it (CLIP/ViT); `whole` runs the rest of
+    the forward too and returns the model's output (for heads on the pooled output).
+    """
+    stack = adapter.stacks(model)[-1]
+    block = stack.blocks(model)[-1]
+    seen: dict[str, torch.Tensor] = {}
+
+    def hook(_mod, _args, out):
+        seen["h"] = _hidden(out)
+        if not whole:
+            raise _Stop
+
+    handle = block.register_forward_hook(hook)
+    output = None
+    try:
+        output = model(**accepted_inputs(model, batch))
+    except _Stop:
+        pass
+    finally:
+        handle.remove()
+    h = seen["h"].float()
+    mask = adapter.token_mask(stack, batch, h)
+    if stack.class_token_head:
+        h = h[:, :1]
+        mask = None if mask is None else mask[:, :1]
+    return h, mask, output
+
+
+def _pooled(task: str, output: Any, batch: Batch) -> torch.Tensor:
+    """What an nn.Module head reads: `pooler_output`, else the attention-masked token mean of the last state."""
+    pooled = getattr(output, "pooler_output", None)
+    if pooled is not None:
+        return pooled
+    h = getattr(output, "last_hidden_state", None)
+    if h is None:
+        raise ConfigError(
+            f"head of task {task!r}: the model's output has neither pooler_output nor last_hidden_state; "
+            "pass a callable head(model, batch) -> logits instead"
+        )
+    mask = batch.get("attention_mask")
+    if mask is None:
+        return h.mean(1)
+    m = mask.to(h.dtype).unsqueeze(-1)
+    return (h * m).sum(1) / m.sum(1).clamp_min(1.0)
+
+
+def _predict(task: str, head: Head, model: nn.Module, batch: Batch, output: Any) -> torch.Tensor:
+    logits = head(_pooled(task, output, batch)) if isinstance(head, nn.Module) else head(model, batch)
+    if not isinstance(logits, torch.Tensor) or logits.dim() < 1:
+        raise ConfigError(f"head of task {task!r} must return logits (a tensor), got {type(logits).__name__}")
+    return logits.argmax(-1).flatten().cpu()
+
+
+@dataclass
+class _Reference:
+    """Expert t's features (and predictions) on task t's held-out batches, computed once."""
+
+    features: list[tuple[torch.Tensor, torch.Tensor | None]]
+    predictions: list[torch.Tensor] | None
+
+
+@torch.no_grad()
+def _reference(task: str, expert: nn.Module, adapter: Adapter, batches: list[Batch], head: Head | None) -> _Reference:
+    dev = next(expert.parameters()).device
+    feats, preds = [], [] if head is not None else None
+    for b in batches:
+        b = _to(b, dev)
+        h, mask, out = final_features(expert, adapter, b, whole=isinstance(head, nn.Module))
+        feats.append((h, mask))
+        if head is not None:
+            preds.append(_predict(task, head, expert, b, out))
+    return _Reference(feats, preds)
+
+
+@torch.no_grad()
+def score(model: nn.Module, adapter: Adapter, held: Mapping[str, list[Batch]], refs: Mapping[str, _Reference],
+          heads: Mapping[str, Head]) -> Score:
+    """The candidate's held-out score against the experts' references (see CRITERION)."""
+    model.eval()
+    dev = next(model.parameters()).device
+    per_task: dict[str, dict[str, float]] = {}
+    for t, batches in held.items():
+        head = heads.get(t)
+        rel_sum = count = agree = n = 0.0
+        for i, b in enumerate(batches):
+            b = _to(b, dev)
+            h, _, out = final_features(model, adapter, b, whole=isinstance(head, nn.Module))
+            he, mask = refs[t].features[i]
+            rel = (h - he).pow(2).sum(-1) / he.pow(2).sum(-1).clamp_min(1e-12)
+            m = torch.ones_like(rel) if mask is None else mask.to(rel)
+            rel_sum += float((rel * m).sum())
+            count += float(m.sum())
+            if head is not None:
+                pred = _predict(t, head, model, b, out)
+                agree += float((pred == refs[t].predictions[i]).sum())
+                n += len(pred)
+        per_task[t] = {"drift": rel_sum / max(count, 1.0)}
+        if head is not None:
+            per_task[t]["agreement"] = agree / max(n, 1.0)
+    drift = sum(r["drift"] for r in per_task.values()) / len(per_task)
+    disagreement = None
+    if heads and all(t in heads for t in held):
+        disagreement = sum(1.0 - r["agreement"] for r in per_task.values()) / len(per_task)
+    return Score(drift, disagreement, per_task)
+
+
+# --- the starting merge ------------------------------------------------------------------------------
+@torch.no_grad()
+def rescale_merge(model: nn.Module, base: ParamSource, factor: float) -> None:
+    """θ ← θ0 + factor·(θ − θ0) for every floating parameter the base holds, in place (float64 arithmetic).
+
+    For a task-vector merge θ = θ0 + s·v this is the same merge rebuilt at scaling factor·s.
+    """
+    for name, p in model.named_parameters():
+        if not p.is_floating_point() or base.shape(name) != tuple(p.shape):
+            continue
+        b = base.get(name).to(device=p.device, dtype=torch.float64)
+        p.copy_((b + factor * (p.to(torch.float64) - b)).to(p.dtype))
+
+
+def merge_scaling_from_report(merged_dir: str | os.PathLike, base_dir: str | os.PathLike,
+                              expert_dirs: Mapping[str, str | os.PathLike]) -> tuple[float | None, str]:
+    """(s, why) when `merged_dir` is a featcal task-vector merge of exactly this base and these experts.
+
+    Why: `featcal calibrate --tune` is given a merged checkpoint, not how it was made; the merge's own
+    featcal.json says it, and the checkpoints' hashes tie it to the inputs, so the merge can be rebuilt
+    at other scalings. Otherwise (None, the reason) and the scaling is not searched.
+    """
+    from pathlib import Path
+
+    from featcal.io.checkpoint import read_json
+    from featcal.io.report import REPORT_NAME, checkpoint_hashes
+
+    path = Path(merged_dir) / REPORT_NAME
+    if not path.is_file():
+        return None, f"no {REPORT_NAME} in the merged checkpoint"
+    try:
+        report = read_json(path)
+    except Exception as exc:  # an unreadable report only means the scaling is not searched
+        return None, f"{path}: {exc}"
+    params = report.get("params") or {}
+    method, scaling = params.get("method"), params.get("scaling")
+    if report.get("command") != "merge" or method not in TASK_VECTOR_METHODS:
+        return None, f"the merged checkpoint is not a featcal task-vector merge ({report.get('command')}, {method})"
+    if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not 0 < scaling <= MAX_MERGE_SCALING:
+        return None, f"{path}: no usable scaling ({scaling!r})"
+    inputs = report.get("inputs") or {}
+    recorded_base = (inputs.get("base") or {}).get("sha256")
+    recorded_experts = sorted(repr(e.get("sha256")) for e in (inputs.get("experts") or {}).values())
+    if recorded_base != checkpoint_hashes(base_dir) or recorded_experts != sorted(
+        repr(checkpoint_hashes(d)) for d in expert_dirs.values()
+    ):
+        return None, "the merged checkpoint was made from another base or other experts"
+    return float(scaling), f"{REPORT_NAME} of the merged checkpoint: {method}, scaling {scaling:g}"
+
+
+def _base_source(base: nn.Module | str | os.PathLike, model: nn.Module, allow_pickle: bool) -> ParamSource:
+    if isinstance(base, nn.Module):
+        return ModelSource(base, "base")
+    return CheckpointSource(base, model, "base", allow_pickle=allow_pickle)
+
+
+def _expert_model(task: str, expert: Any, template: nn.Module, allow_pickle: bool) -> nn.Module:
+    """Expert t as a whole model for its held-out forwards (a path is read into a copy of the merged model)."""
+    if isinstance(expert, nn.Module):
+        return expert.eval()
+    model = copy.deepcopy(template)
+    src = CheckpointSource(expert, model, f"expert {task!r}", allow_pickle=allow_pickle)
+    held = [n for n, p in model.named_parameters(remove_duplicate=False) if src.shape(n) == tuple(p.shape)]
+    load_into(model, held, src)
+    return model.eval()
+
+
+# --- the search --------------------------------------------------------------------------------------
+def _ladder(knob: str, current: float, start: Setting) -> list[float]:
+    if knob == "merge_scaling":
+        s0 = float(start.merge_scaling)
+        values = {round(s0 * f, 10) for f in SCALING_FACTORS if 0 < s0 * f <= MAX_MERGE_SCALING}
+    else:
+        values = set(LADDERS[knob])
+    return sorted(values | {current, getattr(start, knob)})
+
+
+def check_request(config: FeatCalConfig, base: Any, experts: Mapping[str, Any], heads: Mapping[str, Head] | None,
+                  merge_scaling: float | None) -> None:
+    """Everything about a tune request that can be refused before any work."""
+    if heads is not None:
+        if not isinstance(heads, Mapping):
+            raise ConfigError(f"heads must map task names to heads, not {type(heads).__name__}")
+        unknown = [t for t in heads if t not in experts]
+        if unknown:
+            raise ConfigError(f"heads given for unknown task(s) {unknown} (tasks are {list(experts)})")
+        bad = [t for t, h in heads.items() if not callable(h)]
+        if bad:
+            raise ConfigError(f"head(s) of task(s) {bad} are neither an nn.Module nor a callable head(model, batch)")
+    if not config.tune:
+        if heads:
+            raise ConfigError("heads are used only to score candidates when tune=True")
+        if merge_scaling is not None:
+            raise ConfigError("merge_scaling is used only to search the starting merge when tune=True")
+        return
+    if merge_scaling is not None:
+        if isinstance(merge_scaling, bool) or not isinstance(merge_scaling, (int, float)) or not (
+            0 < merge_scaling <= MAX_MERGE_SCALING
+        ):
+            raise ConfigError(f"merge_scaling must be a number in (0, {MAX_MERGE_SCALING:g}], got {merge_scaling!r}")
+        if base is None:
+            raise ConfigError("merge_scaling needs the base model (base=): the merge is rebuilt from it")
+    if current_group().active:
+        raise ConfigError("tune runs in one process; run it without torchrun (the refit alone can be distributed "
+                          "by passing the chosen values)")
+
+
+def calibrate_tuned(
+    merged: Any, *, base: Any, experts: Mapping[str, Any], calibration: Mapping[str, Iterable[Any]],
+    config: FeatCalConfig, heads: Mapping[str, Head] | None = None, merge_scaling: float | None = None,
+    progress: bool = True, inplace: bool = False, allow_pickle: bool = False, keep_resume_state: bool = False,
+    check_finite: bool = True,
+) -> nn.Module:
+    """Search, score on the held-out part, refit the choice on all data; see the module docstring.
+
+    The returned model is the refit's (as `calibrate` returns it) with `featcal_tuning`: the split, every
+    candidate's setting and score, the choice, and the seconds spent.
+    """
+    from featcal.calibration import api
+
+    check_request(config, base, experts, heads, merge_scaling)
+    heads = dict(heads or {})
+    api.validate_expert_names(experts.keys())
+    api._check_tasks(experts, calibration)
+    if base is None and config.anchor_blend_rho != 1.0:
+        raise ConfigError(
+            f"anchor_blend_rho={config.anchor_blend_rho} extrapolates from the base model: pass base=, or set rho to 1"
+        )
+    model = api._as_model(merged, "merged model", allow_pickle)
+    adapter = adapter_for(model)
+    main = adapter.main_input(model, adapter.stacks(model)[0])
+    data = {t: api._normalise_batches(t, calibration[t], main) for t in experts}
+    split = split_calibration(data, config.tune_holdout, config.seed)
+    limit = max_candidates(config.tune_budget, config.tune_holdout)
+    start = Setting(config.anchor_blend_rho, config.lambda_ratio, config.teacher_interp_alpha,
+                    None if merge_scaling is None else float(merge_scaling))
+    knobs = (["merge_scaling"] if start.merge_scaling is not None else []) + (
+        ["anchor_blend_rho"] if base is not None else []) + ["lambda_ratio", "teacher_interp_alpha"]
+    base_src = _base_source(base, model, allow_pickle) if start.merge_scaling is not None else None
+    template = model  # the search never modifies it: candidates calibrate copies
+    search_cfg = config.model_copy(update={"tune": False, "resume": False})
+
+    def start_model(s: Setting, target: nn.Module | None = None) -> nn.Module:
+        """The merge to calibrate for `s`: the given one, or (another scaling) a copy, or `target`, rebuilt there."""
+        if s.merge_scaling == start.merge_scaling:
+            return template
+        m = copy.deepcopy(template) if target is None else target
+        rescale_merge(m, base_src, s.merge_scaling / start.merge_scaling)
+        return m
+
+    refs: dict[str, _Reference] = {}
+    scores: dict[Setting, Score] = {}
+    records: list[dict[str, Any]] = []
+    search = Timer()
+
+    def evaluate(s: Setting) -> Score | None:
+        if s in scores:
+            return scores[s]
+        if len(scores) >= limit:
+            return None
+        clock = Timer()
+        cfg = search_cfg.model_copy(update={k: v for k, v in s.as_dict().items() if k != "merge_scaling"})
+        first = not scores
+        m = start_model(s)
+        out = api.calibrate(m, base=base, experts=experts, calibration=split.fit, config=cfg, progress=False,
+                            inplace=m is not template, allow_pickle=allow_pickle, check_finite=check_finite and first)
+        if first:  # the first calibration validated every input: now the experts' references, once
+            for t in experts:
+                expert = _expert_model(t, experts[t], template, allow_pickle)
+                refs[t] = _reference(t, expert, adapter, split.held[t], heads.get(t))
+                del expert
+        sc = score(out, adapter, split.held, refs, heads)
+        del out
+        scores[s] = sc
+        records.append({"index": len(records), **s.as_dict(), "drift": sc.drift, "disagreement": sc.disagreement,
+                        "per_task": sc.per_task, "seconds": round(clock.seconds, 3)})
+        log.info("featcal tune: candidate %d %s: drift %.6g%s", len(records) - 1, s.as_dict(), sc.drift,
+                 "" if sc.disagreement is None else f", disagreement {sc.disagreement:.4f}")
+        return sc
+
+    best = start
+    best_score = evaluate(start)
+    changed = True
+    while changed and len(scores) < limit:
+        changed = False
+        for knob in knobs:
+            ladder = _ladder(knob, getattr(best, knob), start)
+            i = ladder.index(getattr(best, knob))
+            for step in (1, -1):
+                moved, j = False, i + step
+                while 0 <= j < len(ladder):
+                    cand = best.with_(knob, ladder[j])
+                    sc = evaluate(cand)
+                    if sc is None or not sc.improves_on(best_score):
+                        break
+                    best, best_score, moved, changed = cand, sc, True, True
+                    j += step
+                if moved:
+                    break
+    search_seconds = search.seconds
+
+    refit = Timer()
+    final_cfg = config.model_copy(update={**{k: v for k, v in best.as_dict().items() if k != "merge_scaling"},
+                                          "tune": False})
+    may_modify = inplace or not isinstance(merged, nn.Module)  # a caller's model stays as given unless inplace
+    if best.merge_scaling == start.merge_scaling:
+        m, in_place = model, may_modify
+    else:
+        m, in_place = start_model(best, model if may_modify else copy.deepcopy(model)), True
+    out = api.calibrate(m, base=base, experts=experts, calibration=data, config=final_cfg, progress=progress,
+                        inplace=in_place, allow_pickle=allow_pickle, keep_resume_state=keep_resume_state,
+                        check_finite=False)  # every input was scanned by the first candidate
+    refit_seconds = refit.seconds
+    chosen = next(r["index"] for r in records if Setting(**{k: r[k] for k in best.as_dict()}) == best)
+    out.featcal_tuning = {
+        "criterion": CRITERION,
+        "heads": sorted(heads),
+        "holdout": config.tune_holdout,
+        "seed": config.seed,
+        "split": split.record,
+        "budget": {"calibrations": config.tune_budget, "max_candidates": limit, "candidates": len(records),
+                   "candidate_cost": round(candidate_cost(config.tune_holdout), 4)},
+        "searched": knobs,
+        "start": start.as_dict(),
+        "candidates": records,
+        "chosen": {"index": chosen, **best.as_dict(), "drift": best_score.drift,
+                   "disagreement": best_score.disagreement},
+        "seconds": {"search": round(search_seconds, 3), "refit": round(refit_seconds, 3),
+                    "total_over_refit": round((search_seconds + refit_seconds) / max(refit_seconds, 1e-9), 2)},
+    }
+    log.info("featcal tune: chose candidate %d of %d %s (held-out drift %.6g, start %.6g); refit on all data",
+             chosen, len(records), best.as_dict(), best_score.drift, records[0]["drift"])
+    return out
+
+
+def summary_line(record: Mapping[str, Any]) -> str:
+    """One line for the command line: how many candidates, the choice, its held-out score against the start's."""
+    chosen, first = record["chosen"], record["candidates"][0]
+    values = ", ".join(f"{k}={chosen[k]:g}" for k in ("merge_scaling", "anchor_blend_rho", "lambda_ratio",
+                                                       "teacher_interp_alpha") if chosen.get(k) is not None)
+    line = (f"tune: {len(record['candidates'])} candidate(s) scored on held-out calibration examples; chose "
+            f"{values}: held-out drift {chosen['drift']:.4g} (starting setting {first['drift']:.4g})")
+    if chosen.get("disagreement") is not None:
+        line += f", disagreement with the experts {chosen['disagreement']:.3f} (start {first['disagreement']:.3f})"
+    return line + f"; search {record['seconds']['search']:.1f} s, refit on all data {record['seconds']['refit']:.1f} s"

@@ -1,0 +1,292 @@
+"""`tune` (issue 17): label-free selection of ρ, λ, α and the starting merge's scaling on held-out
+calibration examples, then a refit on all of them; CLI / YAML / API."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+import transformers as T
+import yaml
+
+from featcal import FeatCalConfig, calibrate
+from featcal.calibration import api, tuning
+from featcal.cli.main import main
+from featcal.errors import CalibrationDataError, ConfigError
+from reference_featcal import family_data, max_abs_diff, noisy_family
+
+
+def _ta(base, experts, scaling: float):
+    merged = copy.deepcopy(base)
+    with torch.no_grad():
+        mp = dict(merged.named_parameters())
+        for name, p0 in base.named_parameters():
+            mp[name].copy_(p0 + scaling * sum(dict(e.named_parameters())[name] - p0 for e in experts.values()))
+    return merged
+
+
+@pytest.fixture(scope="module")
+def family():
+    """A CLIP family whose merge is TA at 0.05, far below where FeatCal does well: defaults are poor here."""
+    base, experts, _ = noisy_family("clip", n_experts=2)
+    merged = _ta(base, experts, 0.05)
+    data = family_data("clip", experts, n_batches=3)  # 6 examples per task
+    return base, experts, merged, data
+
+
+def _rows(batches, key="pixel_values"):
+    return [row for b in batches for row in b[key]]
+
+
+def _same_rows(a, b) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def _strip(records):
+    return [{k: v for k, v in r.items() if k != "seconds"} for r in records]
+
+
+# --- the split -----------------------------------------------------------------------------------------
+def test_split_is_seeded_disjoint_and_covers_each_task(family):
+    _, _, _, data = family
+    one = tuning.split_calibration(data, 0.34, seed=0)
+    again = tuning.split_calibration(data, 0.34, seed=0)
+    other = tuning.split_calibration(data, 0.34, seed=1)
+    for t, batches in data.items():
+        rows = _rows(batches)
+        rec = one.record[t]
+        assert rec["examples"] == 6 and rec["held_out"] == 2 and rec["fit"] == 4
+        held = [rows[i] for i in rec["held_out_indices"]]
+        fit = [rows[i] for i in range(6) if i not in rec["held_out_indices"]]
+        assert _same_rows(_rows(one.held[t]), held) and _same_rows(_rows(one.fit[t]), fit)
+        assert _same_rows(_rows(again.held[t]), held)
+    assert one.record == again.record
+    assert [one.record[t]["held_out_indices"] for t in data] != [other.record[t]["held_out_indices"] for t in data]
+
+
+def test_split_refuses_a_task_it_cannot_split():
+    with pytest.raises(CalibrationDataError, match="task 'a' has 1 calibration example"):
+        tuning.split_calibration({"a": [{"pixel_values": torch.zeros(1, 3, 16, 16)}]}, 0.25, 0)
+    with pytest.raises(CalibrationDataError, match="first sizes"):
+        tuning.split_calibration({"a": [{"input_ids": torch.zeros(2, 4), "attention_mask": torch.zeros(3, 4)}]}, 0.25, 0)
+
+
+# --- selection sees calibration data only, and the refit sees all of it ---------------------------------
+def test_selection_sees_only_calibration_data_and_refit_uses_all(family, monkeypatch):
+    base, experts, merged, data = family
+    original = api.calibrate
+    calls: list[dict] = []
+
+    def recording(*args, **kwargs):
+        calls.append({"data": kwargs["calibration"], "config": kwargs["config"]})
+        return original(*args, **kwargs)
+
+    seen_by_head: list[torch.Tensor] = []
+
+    def head(model, batch):  # a callable head: records every example it is shown
+        seen_by_head.extend(batch["pixel_values"])
+        return model(**batch).pooler_output[:, :3]
+
+    monkeypatch.setattr(api, "calibrate", recording)
+    cfg = FeatCalConfig(tune=True, tune_budget=5.0, tune_holdout=0.34)
+    out = original(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False,
+                   heads={"task0": head, "task1": head})
+    rec = out.featcal_tuning
+    *search, refit = calls
+    assert len(search) == len(rec["candidates"]) >= 2 and not refit["config"].tune
+    for t, batches in data.items():
+        rows = _rows(batches)
+        held = [rows[i] for i in rec["split"][t]["held_out_indices"]]
+        fit = [rows[i] for i in range(len(rows)) if i not in rec["split"][t]["held_out_indices"]]
+        for call in search:  # every candidate is fitted on the fit part only
+            assert _same_rows(_rows(call["data"][t]), fit)
+        assert all(any(torch.equal(x, r) for x in seen_by_head) for r in held)  # and scored on the held-out one
+        assert _same_rows(_rows(refit["data"][t]), rows)  # the refit on every calibration example
+    calib_rows = [r for b in data.values() for r in _rows(b)]
+    held_rows = [r for t, b in data.items() for i, r in enumerate(_rows(b)) if i in rec["split"][t]["held_out_indices"]]
+    assert seen_by_head and all(any(torch.equal(x, r) for r in held_rows) for x in seen_by_head)
+    assert all(any(torch.equal(x, r) for r in calib_rows) for x in seen_by_head)
+    # the returned model is exactly a plain calibration, on all data, of the chosen setting
+    chosen = rec["chosen"]
+    start = merged if chosen["merge_scaling"] is None else None
+    assert start is merged  # no merge_scaling given: the merge itself
+    plain = original(merged, base=base, experts=experts, calibration=data, progress=False, config=FeatCalConfig(
+        anchor_blend_rho=chosen["anchor_blend_rho"], lambda_ratio=chosen["lambda_ratio"],
+        teacher_interp_alpha=chosen["teacher_interp_alpha"], tune_budget=5.0, tune_holdout=0.34))
+    assert max_abs_diff(out, plain)[0] == 0.0
+    assert rec["chosen"]["disagreement"] is not None and rec["heads"] == ["task0", "task1"]
+    assert all(0.0 <= c["per_task"][t]["agreement"] <= 1.0 for c in rec["candidates"] for t in data)
+
+
+# --- determinism, budget, and a family where the defaults are poor ---------------------------------------
+def test_candidates_and_choice_are_deterministic_for_a_seed(family):
+    base, experts, merged, data = family
+    cfg = FeatCalConfig(tune=True, tune_budget=4.0)
+    a = calibrate(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False, merge_scaling=0.05)
+    b = calibrate(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False, merge_scaling=0.05)
+    assert _strip(a.featcal_tuning["candidates"]) == _strip(b.featcal_tuning["candidates"])
+    assert a.featcal_tuning["chosen"] == b.featcal_tuning["chosen"]
+    assert max_abs_diff(a, b)[0] == 0.0
+    c = calibrate(merged, base=base, experts=experts, calibration=data, config=cfg.model_copy(update={"seed": 7}),
+                  progress=False, merge_scaling=0.05)
+    assert c.featcal_tuning["split"] != a.featcal_tuning["split"]
+
+
+def test_tune_beats_the_defaults_where_they_are_poor_and_respects_the_budget(family):
+    base, experts, merged, data = family
+    cfg = FeatCalConfig(tune=True)
+    out = calibrate(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False, merge_scaling=0.05)
+    rec = out.featcal_tuning
+    first, chosen = rec["candidates"][0], rec["chosen"]
+    assert {k: first[k] for k in ("anchor_blend_rho", "lambda_ratio", "teacher_interp_alpha", "merge_scaling")} == {
+        "anchor_blend_rho": 2.2, "lambda_ratio": 0.05, "teacher_interp_alpha": 0.25, "merge_scaling": 0.05}
+    assert chosen["drift"] == min(c["drift"] for c in rec["candidates"])
+    assert chosen["drift"] < 0.9 * first["drift"]  # the search moved somewhere clearly better
+    assert chosen["merge_scaling"] > 0.05  # ... by starting from a larger merge
+    assert len(rec["candidates"]) <= tuning.max_candidates(10.0, 0.25) == rec["budget"]["max_candidates"] == 10
+    # on examples no candidate was scored on (same distribution), the choice also beats the defaults
+    fresh = family_data("clip", experts, n_batches=3, seed=1000)
+    default = calibrate(merged, base=base, experts=experts, calibration=data, progress=False)
+    ref = {t: tuning._reference(t, experts[t], tuning.adapter_for(out), fresh[t], None) for t in experts}
+    assert tuning.score(out, tuning.adapter_for(out), fresh, ref, {}).drift < tuning.score(
+        default, tuning.adapter_for(out), fresh, ref, {}).drift
+    small = calibrate(merged, base=base, experts=experts, calibration=data, progress=False, merge_scaling=0.05,
+                      config=cfg.model_copy(update={"tune_budget": 3.0}))
+    assert len(small.featcal_tuning["candidates"]) == tuning.max_candidates(3.0, 0.25) == 2
+
+
+def test_budget_arithmetic():
+    assert tuning.max_candidates(10.0, 0.25) == 10
+    assert tuning.max_candidates(3.0, 0.25) == 2
+    assert tuning.max_candidates(100.0, 0.5) > tuning.max_candidates(100.0, 0.05)  # smaller fit part, cheaper
+    for budget in (3.0, 10.0, 37.5):  # search and refit stay within the budget's cost model
+        for holdout in (0.05, 0.25, 0.5):
+            n = tuning.max_candidates(budget, holdout)
+            assert 1 + holdout / 3 + n * tuning.candidate_cost(holdout) <= budget + 1e-9
+
+
+def test_rescaled_merge_is_task_arithmetic_at_the_new_scaling(family):
+    base, experts, _, _ = family
+    rebuilt = _ta(base, experts, 0.3)
+    tuning.rescale_merge(rebuilt, tuning.ModelSource(base, "base"), 0.7 / 0.3)
+    assert max_abs_diff(rebuilt, _ta(base, experts, 0.7))[0] < 1e-6
+
+
+# --- refused before any work ---------------------------------------------------------------------------
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"heads": {"nope": lambda m, b: None}}, r"heads given for unknown task\(s\) \['nope'\]"),
+    ({"heads": {"task0": 3}}, "neither an nn.Module nor a callable"),
+    ({"merge_scaling": 0.0}, r"merge_scaling must be a number in \(0, 10\]"),
+    ({"merge_scaling": True}, "merge_scaling must be a number"),
+    ({"merge_scaling": 0.3, "base": None}, "merge_scaling needs the base model"),
+    ({"config": FeatCalConfig(), "heads": {"task0": lambda m, b: None}}, "heads are used only .* tune=True"),
+    ({"config": FeatCalConfig(), "merge_scaling": 0.3}, "merge_scaling is used only .* tune=True"),
+])
+def test_bad_tune_requests_are_refused(family, kwargs, message):
+    base, experts, merged, data = family
+    args = {"base": base, "config": FeatCalConfig(tune=True, anchor_blend_rho=1.0), **kwargs}
+    with pytest.raises(ConfigError, match=message):
+        calibrate(merged, experts=experts, calibration=data, progress=False, **args)
+
+
+def test_module_head_scores_agreement_on_the_pooled_output(family):
+    base, experts, merged, data = family
+    torch.manual_seed(0)
+    heads = {t: torch.nn.Linear(32, 4) for t in experts}  # a linear head on CLIP's pooler_output
+    out = calibrate(merged, base=base, experts=experts, calibration=data, progress=False, heads=heads,
+                    config=FeatCalConfig(tune=True, tune_budget=4.0))
+    rec = out.featcal_tuning
+    for c in rec["candidates"]:
+        agreement = [c["per_task"][t]["agreement"] for t in experts]
+        assert c["disagreement"] == pytest.approx(1.0 - sum(agreement) / len(agreement))
+    best = min((c["disagreement"], c["drift"]) for c in rec["candidates"])
+    assert (rec["chosen"]["disagreement"], rec["chosen"]["drift"]) == best
+
+
+# --- CLI and YAML --------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def on_disk(tmp_path_factory):
+    import test_pipeline_support as support
+
+    root = tmp_path_factory.mktemp("tune")
+    fam = support.clip_family(root, n_images=6)
+    merged = root / "merged-ta"  # a featcal merge: its featcal.json says how to rebuild it
+    assert main(["merge", "--base", str(fam["base"]), *[f"--expert={t}={d}" for t, d in fam["experts"].items()],
+                 "--method", "task_arithmetic", "--scaling", "0.3", "--out", str(merged), "--no-progress"]) == 0
+    return {**fam, "featcal_merge": merged}
+
+
+def test_cli_calibrate_tune_records_every_candidate_and_the_choice(on_disk, tmp_path, capsys):
+    out = tmp_path / "out"
+    argv = ["calibrate", "--base", str(on_disk["base"]), "--merged", str(on_disk["featcal_merge"]), "--out", str(out),
+            "--no-progress", "--num-calibration-examples", "6", "--calibration-batch-size", "3",
+            "--tune", "--tune-budget", "4", "--tune-holdout", "0.34"]
+    for t, d in on_disk["experts"].items():
+        argv += ["--expert", f"{t}={d}"]
+    for t, d in on_disk["data"].items():
+        argv += ["--calib", f"{t}={d}"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "tune: 3 candidate(s) scored on held-out calibration examples; chose" in printed
+    report = json.loads((out / "featcal.json").read_text())
+    rec = report["tuning"]
+    assert report["params"]["tune"] is True and report["params"]["tune_budget"] == 4.0
+    assert rec["budget"]["max_candidates"] == 3 and len(rec["candidates"]) == 3
+    assert rec["searched"][0] == "merge_scaling" and rec["start"]["merge_scaling"] == 0.3
+    assert "task_arithmetic, scaling 0.3" in rec["merge_scaling_from"]
+    assert all({"drift", "anchor_blend_rho", "lambda_ratio", "teacher_interp_alpha", "merge_scaling"} <= set(c)
+               for c in rec["candidates"])
+    assert rec["chosen"]["drift"] == min(c["drift"] for c in rec["candidates"])
+    assert all(s["fit"] + s["held_out"] == s["examples"] == 6 for s in rec["split"].values())
+
+
+def test_cli_tune_without_a_featcal_merge_searches_the_three_knobs(on_disk, tmp_path, capsys):
+    out = tmp_path / "out"
+    argv = ["calibrate", "--base", str(on_disk["base"]), "--merged", str(on_disk["merged"]), "--out", str(out),
+            "--no-progress", "--num-calibration-examples", "6", "--calibration-batch-size", "3", "--tune",
+            "--tune-budget", "3"]
+    for t, d in on_disk["experts"].items():
+        argv += ["--expert", f"{t}={d}", "--calib", f"{t}={on_disk['data'][t]}"]
+    assert main(argv) == 0
+    rec = json.loads((out / "featcal.json").read_text())["tuning"]
+    assert rec["searched"] == ["anchor_blend_rho", "lambda_ratio", "teacher_interp_alpha"]
+    assert "no featcal.json" in rec["merge_scaling_from"] and rec["start"]["merge_scaling"] is None
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (("--tune-budget", "2"), "tune_budget: Input should be greater than or equal to 3"),
+    (("--tune-holdout", "0.6"), "tune_holdout: Input should be less than or equal to 0.5"),
+    (("--tune-budget", "nan"), "tune_budget: Input should be a finite number"),
+])
+def test_cli_refuses_bad_tune_values_in_one_line(on_disk, tmp_path, capsys, flags, message):
+    argv = ["calibrate", "--base", str(on_disk["base"]), "--merged", str(on_disk["merged"]), "--out",
+            str(tmp_path / "out"), "--no-progress", "--tune", *flags]
+    for t, d in on_disk["experts"].items():
+        argv += ["--expert", f"{t}={d}", "--calib", f"{t}={on_disk['data'][t]}"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and not (tmp_path / "out").exists()
+
+
+def test_yaml_run_tunes_the_task_arithmetic_scaling(on_disk, tmp_path, capsys):
+    out = tmp_path / "calibrated"
+    run = tmp_path / "run.yaml"
+    run.write_text(yaml.safe_dump({
+        "merge": {"base": str(on_disk["base"]), "experts": {n: str(p) for n, p in on_disk["experts"].items()},
+                  "method": "task_arithmetic", "params": {"scaling": 0.2}},
+        "calibrate": {"calibration": {t: str(p) for t, p in on_disk["data"].items()},
+                      "config": {"num_calibration_examples": 6, "calibration_batch_size": 3, "tune": True,
+                                 "tune_budget": 4}},
+        "out": str(out),
+    }))
+    assert main(["run", str(run), "--no-progress"]) == 0
+    rec = json.loads((out / "featcal.json").read_text())["tuning"]
+    assert rec["start"]["merge_scaling"] == 0.2 and rec["merge_scaling_from"] == "given by the caller"
+    assert rec["candidates"][1]["merge_scaling"] == 0.3  # the first step up the scaling ladder: 1.5 × 0.2
+    assert T.CLIPVisionModel.from_pretrained(out) is not None
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(run.read_text().replace("tune_budget: 4", "tune_budget: 1000").replace(str(out), str(tmp_path / "o2")))
+    assert main(["run", str(bad), "--no-progress"]) == 2
+    assert "tune_budget: Input should be less than or equal to 100" in capsys.readouterr().err
