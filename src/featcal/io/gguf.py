@@ -62,7 +62,8 @@ def gguf_config(file: Path, label: str):
     import transformers
 
     try:
-        config = transformers.AutoConfig.from_pretrained(str(file.parent), gguf_file=file.name)
+        config = transformers.AutoConfig.from_pretrained(str(file.parent), gguf_file=file.name,
+                                                       trust_remote_code=False)
     except Exception as exc:  # truncated header, unsupported architecture, not a GGUF file
         reason = " ".join(str(exc).split())[:300]
         raise CheckpointError(f"{label}: cannot read the GGUF file {file}: {reason} (truncated or not GGUF?)") from None
@@ -148,7 +149,8 @@ def save_gguf_tokenizer(file: Path, directory: Path) -> bool:
     import transformers
 
     try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name,
+                                                             trust_remote_code=False)
         tokenizer.save_pretrained(directory)
         return True
     except Exception as exc:
