@@ -365,6 +365,7 @@ def calibrate_to_dir(
     max_length: int = 128,
     allow_fewer: bool = False,
     check_finite: bool = True,
+    merge_scaling: float | None = None,
 ) -> dict[str, Any]:
     """Calibrate the merged checkpoint toward its experts and write the result (+ featcal.json) to `out`.
 
@@ -372,12 +373,15 @@ def calibrate_to_dir(
     (e.g. a Gram matrix that needed the pseudo-inverse fallback). Nothing is written if anything fails,
     and the calibrated weights are checked for NaN/Inf before anything is. `check_finite=False` skips
     the NaN/Inf scan of the inputs (for callers that just scanned them, as `featcal run` does).
+    With `config.tune`, `merge_scaling` is the s of a task-vector merge θ0 + s·v (featcal run knows it; else
+    it is read from the merged checkpoint's featcal.json when that ties it to these inputs), and the
+    report's `tuning` records every candidate and the choice (tuning.py).
     """
     with hf_progress_bars(progress):
         return _calibrate_to_dir(
             merged, base=base, experts=experts, calibration_sources=calibration_sources, config=config, out=out,
             overwrite=overwrite, allow_pickle=allow_pickle, progress=progress, max_length=max_length,
-            allow_fewer=allow_fewer, check_finite=check_finite,
+            allow_fewer=allow_fewer, check_finite=check_finite, merge_scaling=merge_scaling,
         )
 
 
@@ -385,6 +389,7 @@ def _calibrate_to_dir(
     merged: str | Path, *, base: str | Path, experts: Mapping[str, str | Path],
     calibration_sources: Mapping[str, str | Path], config: FeatCalConfig, out: str | Path, overwrite: bool,
     allow_pickle: bool, progress: bool, max_length: int, allow_fewer: bool, check_finite: bool,
+    merge_scaling: float | None = None,
 ) -> dict[str, Any]:
     total = Timer()
     if merged is None:
@@ -422,12 +427,21 @@ def _calibrate_to_dir(
 
         from featcal.calibration.api import calibrate
 
+        tune: dict[str, Any] = {}  # --tune: where the search may rebuild the merge at other scalings
+        scaling_from = "given by the caller" if merge_scaling is not None else None
+        if config.tune and merge_scaling is None:
+            from featcal.calibration.tuning import merge_scaling_from_report
+
+            merge_scaling, scaling_from = merge_scaling_from_report(merged_dir, base_dir, expert_dirs)
+        if config.tune:
+            tune = {"merge_scaling": merge_scaling}
         work = Timer()
         with torch.no_grad():
             calibrated = calibrate(
                 merged_model, base=str(base_dir), experts={t: str(d) for t, d in expert_dirs.items()},
                 calibration=calibration, config=config, progress=progress, inplace=True, allow_pickle=allow_pickle,
                 keep_resume_state=True, check_finite=False,  # the checkpoints were scanned above
+                **tune,
             )
         calibrate_seconds = work.seconds
         from featcal.calibration.resume import discard_on_error
@@ -480,6 +494,8 @@ def _calibrate_to_dir(
             "hash_inputs": round(hash_seconds, 3), "save": round(save.seconds, 3), "total": round(total.seconds, 3),
         }
         report["peak_rss_mb"] = round(peak_rss_mb(), 1)
+        if getattr(calibrated, "featcal_tuning", None) is not None:
+            report["tuning"] = {**calibrated.featcal_tuning, "merge_scaling_from": scaling_from}
         write_report(tmp, report)
     group.barrier()
     if store is not None:  # the checkpoint is safely in place: the resume state has served

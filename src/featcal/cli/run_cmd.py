@@ -86,6 +86,7 @@ def execute(run: RunConfig, *, progress: bool = True) -> Path:
         return out
 
     from featcal.calibration.pipeline import calibrate_to_dir, check_calibration_inputs
+    from featcal.calibration.tuning import TASK_VECTOR_METHODS
 
     featcal_config = run.calibrate.featcal_config()
     # everything the calibration will check, against the base, BEFORE the merge (the merge scans for NaN)
@@ -104,6 +105,8 @@ def execute(run: RunConfig, *, progress: bool = True) -> Path:
             merged=merged_dir, base=run.merge.base, experts=run.merge.experts,
             calibration_sources=run.calibrate.calibration, config=featcal_config, out=out,
             overwrite=run.overwrite, allow_pickle=run.allow_pickle, progress=progress, check_finite=False,
+            merge_scaling=merge_config.scaling if featcal_config.tune and merge_config.method in TASK_VECTOR_METHODS
+            else None,  # tune may rebuild a task-vector merge at other scalings
         )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
