@@ -150,3 +150,32 @@ def test_grown_vocab_merge_then_calibrate(grown, tmp_path):
     before = load_file(merged_dir / "model.safetensors")
     after = load_file(out / "model.safetensors")
     assert any(not torch.equal(before[k], after[k]) for k in before if "layers.0.mlp" in k)
+
+
+def test_mergebench_layout_with_grown_experts_reproduces_end_to_end(tmp_path, capsys):
+    """Laid out like the MergeBench hub repos, experts carrying 8 rows more than the base (128320 vs 128256
+    there): `featcal reproduce llama-3.2-3b-mergebench` merges, calibrates and writes consistent checkpoints."""
+    from featcal.cli.main import main
+    from fixtures_hub import build_mergebench_hub
+
+    models, data = build_mergebench_hub(tmp_path / "hub", tasks=("math", "instruction"))
+    base_dir = models / "meta-llama" / "Llama-3.2-3B"
+    tok = T.AutoTokenizer.from_pretrained(base_dir)
+    rows = len(tok) + 8
+    for task in ("math", "instruction"):
+        d = models / "MergeBench" / f"Llama-3.2-3B_{task}"
+        expert = T.LlamaForCausalLM.from_pretrained(d)
+        expert.resize_token_embeddings(rows)
+        expert.save_pretrained(d)
+        grown = T.AutoTokenizer.from_pretrained(base_dir)
+        grown.add_tokens([f"<extra_{i}>" for i in range(8)])
+        grown.save_pretrained(d)
+    out = tmp_path / "run"
+    rc = main(["reproduce", "llama-3.2-3b-mergebench", "--out", str(out), "--tasks", "math,instruction",
+               "--num-calibration-examples", "8", "--calibration-batch-size", "4", "--device", "cpu",
+               "--model-dir", str(models), "--data-dir", str(data)])
+    assert rc == 0, capsys.readouterr().err
+    for stage in ("merged", "featcal"):
+        model = T.LlamaForCausalLM.from_pretrained(out / stage)
+        assert model.config.vocab_size == rows and model.get_input_embeddings().weight.shape[0] == rows, stage
+        assert len(T.AutoTokenizer.from_pretrained(out / stage)) == rows, stage

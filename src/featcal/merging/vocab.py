@@ -320,3 +320,11 @@ def vocab_rows_view(reference: Any, reference_label: str, label: str, source: An
     if reference_label == "base":
         return cut_rows_view(reference, label, source)
     return pad_rows_view(reference, f"the {reference_label} model", source)
+
+
+def plan_for_checkpoints(base_dir: Any, expert_dirs: Mapping[str, Any]) -> VocabPlan | None:
+    """The plan `featcal.merge` follows for these checkpoints (headers only): for callers that write a
+    merged state dict themselves (featcal reproduce) and must make its config and tokenizer agree."""
+    from featcal.io.checkpoint import CheckpointReader
+
+    return grown_vocabulary(CheckpointReader(base_dir), {t: CheckpointReader(d) for t, d in expert_dirs.items()})[1]

@@ -63,7 +63,7 @@ class MergeBenchPipeline(Pipeline):
     def tokenizer(self) -> Any:
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(self.base_dir, trust_remote_code=False)
+        tok = AutoTokenizer.from_pretrained(self.side_files_dir, trust_remote_code=False)
         if tok.pad_token is None:
             tok.pad_token = tok.eos_token  # padding is masked out; Llama ships without a pad token
         tok.padding_side = "right"  # real tokens keep positions 0..n-1, as in unpadded fine-tuning
@@ -75,8 +75,14 @@ class MergeBenchPipeline(Pipeline):
     def load_stage(self, stage_dir: Path) -> nn.Module:
         return load_model(stage_dir)
 
+    @property
+    def side_files_dir(self) -> Path:
+        """Where the tokenizer comes from: the merged stage (an expert's, when their vocabulary grew), else the base."""
+        merged = self.rundir.stage_dir("merged")
+        return merged if self.rundir.has_stage("merged") else self.base_dir
+
     def save_stage(self, model: nn.Module, tmp: Path) -> None:
-        copy_side_files(self.base_dir, tmp)
+        copy_side_files(self.side_files_dir, tmp)
         model.save_pretrained(tmp)
 
     def calibration_batches(self, task: TaskSpec) -> list[dict[str, Any]]:

@@ -216,8 +216,12 @@ def merge_paths(base_dir: Path, expert_dirs: dict[str, Path], scaling: float, tm
     """Task Arithmetic of checkpoints on disk (streamed tensor by tensor) into the stage dir `tmp`."""
     from featcal.io.checkpoint import copy_side_files
     from featcal.merging.api import merge
+    from featcal.merging.vocab import plan_for_checkpoints
     from featcal.merging.writer import save_state_dict
 
     state = merge(str(base_dir), {t: str(d) for t, d in expert_dirs.items()}, "task_arithmetic", scaling=scaling)
     copy_side_files(base_dir, tmp)
     save_state_dict(dict(state), tmp)
+    vocab = plan_for_checkpoints(base_dir, expert_dirs)  # experts with more vocabulary rows (MergeBench's Llamas)
+    if vocab is not None:
+        vocab.write(tmp)  # config vocab_size and tokenizer as the grown rows need
