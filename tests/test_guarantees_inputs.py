@@ -264,6 +264,7 @@ BAD_FEATCAL = {
     "checkpoint_every": [0, -2, 1.5, True],
     "text_column": ["", 3],
     "allow_test_split": ["sometimes"],
+    "bias_solve": ["both", "Joint", 1],
     "tune": ["maybe"],
     "tune_budget": [2.9, 100.5, math.nan, math.inf, True],
     "tune_holdout": [0.0, 0.04, 0.51, math.nan],

@@ -117,6 +117,10 @@ class FeatCalConfig(_Strict):
         False, description="accept a saved dataset of test data (its only split 'test', or saved from a test "
         "split) as calibration data"
     )
+    bias_solve: Literal["sequential", "joint"] = Field(
+        "sequential", description="Linear biases: sequential (the paper: W without intercept, then b given W) or "
+        "joint (W and b in one solve: the exact minimiser of the same objective with an intercept)"
+    )
     tune: bool = Field(
         False, description="choose anchor_blend_rho, lambda_ratio, teacher_interp_alpha (and a task-vector merge's "
         "scaling, where known) by a label-free score on held-out calibration examples, then refit on all of them "

@@ -426,7 +426,7 @@ class FeatCalEngine:
         linears_e = {c.name: c.module for c in mods_e.values() if c.kind == "linear"}
         rms = {c.name for c in mods_e.values() if c.kind == "rmsnorm"}
         names = self.block_param_names(stack, layer)
-        sums = NormalisedSums(self.cfg.teacher_interp_alpha)
+        sums = NormalisedSums(self.cfg.teacher_interp_alpha, joint_bias=self.cfg.bias_solve == "joint")
         before = _Drift()
 
         def kind(name: str) -> tuple:  # what a module's token weights depend on
@@ -542,10 +542,16 @@ class FeatCalEngine:
                 if acc is None:
                     log.debug("%s was not called: keeps its merged value", full)
                     continue
-                w = solver.linear_weight(
-                    acc.gram, acc.target, solver.anchor(c.module.weight, self._base(full + ".weight"), rho), lam, eps,
-                    what=full,
-                )
+                w_anchor = solver.anchor(c.module.weight, self._base(full + ".weight"), rho)
+                if c.module.bias is not None and cfg.calibrate_bias and cfg.bias_solve == "joint":
+                    bias_anchor = solver.anchor(c.module.bias, self._base(full + ".bias"), rho)
+                    w, b = solver.linear_weight_bias(acc.gram, acc.target, acc.mean, acc.inv_scale, acc.bias_target,
+                                                     acc.mean_bias, w_anchor, bias_anchor, lam, eps, what=full)
+                    solver.check_finite(full + ".weight", w)
+                    solver.check_finite(full + ".bias", b)
+                    solved[c.module.weight], solved[c.module.bias] = w, b
+                    continue
+                w = solver.linear_weight(acc.gram, acc.target, w_anchor, lam, eps, what=full)
                 solver.check_finite(full + ".weight", w)
                 solved[c.module.weight] = w
                 if c.module.bias is not None and cfg.calibrate_bias:

@@ -45,6 +45,30 @@ def linear_weight(
     return solve_spd(a, b, what=what or "linear weight").T
 
 
+def linear_weight_bias(
+    gram_sum: torch.Tensor, target_sum: torch.Tensor, mean_sum: torch.Tensor, inv_scale_sum: float | torch.Tensor,
+    bias_target_sum: torch.Tensor, mean_bias_sum: torch.Tensor, anchor_w: torch.Tensor, anchor_b: torch.Tensor,
+    lam: float, eps: float, *, what: str = "",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(W, b) together: argmin Σt (1/st) E‖W xs + b − (Wt x~ + bt)‖² + λ‖W − Ā‖² + λ‖b − b̄‖² + ε‖W‖².
+
+    The exact minimiser of the objective `linear_weight` then `linear_bias` minimise in turn (W first
+    without the intercept, then b given W): one ridge solve on the input augmented by a constant 1,
+    [Σ Ct/st + (λ+ε)I, Σ μs,t/st; (Σ μs,t/st)ᵀ, Σ 1/st + λ] [Wᵀ; bᵀ] =
+    [Σ (Xt Wtᵀ + μs,t btᵀ)/st + λĀᵀ; Σ (bt + Wt μ~t)ᵀ/st + λb̄ᵀ].
+    mean_bias_sum: Σt μs,t btᵀ / st (in×out); the other sums as in linear_weight / linear_bias.
+    """
+    d = gram_sum.shape[0]
+    a = torch.empty(d + 1, d + 1, dtype=_F64, device=gram_sum.device)
+    a[:d, :d] = gram_sum.to(_F64) + (lam + eps) * torch.eye(d, dtype=_F64, device=gram_sum.device)
+    a[:d, d] = a[d, :d] = mean_sum.to(_F64)
+    a[d, d] = torch.as_tensor(inv_scale_sum, dtype=_F64) + lam
+    b = torch.cat([target_sum.to(_F64) + mean_bias_sum.to(_F64) + lam * anchor_w.to(_F64).T,
+                   (bias_target_sum.to(_F64) + lam * anchor_b.to(_F64))[None]])
+    x = solve_spd(a, b, what=what or "linear weight and bias")
+    return x[:d].T, x[d]
+
+
 def linear_bias(
     weight: torch.Tensor,
     inv_scale_sum: float | torch.Tensor,

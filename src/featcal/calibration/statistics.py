@@ -212,6 +212,7 @@ class LinearNormalised:
     inv_scale: torch.Tensor  # Σ 1/st
     bias_target: torch.Tensor  # Σ (bt + Wt μ~t)/st (out)
     mean: torch.Tensor  # Σ μs,t/st             (in)
+    mean_bias: torch.Tensor | None = None  # Σ μs,t btᵀ/st (in×out): the joint weight-and-bias solve only
 
 
 @dataclass
@@ -228,8 +229,9 @@ class NormNormalised:
 class NormalisedSums:
     """Running cross-task sums for one block; one `add_task` per finished task, then solve."""
 
-    def __init__(self, alpha: float) -> None:
+    def __init__(self, alpha: float, joint_bias: bool = False) -> None:
         self.alpha = float(alpha)
+        self.joint_bias = joint_bias  # also keep Σ μs,t btᵀ/st (solver.linear_weight_bias)
         self.linears: dict[str, LinearNormalised] = {}
         self.norms: dict[str, NormNormalised] = {}
 
@@ -266,15 +268,19 @@ class NormalisedSums:
             target = a * p + (1 - a) * (c @ wt.T)
             bias_target = a * mean_y + (1 - a) * (wt @ mu_s + bt)  # bt + Wt μ~t
             inv = 1.0 / s_t
+            mean_bias = torch.outer(mu_s, bt) * inv if self.joint_bias else None
             acc = self.linears.get(name)
             if acc is None:
-                self.linears[name] = LinearNormalised(c * inv, target * inv, inv, bias_target * inv, mu_s * inv)
+                self.linears[name] = LinearNormalised(c * inv, target * inv, inv, bias_target * inv, mu_s * inv,
+                                                      mean_bias)
             else:
                 acc.gram += c * inv
                 acc.target += target * inv
                 acc.inv_scale = acc.inv_scale + inv
                 acc.bias_target += bias_target * inv
                 acc.mean += mu_s * inv
+                if mean_bias is not None:
+                    acc.mean_bias += mean_bias
         for name, ns in sums.norms.items():
             sw = ns.sw.to(_F64)
             if float(sw) <= 0:
