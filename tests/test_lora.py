@@ -206,3 +206,33 @@ def test_lora_expert_featcal_calibrate_cli(family, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("featcal: error: ") and "use_dora" in err and err.count("\n") == 0
     assert not (tmp_path / "cal2").exists()
+
+
+def test_featcal_run_with_an_adapter_and_a_grown_expert(family, tmp_path, capsys):
+    """`featcal run`: its pre-merge checks read an adapter over the base and cut a grown expert to the base's
+    rows; the merge then grows the vocabulary and calibration runs toward all three experts."""
+    import yaml
+
+    _, base, experts, _ = family
+    grown = tmp_path / "grown"
+    model = T.LlamaForCausalLM.from_pretrained(experts["full"])
+    model.resize_token_embeddings(104)
+    model.save_pretrained(grown)
+    calib = {}
+    for t in ("lora1", "lora2", "grown"):
+        f = tmp_path / f"{t}.jsonl"
+        f.write_text("".join(json.dumps({"text": " ".join(f"w{(i * 3 + j) % 90}" for j in range(6))}) + "\n"
+                             for i in range(8)))
+        calib[t] = str(f)
+    run = tmp_path / "run.yaml"
+    run.write_text(yaml.safe_dump({
+        "merge": {"base": str(base), "experts": {"lora1": str(experts["lora1"]), "lora2": str(experts["lora2"]),
+                                                 "grown": str(grown)},
+                  "method": "task_arithmetic", "params": {"scaling": 0.4}},
+        "calibrate": {"calibration": calib, "config": {"num_calibration_examples": 8, "calibration_batch_size": 4}},
+        "out": str(tmp_path / "out"),
+    }))
+    assert main(["run", str(run), "--no-progress"]) == 0, capsys.readouterr().err
+    out = next(p for p in (tmp_path / "out").rglob("featcal.json") if json.loads(p.read_text())["command"] == "calibrate")
+    calibrated = T.LlamaForCausalLM.from_pretrained(out.parent)
+    assert calibrated.get_input_embeddings().weight.shape == (104, 32)

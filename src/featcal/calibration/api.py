@@ -146,6 +146,9 @@ def _identity(source: ModelLike) -> str:
     if isinstance(source, nn.Module):
         return resume_mod.module_digest(source)
     path = os.fspath(source)
+    if os.path.isfile(path):  # a GGUF file: its identity, like a folder's, from name, size and mtime
+        st = os.stat(path)
+        return f"file:{os.path.realpath(path)}:{st.st_size}:{st.st_mtime_ns}"
     return resume_mod.files_digest(path) if os.path.isdir(path) else f"id:{path}"
 
 

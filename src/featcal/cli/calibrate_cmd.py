@@ -142,10 +142,12 @@ def register(subparsers) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The calibrate arguments, shared with `featcal plan`."""
-    p.add_argument("--base", required=True, help="pretrained base checkpoint (directory or hub id)")
+    p.add_argument("--base", required=True,
+                   help="pretrained base checkpoint (directory, hub id, or a .gguf file / folder holding one)")
     p.add_argument("--merged", required=True, help="merged checkpoint to calibrate")
     p.add_argument("--expert", action="append", metavar="NAME=PATH", required=True,
-                   help="a task's fine-tuned expert (repeat per task)")
+                   help="a task's fine-tuned expert (repeat per task): a checkpoint, a .gguf file, or a LoRA/PEFT "
+                   "adapter folder (applied to the base)")
     p.add_argument("--calib", action="append", metavar="NAME=DATA", required=True,
                    help="a task's calibration data: image folder, saved dataset, .jsonl or .parquet (repeat per task)")
     p.add_argument("--out", required=True, help="output directory for the calibrated checkpoint")

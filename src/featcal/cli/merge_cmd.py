@@ -42,9 +42,11 @@ def register(subparsers) -> None:
         "tensor by tensor (RegMean, RegMean++ and WUDI load whole models; RegMean reads --calib data). "
         "The output is an ordinary Hugging Face checkpoint plus featcal.json.",
     )
-    p.add_argument("--base", required=True, help="pretrained base checkpoint (directory or hub id)")
+    p.add_argument("--base", required=True,
+                   help="pretrained base checkpoint (directory, hub id, or a .gguf file / folder holding one)")
     p.add_argument("--expert", action="append", metavar="NAME=PATH", required=True,
-                   help="a task's fine-tuned expert (repeat per task)")
+                   help="a task's fine-tuned expert (repeat per task): a checkpoint, a .gguf file, or a LoRA/PEFT "
+                   "adapter folder (applied to the base)")
     p.add_argument("--out", required=True, help="output directory for the merged checkpoint")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
     p.add_argument("--allow-pickle", action="store_true", help="accept pickled (*.bin) checkpoints")
