@@ -90,6 +90,16 @@ def test_grown_vocab_ties_selects_over_shared_rows(grown):
     assert torch.allclose(merged[k][110:], es["t1"][k][110:], atol=1e-6)
 
 
+def test_grown_vocab_whole_model_merge(grown):
+    """WUDI loads whole models: a grown expert loads cut to the base's rows (RowsView through load_view)."""
+    _, base, experts = grown
+    merged = merge(base, experts, "wudi", steps=1, progress=False)
+    es = {t: load_file(d / "model.safetensors") for t, d in experts.items()}
+    k = _vocab_key(merged, "embed_tokens")
+    assert merged[k].shape == (120, 32)
+    assert torch.allclose(merged[k][100:110], (es["t0"][k][100:110] + es["t1"][k][100:110]) / 2, atol=1e-6)
+
+
 def _save_expert(model, rows: int | None, directory, hidden: int | None = None):
     if hidden is not None:
         cfg = tiny_model("llama").config
