@@ -192,25 +192,37 @@ def _to(batch: Batch, device: torch.device) -> Batch:
 
 
 @torch.no_grad()
-def final_features(model: nn.Module, adapter: Adapter, batch: Batch, *, whole: bool = False):
-    """(features, 0/1 token mask or None, model output or None): the last stack's last block output.
+def final_features(model: nn.Module, adapter: Adapter, batch: Batch, head: Head | None = None, task: str = ""):
+    """(features, 0/1 token mask or None, predicted classes or None) from ONE forward where possible.
 
-    Only the class token where the stack's output is read from it (CLIP/ViT); `whole` runs the rest of
-    the forward too and returns the model's output (for heads on the pooled output).
+    Features: the last stack's last block output (only the class token where the stack's output is
+    read from it, CLIP/ViT). Without a head the forward stops after that block; an nn.Module head reads
+    the model's pooled output of the same forward; a callable head runs the model itself and the block's
+    output is taken from that forward (a second, stopped forward only if the head never reached it).
     """
     stack = adapter.stacks(model)[-1]
     block = stack.blocks(model)[-1]
     seen: dict[str, torch.Tensor] = {}
+    stop = [head is None]
 
     def hook(_mod, _args, out):
-        seen["h"] = _hidden(out)
-        if not whole:
+        seen.setdefault("h", _hidden(out))
+        if stop[0]:
             raise _Stop
 
     handle = block.register_forward_hook(hook)
-    output = None
+    pred = None
     try:
-        output = model(**accepted_inputs(model, batch))
+        if head is None:
+            model(**accepted_inputs(model, batch))
+        elif isinstance(head, nn.Module):
+            output = model(**accepted_inputs(model, batch))
+            pred = _argmax(task, head(_pooled(task, output, batch)))
+        else:
+            pred = _argmax(task, head(model, batch))
+            if "h" not in seen:
+                stop[0] = True
+                model(**accepted_inputs(model, batch))
     except _Stop:
         pass
     finally:
@@ -220,7 +232,7 @@ def final_features(model: nn.Module, adapter: Adapter, batch: Batch, *, whole: b
     if stack.class_token_head:
         h = h[:, :1]
         mask = None if mask is None else mask[:, :1]
-    return h, mask, output
+    return h, mask, pred
 
 
 def _pooled(task: str, output: Any, batch: Batch) -> torch.Tensor:
@@ -241,8 +253,7 @@ def _pooled(task: str, output: Any, batch: Batch) -> torch.Tensor:
     return (h * m).sum(1) / m.sum(1).clamp_min(1.0)
 
 
-def _predict(task: str, head: Head, model: nn.Module, batch: Batch, output: Any) -> torch.Tensor:
-    logits = head(_pooled(task, output, batch)) if isinstance(head, nn.Module) else head(model, batch)
+def _argmax(task: str, logits: Any) -> torch.Tensor:
     if not isinstance(logits, torch.Tensor) or logits.dim() < 1:
         raise ConfigError(f"head of task {task!r} must return logits (a tensor), got {type(logits).__name__}")
     return logits.argmax(-1).flatten().cpu()
@@ -261,11 +272,10 @@ def _reference(task: str, expert: nn.Module, adapter: Adapter, batches: list[Bat
     dev = next(expert.parameters()).device
     feats, preds = [], [] if head is not None else None
     for b in batches:
-        b = _to(b, dev)
-        h, mask, out = final_features(expert, adapter, b, whole=isinstance(head, nn.Module))
+        h, mask, pred = final_features(expert, adapter, _to(b, dev), head, task)
         feats.append((h, mask))
         if head is not None:
-            preds.append(_predict(task, head, expert, b, out))
+            preds.append(pred)
     return _Reference(feats, preds)
 
 
@@ -280,15 +290,13 @@ def score(model: nn.Module, adapter: Adapter, held: Mapping[str, list[Batch]], r
         head = heads.get(t)
         rel_sum = count = agree = n = 0.0
         for i, b in enumerate(batches):
-            b = _to(b, dev)
-            h, _, out = final_features(model, adapter, b, whole=isinstance(head, nn.Module))
+            h, _, pred = final_features(model, adapter, _to(b, dev), head, t)
             he, mask = refs[t].features[i]
             rel = (h - he).pow(2).sum(-1) / he.pow(2).sum(-1).clamp_min(1e-12)
             m = torch.ones_like(rel) if mask is None else mask.to(rel)
             rel_sum += float((rel * m).sum())
             count += float(m.sum())
             if head is not None:
-                pred = _predict(t, head, model, b, out)
                 agree += float((pred == refs[t].predictions[i]).sum())
                 n += len(pred)
         per_task[t] = {"drift": rel_sum / max(count, 1.0)}
