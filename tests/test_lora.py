@@ -98,8 +98,24 @@ def test_lora_experts_merge_equals_hand_computed(family, tmp_path):
     report = json.loads((out / "featcal.json").read_text())["inputs"]["experts"]
     assert report["lora1"]["lora_adapter"] is True and report["lora1"]["adapted_tensors"] == 4
     assert report["lora2"]["use_rslora"] is True and "adapter_model.safetensors" in report["lora2"]["sha256"]
+    assert report["lora1"]["base_name_warning"] is None  # the adapter names 'base', the base folder's name
     assert sorted(p.name for p in out.iterdir() if p.suffix == ".safetensors") == ["model.safetensors"]
     T.LlamaForCausalLM.from_pretrained(out)  # an ordinary checkpoint
+
+
+def test_an_adapter_naming_another_base_is_applied_with_a_warning(family, tmp_path, caplog):
+    """Shapes decide whether an adapter fits; a base_model_name_or_path naming another model is warned
+    about and recorded (a renamed local copy of the right base is common), not refused."""
+    _, base, experts, by_hand = family
+    other = _write_adapter(tmp_path / "other", load_file(experts["lora1"] / "adapter_model.safetensors"),
+                           base_model_name_or_path="meta-llama/Llama-3.2-3B-Instruct")
+    with caplog.at_level("WARNING"):
+        merged = merge(base, {"o": other}, "task_arithmetic", scaling=1.0, out=tmp_path / "out", progress=False)
+    assert "Llama-3.2-3B-Instruct" in caplog.text
+    assert torch.allclose(merged["model.layers.0.self_attn.q_proj.weight"],
+                          by_hand["lora1"]["model.layers.0.self_attn.q_proj.weight"], atol=1e-6)
+    report = json.loads((tmp_path / "out" / "featcal.json").read_text())["inputs"]["experts"]["o"]
+    assert "Llama-3.2-3B-Instruct" in report["base_name_warning"]
 
 
 def test_lora_experts_whole_model_merge_and_cli(family, tmp_path, capsys):

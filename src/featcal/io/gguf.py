@@ -56,9 +56,26 @@ def require_gguf() -> None:
         raise CheckpointError(f"reading GGUF files needs the gguf package: {INSTALL_HINT}") from None
 
 
+# (resolved path, size, mtime) -> config: transformers parses every header field in Python (the tokenizer's
+# tokens and merges too), ~15 s for SmolLM2; checks and calibration ask for one file's config several times
+_CONFIGS: dict[tuple[str, int, int], Any] = {}
+
+
 def gguf_config(file: Path, label: str):
     """The transformers config in a GGUF header (no tensor is read), with `architectures` set."""
-    require_gguf()
+    import copy
+
+    require_gguf()  # before the cache: dequantising needs the package whatever the header says
+    st = file.stat()
+    key = (str(file.resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _CONFIGS:
+        if len(_CONFIGS) >= 32:  # configs are small; the bound only keeps a long-lived process tidy
+            _CONFIGS.clear()
+        _CONFIGS[key] = _read_config(file, label)
+    return copy.deepcopy(_CONFIGS[key])
+
+
+def _read_config(file: Path, label: str):
     import transformers
 
     try:

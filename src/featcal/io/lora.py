@@ -238,6 +238,7 @@ class LoraSource(RenamedSource):
             "applied_to": str(self.source.path), "base_model_name_or_path": cfg.get("base_model_name_or_path"),
             "r": cfg.get("r"), "lora_alpha": cfg.get("lora_alpha"), "use_rslora": bool(cfg.get("use_rslora")),
             "adapted_tensors": len(self.adapted),
+            "base_name_warning": getattr(self, "base_name_warning", None),
         }
 
 
@@ -258,6 +259,7 @@ def open_adapter(adapter_dir: str | Path, base: Any, label: str, *, allow_pickle
     """An adapter folder as an expert over `base` (a TensorSource); refuses what it cannot apply."""
     source = LoraSource(adapter_dir, base, label, allow_pickle=allow_pickle)
     warning = base_name_mismatch(source.adapter_config, getattr(base, "path", ""), base.config)
+    source.base_name_warning = warning  # featcal.json says it too
     if warning:
         log.warning("%s: %s", label, warning)
     return source
