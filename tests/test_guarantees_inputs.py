@@ -268,6 +268,7 @@ BAD_FEATCAL = {
     "tune": ["maybe"],
     "tune_budget": [2.9, 100.5, math.nan, math.inf, True],
     "tune_holdout": [0.0, 0.04, 0.51, math.nan],
+    "tune_head_pooling": ["cls", 1],
 }
 BAD_MERGE = {
     "method": ["nope", "TIES"],

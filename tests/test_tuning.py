@@ -290,3 +290,81 @@ def test_yaml_run_tunes_the_task_arithmetic_scaling(on_disk, tmp_path, capsys):
     bad.write_text(run.read_text().replace("tune_budget: 4", "tune_budget: 1000").replace(str(out), str(tmp_path / "o2")))
     assert main(["run", str(bad), "--no-progress"]) == 2
     assert "tune_budget: Input should be less than or equal to 100" in capsys.readouterr().err
+
+
+def test_pooled_follows_tune_head_pooling():
+    from types import SimpleNamespace
+
+    h = torch.arange(24, dtype=torch.float32).reshape(1, 3, 8)
+    batch = {"attention_mask": torch.tensor([[1, 1, 0]])}
+    both = SimpleNamespace(pooler_output=torch.ones(1, 8), last_hidden_state=h)
+    assert torch.equal(tuning._pooled("a", both, batch, "auto"), torch.ones(1, 8))
+    assert torch.equal(tuning._pooled("a", both, batch, "mean"), h[:, :2].mean(1))
+    only_states = SimpleNamespace(pooler_output=None, last_hidden_state=h)
+    assert torch.equal(tuning._pooled("a", only_states, batch, "auto"), h[:, :2].mean(1))
+    with pytest.raises(ConfigError, match="tune_head_pooling is 'pooler' but the model's output has no pooler_output"):
+        tuning._pooled("a", only_states, batch, "pooler")
+
+
+@pytest.fixture(scope="module")
+def saved_heads(on_disk, tmp_path_factory):
+    from featcal.evaluation.classification import LinearHead
+
+    root = tmp_path_factory.mktemp("heads")
+    torch.manual_seed(0)
+    paths = {}
+    for t in on_disk["experts"]:
+        head = LinearHead(32, 3)
+        head.save(root / f"{t}.safetensors")
+        paths[t] = root / f"{t}.safetensors"
+    (root / "junk.safetensors").write_text("not a head")
+    return {**paths, "junk": root / "junk.safetensors"}
+
+
+def _calibrate_argv(on_disk, out, *extra):
+    argv = ["calibrate", "--base", str(on_disk["base"]), "--merged", str(on_disk["featcal_merge"]), "--out", str(out),
+            "--no-progress", "--num-calibration-examples", "6", "--calibration-batch-size", "3", *extra]
+    for t, d in on_disk["experts"].items():
+        argv += ["--expert", f"{t}={d}", "--calib", f"{t}={on_disk['data'][t]}"]
+    return argv
+
+
+def test_cli_tune_heads_score_agreement(on_disk, saved_heads, tmp_path, capsys):
+    out = tmp_path / "out"
+    heads = [f"--tune-head={t}={saved_heads[t]}" for t in on_disk["experts"]]
+    assert main(_calibrate_argv(on_disk, out, "--tune", "--tune-budget", "3", *heads)) == 0
+    assert "disagreement with the experts" in capsys.readouterr().out
+    rec = json.loads((out / "featcal.json").read_text())["tuning"]
+    assert rec["heads"] == sorted(on_disk["experts"]) and set(rec["head_files"]) == set(on_disk["experts"])
+    assert all(c["disagreement"] is not None for c in rec["candidates"])
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (lambda h: [f"--tune-head=task0={h['task0']}"], "heads are used only to score candidates with --tune"),
+    (lambda h: ["--tune", f"--tune-head=nope={h['task0']}"], r"head\(s\) given for unknown task\(s\) \['nope'\]"),
+    (lambda h: ["--tune", f"--tune-head=task0={h['junk']}"], "head of task 'task0'"),
+    (lambda h: ["--tune", "--tune-head=task0=/no/such/head.safetensors"], "head of task 'task0'"),
+])
+def test_cli_bad_tune_heads_are_one_line_errors(on_disk, saved_heads, tmp_path, capsys, extra, message):
+    out = tmp_path / "out"
+    assert main(_calibrate_argv(on_disk, out, *extra(saved_heads))) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("featcal: error: ") and "Traceback" not in err and not out.exists()
+    assert len(err.strip().splitlines()) == 1 and __import__("re").search(message, err), err
+
+
+def test_yaml_run_takes_heads(on_disk, saved_heads, tmp_path):
+    out = tmp_path / "calibrated"
+    run = tmp_path / "run.yaml"
+    run.write_text(yaml.safe_dump({
+        "merge": {"base": str(on_disk["base"]), "experts": {n: str(p) for n, p in on_disk["experts"].items()},
+                  "method": "task_arithmetic"},
+        "calibrate": {"calibration": {t: str(p) for t, p in on_disk["data"].items()},
+                      "heads": {t: str(saved_heads[t]) for t in on_disk["experts"]},
+                      "config": {"num_calibration_examples": 6, "calibration_batch_size": 3, "tune": True,
+                                 "tune_budget": 3, "tune_head_pooling": "pooler"}},
+        "out": str(out),
+    }))
+    assert main(["run", str(run), "--no-progress"]) == 0
+    rec = json.loads((out / "featcal.json").read_text())["tuning"]
+    assert rec["chosen"]["disagreement"] is not None and rec["heads"] == sorted(on_disk["experts"])

@@ -133,6 +133,10 @@ class FeatCalConfig(_Strict):
     tune_holdout: float = Field(
         0.25, ge=0.05, le=0.5, description="tune: fraction of each task's calibration examples held out for scoring"
     )
+    tune_head_pooling: Literal["auto", "pooler", "mean"] = Field(
+        "auto", description="tune: what a task head (a layer, not a callable) reads: the model's pooler_output, the "
+        "attention-masked mean of last_hidden_state, or auto (pooler_output where the model has one, else the mean)"
+    )
 
     @field_validator("device")
     @classmethod
@@ -167,6 +171,10 @@ class CalibrateSpec(_Strict):
 
     calibration: dict[str, str]
     config: dict[str, Any] = Field(default_factory=dict)
+    heads: dict[str, str] | None = Field(
+        None, description="tune: task -> a classification head saved by featcal (safetensors), to score candidates "
+        "by agreement with the experts' predictions"
+    )
 
     def featcal_config(self) -> FeatCalConfig:
         return parse(FeatCalConfig, self.config)

@@ -366,6 +366,7 @@ def calibrate_to_dir(
     allow_fewer: bool = False,
     check_finite: bool = True,
     merge_scaling: float | None = None,
+    heads: Mapping[str, str | Path] | None = None,
 ) -> dict[str, Any]:
     """Calibrate the merged checkpoint toward its experts and write the result (+ featcal.json) to `out`.
 
@@ -375,13 +376,14 @@ def calibrate_to_dir(
     the NaN/Inf scan of the inputs (for callers that just scanned them, as `featcal run` does).
     With `config.tune`, `merge_scaling` is the s of a task-vector merge θ0 + s·v (featcal run knows it; else
     it is read from the merged checkpoint's featcal.json when that ties it to these inputs), and the
-    report's `tuning` records every candidate and the choice (tuning.py).
+    report's `tuning` records every candidate and the choice (tuning.py); `heads` (task -> a head saved by
+    featcal) add agreement with the experts' predictions to its score.
     """
     with hf_progress_bars(progress):
         return _calibrate_to_dir(
             merged, base=base, experts=experts, calibration_sources=calibration_sources, config=config, out=out,
             overwrite=overwrite, allow_pickle=allow_pickle, progress=progress, max_length=max_length,
-            allow_fewer=allow_fewer, check_finite=check_finite, merge_scaling=merge_scaling,
+            allow_fewer=allow_fewer, check_finite=check_finite, merge_scaling=merge_scaling, heads=heads,
         )
 
 
@@ -389,7 +391,7 @@ def _calibrate_to_dir(
     merged: str | Path, *, base: str | Path, experts: Mapping[str, str | Path],
     calibration_sources: Mapping[str, str | Path], config: FeatCalConfig, out: str | Path, overwrite: bool,
     allow_pickle: bool, progress: bool, max_length: int, allow_fewer: bool, check_finite: bool,
-    merge_scaling: float | None = None,
+    merge_scaling: float | None = None, heads: Mapping[str, str | Path] | None = None,
 ) -> dict[str, Any]:
     total = Timer()
     if merged is None:
@@ -401,6 +403,9 @@ def _calibrate_to_dir(
             check_finite=check_finite, progress=progress,
         )
         tasks, out_path, data_dir = checked.tasks, checked.out, checked.data_dir
+        from featcal.calibration.tuning import load_heads
+
+        head_layers = load_heads(heads or {}, tasks, config.tune)  # refused here, before any work
         if config.resume and config.resume_dir is None:  # killed runs resume from beside the output
             from featcal.calibration.resume import default_resume_dir
 
@@ -434,7 +439,7 @@ def _calibrate_to_dir(
 
             merge_scaling, scaling_from = merge_scaling_from_report(merged_dir, base_dir, expert_dirs)
         if config.tune:
-            tune = {"merge_scaling": merge_scaling}
+            tune = {"merge_scaling": merge_scaling, "heads": head_layers or None}
         work = Timer()
         with torch.no_grad():
             calibrated = calibrate(
@@ -495,7 +500,8 @@ def _calibrate_to_dir(
         }
         report["peak_rss_mb"] = round(peak_rss_mb(), 1)
         if getattr(calibrated, "featcal_tuning", None) is not None:
-            report["tuning"] = {**calibrated.featcal_tuning, "merge_scaling_from": scaling_from}
+            report["tuning"] = {**calibrated.featcal_tuning, "merge_scaling_from": scaling_from,
+                                "head_files": {t: str(p) for t, p in (heads or {}).items()}}
         write_report(tmp, report)
     group.barrier()
     if store is not None:  # the checkpoint is safely in place: the resume state has served

@@ -192,7 +192,8 @@ def _to(batch: Batch, device: torch.device) -> Batch:
 
 
 @torch.no_grad()
-def final_features(model: nn.Module, adapter: Adapter, batch: Batch, head: Head | None = None, task: str = ""):
+def final_features(model: nn.Module, adapter: Adapter, batch: Batch, head: Head | None = None, task: str = "",
+                   pooling: str = "auto"):
     """(features, 0/1 token mask or None, predicted classes or None) from ONE forward where possible.
 
     Features: the last stack's last block output (only the class token where the stack's output is
@@ -217,7 +218,7 @@ def final_features(model: nn.Module, adapter: Adapter, batch: Batch, head: Head 
             model(**accepted_inputs(model, batch))
         elif isinstance(head, nn.Module):
             output = model(**accepted_inputs(model, batch))
-            pred = _argmax(task, head(_pooled(task, output, batch)))
+            pred = _argmax(task, head(_pooled(task, output, batch, pooling)))
         else:
             pred = _argmax(task, head(model, batch))
             if "h" not in seen:
@@ -235,15 +236,19 @@ def final_features(model: nn.Module, adapter: Adapter, batch: Batch, head: Head 
     return h, mask, pred
 
 
-def _pooled(task: str, output: Any, batch: Batch) -> torch.Tensor:
-    """What an nn.Module head reads: `pooler_output`, else the attention-masked token mean of the last state."""
+def _pooled(task: str, output: Any, batch: Batch, pooling: str = "auto") -> torch.Tensor:
+    """What an nn.Module head reads (tune_head_pooling): `pooler_output`, or the attention-masked token mean
+    of `last_hidden_state` (sentence encoders), or auto: the first where the model has one."""
     pooled = getattr(output, "pooler_output", None)
-    if pooled is not None:
+    if pooling == "pooler" and pooled is None:
+        raise ConfigError(f"head of task {task!r}: tune_head_pooling is 'pooler' but the model's output has no "
+                          "pooler_output; use 'mean', or pass a callable head(model, batch) -> logits")
+    if pooling != "mean" and pooled is not None:
         return pooled
     h = getattr(output, "last_hidden_state", None)
     if h is None:
         raise ConfigError(
-            f"head of task {task!r}: the model's output has neither pooler_output nor last_hidden_state; "
+            f"head of task {task!r}: the model's output has no last_hidden_state to pool; "
             "pass a callable head(model, batch) -> logits instead"
         )
     mask = batch.get("attention_mask")
@@ -268,11 +273,12 @@ class _Reference:
 
 
 @torch.no_grad()
-def _reference(task: str, expert: nn.Module, adapter: Adapter, batches: list[Batch], head: Head | None) -> _Reference:
+def _reference(task: str, expert: nn.Module, adapter: Adapter, batches: list[Batch], head: Head | None,
+               pooling: str = "auto") -> _Reference:
     dev = next(expert.parameters()).device
     feats, preds = [], [] if head is not None else None
     for b in batches:
-        h, mask, pred = final_features(expert, adapter, _to(b, dev), head, task)
+        h, mask, pred = final_features(expert, adapter, _to(b, dev), head, task, pooling)
         feats.append((h, mask))
         if head is not None:
             preds.append(pred)
@@ -281,7 +287,7 @@ def _reference(task: str, expert: nn.Module, adapter: Adapter, batches: list[Bat
 
 @torch.no_grad()
 def score(model: nn.Module, adapter: Adapter, held: Mapping[str, list[Batch]], refs: Mapping[str, _Reference],
-          heads: Mapping[str, Head]) -> Score:
+          heads: Mapping[str, Head], pooling: str = "auto") -> Score:
     """The candidate's held-out score against the experts' references (see CRITERION)."""
     model.eval()
     dev = next(model.parameters()).device
@@ -290,7 +296,7 @@ def score(model: nn.Module, adapter: Adapter, held: Mapping[str, list[Batch]], r
         head = heads.get(t)
         rel_sum = count = agree = n = 0.0
         for i, b in enumerate(batches):
-            h, _, pred = final_features(model, adapter, _to(b, dev), head, t)
+            h, _, pred = final_features(model, adapter, _to(b, dev), head, t, pooling)
             he, mask = refs[t].features[i]
             rel = (h - he).pow(2).sum(-1) / he.pow(2).sum(-1).clamp_min(1e-12)
             m = torch.ones_like(rel) if mask is None else mask.to(rel)
@@ -357,6 +363,31 @@ def merge_scaling_from_report(merged_dir: str | os.PathLike, base_dir: str | os.
     ):
         return None, "the merged checkpoint was made from another base or other experts"
     return float(scaling), f"{REPORT_NAME} of the merged checkpoint: {method}, scaling {scaling:g}"
+
+
+def load_heads(paths: Mapping[str, str | os.PathLike], tasks: Iterable[str], tune: bool) -> dict[str, nn.Module]:
+    """Heads saved by featcal (LinearHead / CosineHead safetensors) for `featcal calibrate --tune-head` and
+    a run file's `calibrate.heads`; refused in one line before any work (unknown task, no tune, bad file)."""
+    from featcal.errors import CheckpointError
+    from featcal.evaluation.classification import load_head
+
+    if not paths:
+        return {}
+    if not tune:
+        raise ConfigError("heads are used only to score candidates with --tune (tune: true)")
+    tasks = list(tasks)
+    unknown = [t for t in paths if t not in tasks]
+    if unknown:
+        raise ConfigError(f"head(s) given for unknown task(s) {unknown} (tasks are {tasks})")
+    heads = {}
+    for t, p in paths.items():
+        try:
+            heads[t] = load_head(p)
+        except CheckpointError as exc:
+            raise CheckpointError(f"head of task {t!r}: {exc}") from None
+        except Exception as exc:  # a file that is not safetensors at all
+            raise CheckpointError(f"head of task {t!r}: cannot read {p}: {exc}") from None
+    return heads
 
 
 def _base_source(base: nn.Module | str | os.PathLike, model: nn.Module, allow_pickle: bool) -> ParamSource:
@@ -478,9 +509,9 @@ def calibrate_tuned(
         if first:  # the first calibration validated every input: now the experts' references, once
             for t in experts:
                 expert = _expert_model(t, experts[t], template, allow_pickle)
-                refs[t] = _reference(t, expert, adapter, split.held[t], heads.get(t))
+                refs[t] = _reference(t, expert, adapter, split.held[t], heads.get(t), config.tune_head_pooling)
                 del expert
-        sc = score(out, adapter, split.held, refs, heads)
+        sc = score(out, adapter, split.held, refs, heads, config.tune_head_pooling)
         del out
         scores[s] = sc
         records.append({"index": len(records), **s.as_dict(), "drift": sc.drift, "disagreement": sc.disagreement,

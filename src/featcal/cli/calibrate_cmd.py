@@ -111,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
         calibration_sources=parse_pairs(args.calib, "--calib"), config=config, out=args.out,
         overwrite=args.overwrite, allow_pickle=args.allow_pickle, progress=not args.no_progress,
         max_length=args.max_length, allow_fewer=args.allow_fewer,
+        heads=parse_pairs(args.tune_head, "--tune-head"),
     )
     if not group.is_main:
         return 0  # rank 0 wrote the checkpoint and prints the summary
@@ -157,6 +158,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-fewer", action="store_true",
                    help="use all examples of a task holding fewer than --num-calibration-examples (with a warning)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--tune-head", action="append", metavar="NAME=PATH",
+                   help="with --tune: a task's classification head saved by featcal (safetensors), read on the "
+                   "pooled output (--tune-head-pooling); candidates are then scored first by agreement with the "
+                   "expert's predictions (repeat per task)")
     p.add_argument("--max-memory", metavar="SIZE", default=None,
                    help="refuse to start when the estimated peak memory per process exceeds SIZE (e.g. 16GiB)")
     add_config_flags(p, FeatCalConfig, "FeatCal options")

@@ -65,6 +65,8 @@ def resolve_paths(run: RunConfig, root: Path) -> RunConfig:
         update["calibrate"] = run.calibrate.model_copy(update={
             "calibration": {t: _input_path(p, root) for t, p in run.calibrate.calibration.items()},
             "config": config,
+            "heads": None if run.calibrate.heads is None
+            else {t: _input_path(p, root) for t, p in run.calibrate.heads.items()},
         })
     return run.model_copy(update=update)
 
@@ -86,7 +88,7 @@ def execute(run: RunConfig, *, progress: bool = True) -> Path:
         return out
 
     from featcal.calibration.pipeline import calibrate_to_dir, check_calibration_inputs
-    from featcal.calibration.tuning import TASK_VECTOR_METHODS
+    from featcal.calibration.tuning import TASK_VECTOR_METHODS, load_heads
 
     featcal_config = run.calibrate.featcal_config()
     # everything the calibration will check, against the base, BEFORE the merge (the merge scans for NaN)
@@ -94,6 +96,7 @@ def execute(run: RunConfig, *, progress: bool = True) -> Path:
         None, base=run.merge.base, experts=run.merge.experts, calibration_sources=run.calibrate.calibration,
         config=featcal_config, out=out, overwrite=run.overwrite, allow_pickle=run.allow_pickle, check_finite=False,
     )
+    load_heads(run.calibrate.heads or {}, run.merge.experts, featcal_config.tune)  # refused before the merge too
     out.parent.mkdir(parents=True, exist_ok=True)
     sweep_stale(out.parent, f".featcal-merge-{out.name}-")  # a killed run's scratch merge (a whole checkpoint)
     scratch = owned_tempdir(f".featcal-merge-{out.name}-", out.parent)
@@ -107,6 +110,7 @@ def execute(run: RunConfig, *, progress: bool = True) -> Path:
             overwrite=run.overwrite, allow_pickle=run.allow_pickle, progress=progress, check_finite=False,
             merge_scaling=merge_config.scaling if featcal_config.tune and merge_config.method in TASK_VECTOR_METHODS
             else None,  # tune may rebuild a task-vector merge at other scalings
+            heads=run.calibrate.heads,
         )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
