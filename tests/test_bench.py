@@ -7,6 +7,7 @@ import json
 import pytest
 
 from featcal.bench.metrics import gap_closed, mean, normalised_accuracy
+from featcal.bench.regime import regime
 from featcal.bench.run import BenchSettings, run_bench, validate, write_bench
 from featcal.bench.table import bench_table
 from featcal.cli.main import main
@@ -68,6 +69,27 @@ def test_featcal_improves_the_tiny_merge(bench):
     assert summary["calibrated_average"][64] >= summary["merge_average"] + 0.005, summary
     assert summary["gap_closed"][64] > 0.1
     assert 2.0 < report["summary"]["cost_ratio_arithmetic"] < 3.5  # the exact method vs the floor, counted
+
+
+def test_regime_line_is_stored_for_a_vision_preset(bench):
+    report, out = bench
+    regime = json.loads((out / "bench.json").read_text())["regime"]
+    ta = next(r for r in report["rows"] if r["method"] == "task_arithmetic" and not r["calibrated"])
+    assert regime["task_arithmetic"] == pytest.approx(ta["average_accuracy"])
+    assert regime["experts"] == pytest.approx(report["experts_average"])
+    assert set(regime["merged_for_the_regime_only"]) == {"regmean", "wudi"}  # not benched, merged for the line
+    assert regime["regmean_minus_ta"] == pytest.approx(regime["regmean"] - regime["task_arithmetic"])
+    assert regime["line"].startswith("regime: base ") and "points vs TA" in regime["line"]
+
+
+def test_regime_verdict():
+    real = regime(0.48, 0.68, 0.90, 0.82, 0.85, 0.3)
+    assert real["real_fine_tune_regime"] and "NOT" not in real["line"]
+    assert "RegMean +14.0, WUDI +17.0 points vs TA" in real["line"]
+    synthetic = regime(0.483, 0.667, 0.929, 0.637, 0.52, 0.3)  # the default vision zoo's figures
+    assert not synthetic["real_fine_tune_regime"] and synthetic["ordered"]
+    assert "NOT in the regime of real fine-tunes: RegMean is not above TA; WUDI is not above TA" in synthetic["line"]
+    assert "base < TA < experts does not hold" in regime(0.7, 0.6, 0.9, 0.8, 0.8, 0.3)["line"]
 
 
 def test_validate_rejects_bad_settings_before_work():
