@@ -279,7 +279,7 @@ def _reference(task: str, expert: nn.Module, adapter: Adapter, batches: list[Bat
     feats, preds = [], [] if head is not None else None
     for b in batches:
         h, mask, pred = final_features(expert, adapter, _to(b, dev), head, task, pooling)
-        feats.append((h, mask))
+        feats.append((h.cpu(), None if mask is None else mask.cpu()))  # held on the host for all candidates
         if head is not None:
             preds.append(pred)
     return _Reference(feats, preds)
@@ -297,7 +297,7 @@ def score(model: nn.Module, adapter: Adapter, held: Mapping[str, list[Batch]], r
         rel_sum = count = agree = n = 0.0
         for i, b in enumerate(batches):
             h, _, pred = final_features(model, adapter, _to(b, dev), head, t, pooling)
-            he, mask = refs[t].features[i]
+            he, mask = (None if x is None else x.to(h.device) for x in refs[t].features[i])
             rel = (h - he).pow(2).sum(-1) / he.pow(2).sum(-1).clamp_min(1e-12)
             m = torch.ones_like(rel) if mask is None else mask.to(rel)
             rel_sum += float((rel * m).sum())
@@ -391,17 +391,25 @@ def load_heads(paths: Mapping[str, str | os.PathLike], tasks: Iterable[str], tun
 
 
 def _base_source(base: nn.Module | str | os.PathLike, model: nn.Module, allow_pickle: bool) -> ParamSource:
+    from featcal.calibration.api import adapter_reader
+
     if isinstance(base, nn.Module):
         return ModelSource(base, "base")
-    return CheckpointSource(base, model, "base", allow_pickle=allow_pickle)
+    return CheckpointSource(base, model, "base", allow_pickle=allow_pickle,
+                            reader=adapter_reader(base, None, "base", allow_pickle))
 
 
-def _expert_model(task: str, expert: Any, template: nn.Module, allow_pickle: bool) -> nn.Module:
-    """Expert t as a whole model for its held-out forwards (a path is read into a copy of the merged model)."""
+def _expert_model(task: str, expert: Any, base: Any, template: nn.Module, allow_pickle: bool) -> nn.Module:
+    """Expert t as a whole model for its held-out forwards (a path, LoRA adapter or GGUF file is read as
+    calibrate reads it, into a copy of the merged model)."""
+    from featcal.calibration.api import adapter_reader
+
     if isinstance(expert, nn.Module):
         return expert.eval()
     model = copy.deepcopy(template)
-    src = CheckpointSource(expert, model, f"expert {task!r}", allow_pickle=allow_pickle)
+    label = f"expert {task!r}"
+    src = CheckpointSource(expert, model, label, allow_pickle=allow_pickle,
+                           reader=adapter_reader(expert, base, label, allow_pickle))
     held = [n for n, p in model.named_parameters(remove_duplicate=False) if src.shape(n) == tuple(p.shape)]
     load_into(model, held, src)
     return model.eval()
@@ -480,6 +488,8 @@ def calibrate_tuned(
         ["anchor_blend_rho"] if base is not None else []) + ["lambda_ratio", "teacher_interp_alpha"]
     base_src = _base_source(base, model, allow_pickle) if start.merge_scaling is not None else None
     template = model  # the search never modifies it: candidates calibrate copies
+    # held-out forwards run where calibration runs (calibrate hands its result back where the merge was)
+    where = torch.device("cpu") if config.offload_blocks else api.resolve_device(config.device)
     search_cfg = config.model_copy(update={"tune": False, "resume": False})
 
     def start_model(s: Setting, target: nn.Module | None = None) -> nn.Module:
@@ -508,10 +518,12 @@ def calibrate_tuned(
                             inplace=m is not template, allow_pickle=allow_pickle, check_finite=check_finite and first)
         if first:  # the first calibration validated every input: now the experts' references, once
             for t in experts:
-                expert = _expert_model(t, experts[t], template, allow_pickle)
+                expert = _expert_model(t, experts[t], base, template, allow_pickle)
+                if expert is not experts[t]:  # featcal's own copy (a caller's model is not moved)
+                    expert.to(where)
                 refs[t] = _reference(t, expert, adapter, split.held[t], heads.get(t), config.tune_head_pooling)
                 del expert
-        sc = score(out, adapter, split.held, refs, heads, config.tune_head_pooling)
+        sc = score(out.to(where), adapter, split.held, refs, heads, config.tune_head_pooling)
         del out
         scores[s] = sc
         records.append({"index": len(records), **s.as_dict(), "drift": sc.drift, "disagreement": sc.disagreement,
