@@ -135,11 +135,16 @@ def test_gguf_without_the_gguf_package_names_the_install(family, monkeypatch):
         merge(st["base"], {"a": gg["e1"]}, progress=False)
 
 
-def test_gguf_base_and_expert_calibrate(family, tmp_path, capsys):
+def test_gguf_base_and_expert_calibrate(family, tmp_path, capsys, monkeypatch):
     """featcal calibrate --base X.gguf --expert a=Y.gguf: dequantised, checked, calibrated, reported."""
+    import featcal.io.gguf as io_gguf
+
     _, st, gg = family
     merged = tmp_path / "merged"
     merge(gg["base"], {"a": gg["e1"], "b": st["e2"]}, out=merged, progress=False)
+    loads = []
+    real = io_gguf.load_gguf_model
+    monkeypatch.setattr(io_gguf, "load_gguf_model", lambda f, *a, **k: loads.append(f.name) or real(f, *a, **k))
     argv = ["calibrate", "--base", str(gg["base"]), "--merged", str(merged), "--out", str(tmp_path / "cal"),
             "--no-progress", "--num-calibration-examples", "8", "--calibration-batch-size", "4"]
     for t, d in (("a", gg["e1"].parent), ("b", st["e2"])):
@@ -151,5 +156,7 @@ def test_gguf_base_and_expert_calibrate(family, tmp_path, capsys):
     report = json.loads((tmp_path / "cal" / "featcal.json").read_text())
     assert report["inputs"]["base"]["dequantised_from_gguf"] and report["inputs"]["experts"]["a"]["dequantised_from_gguf"]
     assert "base.gguf" in report["inputs"]["base"]["sha256"]
+    # the header checks read no values: each GGUF is dequantised for the NaN/Inf scan and for calibration only
+    assert sorted(loads) == ["base.gguf", "base.gguf", "model.gguf", "model.gguf"]
     before, after = load_file(merged / "model.safetensors"), load_file(tmp_path / "cal" / "model.safetensors")
     assert any(not torch.equal(before[k], after[k]) for k in before if "layers.0.self_attn" in k)

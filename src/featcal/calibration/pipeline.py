@@ -132,7 +132,7 @@ def _reader(label: str, path: Path, inputs: Mapping[str, Path], allow_pickle: bo
     if is_adapter_dir(path):
         base = _reader("base model", inputs["base"], inputs, allow_pickle, cls)
         return open_adapter(path, base, label, allow_pickle=allow_pickle)
-    gguf = open_gguf(path, label)
+    gguf = open_gguf(path, label, header_only=cls is CheckpointReader)  # the header checks need no values
     return gguf if gguf is not None else cls(path, allow_pickle=allow_pickle)
 
 

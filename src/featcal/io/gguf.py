@@ -161,6 +161,27 @@ class GGUFSource(ModuleSource):
         save_gguf_tokenizer(self.file, directory)
 
 
+class GGUFHeader(ModuleSource):
+    """A GGUF input's names, shapes and config without dequantising it (a model on the meta device):
+    what the header checks need; `get` refuses, since there are no values."""
+
+    def __init__(self, file: Path, label: str) -> None:  # no ModuleSource.__init__: it copies tensors to the CPU
+        from transformers.modeling_utils import remove_tied_weights_from_state_dict, revert_weight_conversion
+
+        from featcal.merging.sources import module_config
+
+        config = gguf_config(file, label)
+        with torch.device("meta"):
+            model = _model_class(config)(config)
+        self.module, self.path = model, Path(file)
+        state = remove_tied_weights_from_state_dict(dict(model.state_dict()), model)
+        self._state = revert_weight_conversion(model, state)  # the names checkpoint_state_dict gives GGUFSource
+        self._config = module_config(model)
+
+    def get(self, name: str) -> torch.Tensor:
+        raise CheckpointError(f"{self.path}: the GGUF header holds no values (dequantise it with GGUFSource)")
+
+
 def save_gguf_tokenizer(file: Path, directory: Path) -> bool:
     """Write the tokenizer stored in a GGUF file into `directory`; False (logged) when it cannot be rebuilt."""
     import transformers
@@ -176,10 +197,12 @@ def save_gguf_tokenizer(file: Path, directory: Path) -> bool:
         return False
 
 
-def open_gguf(item: Any, label: str, base: Any | None = None) -> GGUFSource | None:
+def open_gguf(item: Any, label: str, base: Any | None = None, *, header_only: bool = False
+              ) -> GGUFSource | GGUFHeader | None:
     """A GGUF input as a source, or None when `item` is no GGUF input.
 
-    An expert's architecture is compared with the base's from the header, before it is dequantised.
+    An expert's architecture is compared with the base's from the header, before it is dequantised;
+    `header_only`: names, shapes and config only (GGUFHeader), nothing dequantised.
     """
     try:
         file = gguf_file(item)
@@ -195,5 +218,7 @@ def open_gguf(item: Any, label: str, base: Any | None = None) -> GGUFSource | No
                 f"{label}: the GGUF file {file} holds a {config.model_type} model but the base is {want}; "
                 "experts must be fine-tunes of the base architecture"
             )
+    if header_only:
+        return GGUFHeader(file, label)
     log.info("%s: dequantising %s to float32", label, file)
     return GGUFSource(file, label, config)

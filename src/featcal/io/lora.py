@@ -249,6 +249,8 @@ def base_name_mismatch(adapter_config: Mapping[str, Any], base_path: Any, base_c
         return None
     wanted = Path(str(named)).name
     known = {Path(str(base_path)).name, Path(str(base_config.get("_name_or_path", ""))).name}
+    if Path(str(base_path)).is_file():  # a GGUF file: SmolLM2-135M-Instruct.Q4_1.gguf names SmolLM2-135M-Instruct
+        known.add(Path(str(base_path)).name.split(".")[0])
     if wanted in known:
         return None
     return (f"the adapter was trained on {named!r}, the base given is {base_path}; its shapes fit, so it is "
