@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 
 EXTRA_ROWS_RULE = "mean of the experts that have the row"
 # files that make up a tokenizer (featcal.data.preprocess.TOKENIZER_FILES plus the side files tokenizers write)
-TOKENIZER_SIDE_FILES = ("special_tokens_map.json", "added_tokens.json", "merges.txt")
+TOKENIZER_SIDE_FILES = ("special_tokens_map.json", "added_tokens.json", "merges.txt", "chat_template.jinja")
 
 
 def config_vocab_size(config: Mapping[str, Any]) -> int | None:
