@@ -13,7 +13,10 @@ adapter name before `.weight`): `peft_type: LORA`; `r`, `lora_alpha`, `use_rslor
 on Linear and on Embedding (`lora_embedding_A/B`); `modules_to_save` and trained biases (stored as
 full tensors: they replace the base's). Refused before any work, naming the adapter: DoRA
 (`use_dora`), `lora_bias`, other PEFT types, LoRA on convolutions, keys that name no base weight, a
-target module that matches nothing in the base, a rank or shape that does not fit.
+target module that matches nothing in the base, a rank or shape that does not fit. An adapter whose
+`base_model_name_or_path` names another model than the base given is applied when its shapes fit, with
+a warning kept in featcal.json (`base_name_warning`): names differ for renamed local copies of the
+right base, so the name alone cannot decide.
 """
 
 from __future__ import annotations
