@@ -351,3 +351,13 @@ def test_a_run_file_inside_its_own_out_is_refused(tmp_path, capsys):
     rc, _, err = cli(["run", str(run), "--no-progress"], capsys)
     assert rc == 2 and "run file" in one_line_error(err)
     assert run.is_file()
+
+
+@pytest.mark.parametrize("command", [["zoo", "build", "--preset", "tiny"], ["bench", "--preset", "tiny"]])
+def test_zoo_build_and_bench_overwrite_only_what_they_wrote(tmp_path, capsys, command):
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "file.txt").write_text("keep")
+    rc, _, err = cli([*command, "--out", str(home), "--overwrite", "--no-progress"], capsys)
+    assert rc == 2 and "replaces only an output featcal wrote" in one_line_error(err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["home"] and (home / "file.txt").read_text() == "keep"

@@ -33,7 +33,7 @@ def _run(args: argparse.Namespace) -> int:
     from featcal.bench.baselines import parse_baselines
     from featcal.bench.run import BenchSettings, run_bench, validate, write_bench
     from featcal.bench.table import bench_table
-    from featcal.io.atomic import check_output_dir
+    from featcal.io.atomic import check_output_dir, check_replaceable
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -50,6 +50,7 @@ def _run(args: argparse.Namespace) -> int:
     )
     validate(settings)
     check_output_dir(args.out, args.overwrite)  # before any work
+    check_replaceable(args.out, args.overwrite, marker="bench.json")  # a report featcal wrote, not any folder
     report = run_bench(settings, progress=not args.no_progress)
     out = write_bench(report, args.out, args.overwrite)
     print(bench_table(report), end="")

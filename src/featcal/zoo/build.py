@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 
 from featcal.errors import OutputExistsError
 from featcal.evaluation.classification import accuracy, fit_linear_probe, pooled_features
-from featcal.io.atomic import atomic_output_dir, atomic_write_text, check_output_dir
+from featcal.io.atomic import atomic_output_dir, atomic_write_text, check_output_dir, check_replaceable
 from featcal.io.report import package_versions, peak_rss_mb
 from featcal.zoo.presets import AnyPreset, TextZooPreset, ZooPreset, get_preset
 from featcal.zoo.pretrain import pretrain
@@ -63,6 +63,7 @@ def build_zoo(out: str | os.PathLike, preset: str | AnyPreset = "default", seed:
             f"{out} holds a zoo built from another preset, seed or zoo version; pass --overwrite to rebuild it"
         )
     check_output_dir(out, overwrite)
+    check_replaceable(out, overwrite, marker=MANIFEST)  # --overwrite replaces a zoo, never a user's folder
     if isinstance(p, TextZooPreset):
         from featcal.zoo.text_build import build_text, check_text_inputs
 
