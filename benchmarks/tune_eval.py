@@ -8,7 +8,8 @@ label-free score; only the test split, never seen by the choice, says whether th
 
 `--criterion drift` scores candidates by final-feature drift only; `heads` adds agreement with each
 expert's predictions through the zoo's frozen heads (the Python API's `heads=`). One row per setting;
-`--json` keeps every candidate.
+`--json` keeps every candidate. `--candidate-accuracy` (analysis only) also evaluates every candidate's
+model on the test split, to see how well the label-free score ranks candidates; the choice never sees it.
 """
 
 from __future__ import annotations
@@ -31,6 +32,15 @@ from featcal.merging.api import merge
 from featcal.zoo.store import Zoo
 
 
+def _spearman(a: list[float], b: list[float]) -> float | None:
+    """Rank correlation (ties averaged) of two equally long lists; None under 3 values or a constant list."""
+    from scipy.stats import spearmanr
+
+    if len(a) < 3 or len(set(a)) < 2 or len(set(b)) < 2:
+        return None
+    return float(spearmanr(a, b).statistic)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--zoo", required=True)
@@ -41,6 +51,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help="the split's seed")
     ap.add_argument("--criterion", default="drift,heads", help="comma-separated: drift, heads")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--candidate-accuracy", action="store_true",
+                    help="analysis only: test accuracy of every candidate (fit on the fit part), never used to choose")
     ap.add_argument("--json")
     args = ap.parse_args()
     if args.threads:
@@ -65,7 +77,19 @@ def main() -> None:
         kwargs = {"merge_scaling": args.scaling, **({"heads": head_fns} if crit == "heads" else {})}
         cfg = FeatCalConfig(num_calibration_examples=args.calib, tune=True, tune_budget=args.budget, seed=args.seed)
         runs.append((f"FeatCal --tune ({crit})", cfg, kwargs))
+    seen_accuracy: list[float] = []
+    if args.candidate_accuracy:  # wrap the scorer: the search still ranks by the label-free score alone
+        from featcal.calibration import tuning
+
+        label_free = tuning.score
+
+        def scored(model, *a, **k):
+            seen_accuracy.append(loaded.mean_accuracy(model))
+            return label_free(model, *a, **k)
+
+        tuning.score = scored
     for label, cfg, kwargs in runs:
+        seen_accuracy.clear()
         clock = Timer()
         out = calibrate(merged, base=base, experts=experts, calibration=calibration, config=cfg, progress=False,
                         **kwargs)
@@ -76,6 +100,13 @@ def main() -> None:
         if tuning is not None:
             rec["chosen"] = tuning["chosen"]
             rec["candidates"] = tuning["candidates"]
+            if args.candidate_accuracy:
+                for c, acc_c in zip(rec["candidates"], seen_accuracy, strict=True):
+                    c["test_accuracy_analysis_only"] = acc_c
+                rec["spearman_drift_vs_accuracy"] = _spearman([-c["drift"] for c in rec["candidates"]], seen_accuracy)
+                if rec["candidates"][0]["disagreement"] is not None:
+                    rec["spearman_agreement_vs_accuracy"] = _spearman(
+                        [-c["disagreement"] for c in rec["candidates"]], seen_accuracy)
             rec["tuning_seconds"] = tuning["seconds"]
             rec["split"] = {t: {k: v for k, v in s.items() if k != "held_out_indices"} for t, s in tuning["split"].items()}
         records.append(rec)
@@ -84,6 +115,9 @@ def main() -> None:
             if k in ("merge_scaling", "anchor_blend_rho", "lambda_ratio", "teacher_interp_alpha") and v is not None)
         closed = "n/a (no gap)" if rec["gap_closed"] is None else f"{rec['gap_closed']:.3f}"
         print(f"{label:>28}: acc {acc:.4f}, gap closed {closed}, {seconds:.0f} s{chosen}", flush=True)
+        for key in ("spearman_drift_vs_accuracy", "spearman_agreement_vs_accuracy"):
+            if key in rec:
+                print(f"{'':>30}{key}: {rec[key]}", flush=True)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(records, f, indent=2)
