@@ -405,3 +405,16 @@ def test_tune_reads_lora_experts_as_calibrate_does(tmp_path, tmp_path_factory):
     assert all(c["drift"] == pytest.approx(d["drift"], rel=1e-4) for c, d in zip(ra["candidates"], rb["candidates"],
                                                                                  strict=True))
     assert max_abs_diff(a, b)[0] < 1e-4
+
+
+def test_the_callers_merge_is_left_as_given_unless_inplace(family):
+    base, experts, merged, data = family
+    before = {k: v.clone() for k, v in merged.state_dict().items()}
+    cfg = FeatCalConfig(tune=True, tune_budget=3.0)
+    out = calibrate(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False, merge_scaling=0.05)
+    assert out is not merged and all(torch.equal(before[k], v) for k, v in merged.state_dict().items())
+    assert out.featcal_tuning["chosen"]["merge_scaling"] != 0.05  # a rebuilt merge was calibrated, on a copy
+    own = copy.deepcopy(merged)
+    again = calibrate(own, base=base, experts=experts, calibration=data, config=cfg, progress=False,
+                      merge_scaling=0.05, inplace=True)
+    assert again is own and max_abs_diff(again, out)[0] == 0.0
