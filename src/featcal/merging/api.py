@@ -149,7 +149,8 @@ def merge(
         check_replaceable(out, overwrite)
 
     base_src = open_source(base, label="base", allow_pickle=allow_pickle)
-    expert_srcs = {n: open_source(e, label=f"expert {n!r}", allow_pickle=allow_pickle) for n, e in experts.items()}
+    expert_srcs = {n: open_source(e, label=f"expert {n!r}", allow_pickle=allow_pickle, base=base_src)
+                   for n, e in experts.items()}  # base=: a LoRA adapter folder is applied to the base
     viewed = harmonise({"base": base_src, **{f"expert {n!r}": s for n, s in expert_srcs.items()}}, "base")
     base_src, expert_srcs = viewed["base"], {n: viewed[f"expert {n!r}"] for n in expert_srcs}  # one naming
     expert_srcs, vocab = grown_vocabulary(base_src, expert_srcs)  # more rows than the base: base rows merged
