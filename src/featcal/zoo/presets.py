@@ -150,7 +150,7 @@ PRESETS: dict[str, AnyPreset] = {
         tasks=("sentences_en", "hedges", "languages"),
         train=96, calibration=32, test=64, max_length=32, head_shots=4,
         finetune=FinetuneSettings(steps=10, batch_size=16, lr=1e-4, warmup=2, weight_decay=0.01),
-        bench_methods=("task_arithmetic",), wudi_steps=20,
+        bench_methods=("task_arithmetic",), wudi_steps=5,
     ),
 }
 

