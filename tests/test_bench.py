@@ -97,6 +97,10 @@ def test_validate_rejects_bad_settings_before_work():
         validate(BenchSettings(preset="tiny", calib_sizes=(10000,)))
     with pytest.raises(ConfigError, match="unknown merge methods"):
         validate(BenchSettings(preset="tiny", calib_sizes=(8,), methods=("magic",)))
+    with pytest.raises(ConfigError, match="--wudi-steps must be at least 0"):
+        validate(BenchSettings(preset="tiny", calib_sizes=(8,), wudi_steps=-1))
+    assert BenchSettings(preset="text").merge_params("wudi") == {"steps": 100}  # the preset's, unless overridden
+    assert BenchSettings(preset="text", wudi_steps=7).merge_params("wudi") == {"steps": 7}
 
 
 def test_cli_refuses_existing_output_before_work(tmp_path, capsys):

@@ -67,6 +67,7 @@ class BenchSettings:
     baseline_params: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> run_baseline params
 
     sources: Path | None = None  # text presets: the downloaded data archives (featcal.zoo.text_sources)
+    wudi_steps: int | None = None  # WUDI's steps in the bench merge and regime line (None: the preset's)
 
     def resolved_zoo_dir(self) -> Path:
         return self.zoo_dir or Path("zoo-cache") / f"{self.preset}-seed{self.seed}"
@@ -78,7 +79,8 @@ class BenchSettings:
 
     def merge_params(self, method: str) -> dict[str, Any]:
         if method == "wudi":
-            return {"steps": getattr(get_preset(self.preset), "wudi_steps", 300)}
+            default = getattr(get_preset(self.preset), "wudi_steps", 300)
+            return {"steps": default if self.wudi_steps is None else self.wudi_steps}
         return dict(MERGE_PARAMS[method])
 
 
@@ -101,6 +103,8 @@ def validate(settings: BenchSettings) -> None:
                           + (f" ({', '.join(others)}: --baselines)" if others else ""))
     parse_baselines(settings.baselines)
     _validate_baseline_params(settings)
+    if settings.wudi_steps is not None and settings.wudi_steps < 0:
+        raise ConfigError(f"--wudi-steps must be at least 0, got {settings.wudi_steps}")
     if preset.modality == "text":
         from featcal.zoo.build import cached
         from featcal.zoo.text_build import check_text_inputs

@@ -21,7 +21,8 @@ def _sizes(text: str) -> tuple[int, ...]:
 def _baseline_params(args: argparse.Namespace, baselines: tuple[str, ...]) -> dict[str, dict[str, int]]:
     """Step overrides for the baselines that train (defaults: the authors' 500 / 300 steps)."""
     out: dict[str, dict[str, int]] = {}
-    for name, steps in (("surgery", args.surgery_steps), ("probsurgery", args.surgery_steps), ("wudi", args.wudi_steps)):
+    wudi = args.wudi_steps if args.wudi_steps is not None else getattr(get_preset(args.preset), "wudi_steps", None)
+    for name, steps in (("surgery", args.surgery_steps), ("probsurgery", args.surgery_steps), ("wudi", wudi)):
         if steps is not None and name in baselines:
             out[name] = {"steps": steps}
     return out
@@ -42,6 +43,7 @@ def _run(args: argparse.Namespace) -> int:
         preset=args.preset, seed=args.seed, calib_sizes=sizes,
         methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()) if args.methods is not None else None,
         sources=Path(args.sources) if args.sources else None,
+        wudi_steps=args.wudi_steps,
         zoo_dir=Path(args.zoo_dir) if args.zoo_dir else None,
         base_cache=Path(args.base_cache) if args.base_cache else None,
         rebuild_zoo=args.rebuild_zoo,
@@ -86,7 +88,9 @@ def register(subparsers) -> None:
                         "or 'all' (default: none)")
     p.add_argument("--surgery-steps", type=int, default=None,
                    help="Adam steps per task of surgery and probsurgery (default: the authors' 500)")
-    p.add_argument("--wudi-steps", type=int, default=None, help="Adam steps per Linear of wudi (default: 300)")
+    p.add_argument("--wudi-steps", type=int, default=None,
+                   help="Adam steps per Linear of WUDI, as a benched merge, in the regime line and as a baseline "
+                        "(default: the preset's; 300, the authors', for the vision presets, 100 for text)")
     p.add_argument("--sources", default=None,
                    help="text presets: folder of the downloaded data archives (default $FEATCAL_TEXT_SOURCES or "
                         "zoo-cache/sources; `featcal zoo fetch-text` fills it)")
