@@ -284,7 +284,8 @@ class PaddedRows:
         self.padded: list[str] = []
         for name, p in self._params.items():
             got = source.shape(name)
-            if got is not None and len(got) == p.dim() and got[0] < p.shape[0] and tuple(got[1:]) == tuple(p.shape[1:]):
+            if got is not None and p.dim() >= 1 and len(got) == p.dim() and got[0] < p.shape[0] \
+                    and tuple(got[1:]) == tuple(p.shape[1:]):  # scalars (CLIP logit_scale) have no rows
                 vocab = getattr(getattr(model, "config", None), "vocab_size", None)
                 if vocab == p.shape[0]:
                     self.padded.append(name)
