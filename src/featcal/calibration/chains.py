@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from featcal.io.atomic import owned_tempdir, sweep_stale
+from featcal.io.atomic import make_parents, owned_tempdir, remove_created, sweep_stale
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -83,8 +83,7 @@ class ChainStore:
         self._created: list[Path] = []  # spill directories this store made (removed by close() once empty)
         if spill_dir is not None:
             spill = Path(spill_dir).expanduser()
-            self._created = [d for d in (spill, *spill.parents) if not d.exists()]
-            spill.mkdir(parents=True, exist_ok=True)
+            self._created = make_parents(spill)
             sweep_stale(spill, SPILL_PREFIX)  # chains a killed run left (they are not resumed from)
             self.dir = owned_tempdir(SPILL_PREFIX, spill)
             # removed even if close() is never reached (an exception unwinding the run, interpreter exit)
@@ -150,9 +149,5 @@ class ChainStore:
         if self.dir is not None:
             self._finalizer()  # rmtree, once
             self.dir = None
-            for d in self._created:  # deepest first; stops at the first that holds something else
-                try:
-                    d.rmdir()
-                except OSError:
-                    break
+            remove_created(self._created)
             self._created = []

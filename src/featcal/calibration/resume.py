@@ -41,7 +41,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from featcal.errors import ConfigError, FeatCalError
-from featcal.io.atomic import OutputWriteError, atomic_write_text, os_error_of
+from featcal.io.atomic import OutputWriteError, atomic_write_text, make_parents, os_error_of
 
 log = logging.getLogger("featcal.calibration")
 
@@ -312,9 +312,7 @@ def _block_name(block: int) -> str:
 
 def _make_marked(directory: Path) -> None:
     """mkdir -p `directory`, leaving a marker in each directory this call created (deepest last)."""
-    missing = [d for d in (directory, *directory.parents) if not d.exists()]
-    directory.mkdir(parents=True, exist_ok=True)
-    for d in missing:
+    for d in make_parents(directory):
         (d / CREATED).touch()
 
 

@@ -161,8 +161,8 @@ def refuse_output_over_inputs(out: str | os.PathLike, inputs: Mapping[str, Any],
             )
 
 
-def _make_parents(directory: Path) -> list[Path]:
-    """mkdir -p `directory`; return the directories it created, deepest first (to undo on failure)."""
+def make_parents(directory: Path) -> list[Path]:
+    """mkdir -p `directory`; return the directories it created, deepest first (for `remove_created`)."""
     created = []
     for d in [directory, *directory.parents]:
         if d.exists():
@@ -170,6 +170,16 @@ def _make_parents(directory: Path) -> list[Path]:
         created.append(d)
     directory.mkdir(parents=True, exist_ok=True)
     return created
+
+
+def remove_created(created: list[Path]) -> None:
+    """Undo `make_parents`: rmdir each directory it created, deepest first, stopping at the first one
+    something else has written into (it and its parents stay)."""
+    for d in created:
+        try:
+            d.rmdir()
+        except OSError:
+            return
 
 
 def _fsync_tree(root: Path) -> None:
@@ -224,7 +234,7 @@ def atomic_output_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterat
     OSError (e.g. ENOSPC) is re-raised as OutputWriteError, which names `out` and says so.
     """
     target = check_output_dir(out, overwrite)
-    created = _make_parents(target.parent)
+    created = make_parents(target.parent)
     for prefix in (f"{TMP_PREFIX}{target.name}-", f"{TMP_PREFIX}old-{target.name}-"):
         sweep_stale(target.parent, prefix)  # what a killed run for this output left
     tmp = owned_tempdir(f"{TMP_PREFIX}{target.name}-", target.parent)
@@ -235,9 +245,7 @@ def atomic_output_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterat
         _fsync_dir(target.parent)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        for d in created:  # deepest first; stops at the first one something else has written into
-            with contextlib.suppress(OSError):
-                d.rmdir()
+        remove_created(created)
         cause = None if isinstance(exc, (FeatCalError, KeyboardInterrupt)) else os_error_of(exc)
         if cause is not None:
             kept = "; its previous content is intact" if target.exists() else ""
