@@ -136,7 +136,7 @@ def warm_up(model, data: dict, device: str) -> None:
     """One small forward and the lazy imports calibrate() triggers, so neither is timed."""
     import importlib
 
-    for name in ("featcal.calibration.api", "featcal.calibration.engine", "featcal.calibration.sources",
+    for name in ("featcal.calibration.api", "featcal.calibration.engine", "featcal.io.param_sources",
                  "transformers.conversion_mapping", "transformers.core_model_loading"):
         importlib.import_module(name)
     first = next(iter(data.values()))[0]

@@ -25,11 +25,11 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from featcal.evaluation.classification import accuracy
+from featcal.experiments.evaluation.classification import accuracy
+from featcal.experiments.zoo.presets import get_preset
+from featcal.experiments.zoo.store import Zoo
+from featcal.experiments.zoo.train import schedule
 from featcal.io.models import load_model
-from featcal.zoo.presets import get_preset
-from featcal.zoo.store import Zoo
-from featcal.zoo.train import schedule
 
 
 def train_jointly(base, heads, train, steps: int, per_task: int, lr: float, warmup: int, seed: int):
@@ -55,10 +55,10 @@ def train_jointly(base, heads, train, steps: int, per_task: int, lr: float, warm
 
 def calibrate_toward(zoo, loaded, target, calib: int) -> dict:
     """FeatCal from TA 0.3 toward one model for every task; accuracy before and after."""
-    from featcal.bench.metrics import gap_closed
-    from featcal.bench.run import MERGE_PARAMS, _batches
     from featcal.calibration.api import calibrate
     from featcal.config import FeatCalConfig
+    from featcal.experiments.bench.metrics import gap_closed
+    from featcal.experiments.bench.run import MERGE_PARAMS, _batches
     from featcal.merging.api import merge
 
     tasks = zoo.tasks

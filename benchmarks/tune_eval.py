@@ -21,15 +21,15 @@ import json
 import numpy as np
 import torch
 
-from featcal.bench.metrics import gap_closed
-from featcal.bench.run import _batches
 from featcal.calibration.api import calibrate
 from featcal.config import FeatCalConfig
-from featcal.evaluation.classification import accuracy
-from featcal.evaluation.features import features
+from featcal.experiments.bench.metrics import gap_closed
+from featcal.experiments.bench.run import _batches
+from featcal.experiments.evaluation.classification import accuracy
+from featcal.experiments.evaluation.features import features
+from featcal.experiments.zoo.store import Zoo
 from featcal.io.report import Timer
 from featcal.merging.api import merge
-from featcal.zoo.store import Zoo
 
 
 def _spearman(a: list[float], b: list[float]) -> float | None:

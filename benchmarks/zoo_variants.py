@@ -19,8 +19,8 @@ import json
 import logging
 from pathlib import Path
 
-from featcal.bench.run import BenchSettings, run_bench
-from featcal.zoo.presets import PRESETS, ModelShape
+from featcal.experiments.bench.run import BenchSettings, run_bench
+from featcal.experiments.zoo.presets import PRESETS, ModelShape
 
 
 def variant(args: argparse.Namespace):

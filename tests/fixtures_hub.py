@@ -103,7 +103,7 @@ def build_clip_hub(root: Path, tasks: tuple[str, ...] = ("eurosat", "mnist"), *,
     import datasets
     from PIL import Image
 
-    from featcal.evaluation.templates import clip_prompts
+    from featcal.experiments.evaluation.templates import clip_prompts
 
     models, data = root / "models", root / "data"
     base_dir = models / "openai" / arch
@@ -169,7 +169,7 @@ def build_glue_hub(root: Path, tasks: tuple[str, ...] = ("rte", "stsb"), *, n_tr
     """(model_dir, data_dir) for `flan-t5-base-glue-ta8` restricted to `tasks`."""
     import datasets
 
-    from featcal.evaluation.templates import GLUE_PROMPTS, glue_eval_split
+    from featcal.experiments.evaluation.templates import GLUE_PROMPTS, glue_eval_split
 
     models, data = root / "models", root / "data"
     texts = [p.template for p in GLUE_PROMPTS.values()] + list(WORDS)
@@ -201,7 +201,7 @@ def build_mergebench_hub(root: Path, tasks: tuple[str, ...] = ("math", "coding")
                          n_rows: int = 12, seed: int = 0) -> tuple[Path, Path]:
     import datasets
 
-    from featcal.reproduce.mergebench import MERGEBENCH_COLUMNS, sft_text
+    from featcal.experiments.reproduce.mergebench import MERGEBENCH_COLUMNS, sft_text
 
     models, data = root / "models", root / "data"
     tok = word_tokenizer([sft_text("x", "y", "z")] + list(WORDS), eos=False)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from featcal.calibration.adapters import adapter_for
+from featcal.blocks.adapters import adapter_for
 
 D = torch.float64
 

@@ -13,7 +13,7 @@ from torch import nn
 
 import tiny
 from featcal import FeatCalConfig, calibrate
-from featcal.calibration.adapters import adapter_for
+from featcal.blocks.adapters import adapter_for
 from featcal.errors import FeatCalError
 from reference_featcal import max_abs_diff, reference_calibrate
 
@@ -216,9 +216,10 @@ def test_mixed_attention_layer_types_are_refused():
 
 def test_context_replay_check_catches_per_block_masks():
     """Independently of the adapter's own guard, a block-1 call that differs from the replay is caught."""
-    from featcal.calibration.adapters import Stack
-    from featcal.calibration.adapters.llama import LlamaAdapter
-    from featcal.calibration.engine import capture_block_input, check_context_replay
+    from featcal.blocks.adapters import Stack
+    from featcal.blocks.adapters.llama import LlamaAdapter
+    from featcal.blocks.capture import capture_block_input
+    from featcal.calibration.engine import check_context_replay
 
     cfg = T.Qwen2Config(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2, use_sliding_window=True, sliding_window=2, max_window_layers=1)

@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from featcal.baselines import BASELINES, run_baseline
 from featcal.errors import CalibrationDataError, ConfigError
+from featcal.experiments.baselines import BASELINES, run_baseline
 from tiny import perturbed, sample_inputs, tiny_model
 
 FAST = {"surgery": {"steps": 5}, "probsurgery": {"steps": 5}, "wudi": {"steps": 5}}
@@ -78,8 +78,9 @@ def test_bad_requests_fail_before_any_work(clip_family):
 
 
 def test_task_accuracy_scores_both_kinds_like_the_benchmark(clip_family):
-    from featcal.baselines.evaluate import task_accuracy
-    from featcal.evaluation.classification import LinearHead, accuracy
+    from featcal.blocks.heads import LinearHead
+    from featcal.experiments.baselines.evaluate import task_accuracy
+    from featcal.experiments.evaluation.classification import accuracy
 
     base, experts, merged, calib = clip_family
     torch.manual_seed(0)

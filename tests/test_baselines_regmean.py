@@ -5,9 +5,9 @@ import copy
 import pytest
 import torch
 
-from featcal.baselines.gram import regmean_weight, scale_off_diagonal
-from featcal.baselines.regmean import regmean
 from featcal.errors import CalibrationDataError, CheckpointError
+from featcal.merging.regmean import regmean
+from featcal.merging.regmean_grams import regmean_weight, scale_off_diagonal
 from tiny import make_family, perturbed, sample_inputs, tiny_model
 
 
@@ -130,7 +130,7 @@ def test_bad_inputs_are_refused_naming_the_problem():
 def test_a_bad_last_expert_is_refused_before_any_model_is_loaded(tmp_path, monkeypatch):
     import importlib
 
-    rm = importlib.import_module("featcal.baselines.regmean")  # the package exports a function of that name
+    rm = importlib.import_module("featcal.merging.regmean")  # the package exports a function of that name
 
     base_dir, expert_dirs = make_family("clip", tmp_path, n_experts=2)
     expert_dirs["broken"] = tmp_path / "nowhere"
@@ -171,7 +171,7 @@ def test_padding_tokens_weigh_nothing_in_the_grams(plus_plus):
 def test_token_weights_follow_the_adapter():
     """T5: encoder modules read the encoder mask, cross-attention k/v the encoder mask too, decoder
     modules the decoder mask; an architecture without an adapter weighs every token 1."""
-    from featcal.baselines.gram import TokenWeights
+    from featcal.merging.regmean_grams import TokenWeights
 
     batch = sample_inputs("t5", batch=2, seq=8)
     batch["decoder_attention_mask"] = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])

@@ -4,9 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from featcal.baselines.probsurgery import ProbSurgeryModule, fit_probsurgery, kl_standard_normal
-from featcal.baselines.surgery import SurgeryModule, fit_surgery
 from featcal.errors import CalibrationDataError, ConfigError
+from featcal.experiments.baselines.probsurgery import ProbSurgeryModule, fit_probsurgery, kl_standard_normal
+from featcal.experiments.baselines.surgery import SurgeryModule, fit_surgery
 
 
 def synthetic(n=128, d=24, tasks=("a", "b"), seed=0):

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from featcal.baselines.wudi import wudi, wudi_layer, wudi_objective
 from featcal.errors import CheckpointError, ConfigError
+from featcal.merging.wudi import wudi, wudi_layer, wudi_objective
 from tiny import perturbed, tiny_model
 
 
@@ -65,7 +65,7 @@ def test_bad_inputs_are_refused():
 
 @pytest.mark.parametrize("shape", [(12, 5), (5, 12), (7, 7)])
 def testfast_objective_equals_the_definition(shape):
-    from featcal.baselines.wudi import fast_objective
+    from featcal.merging.wudi import fast_objective
 
     g = torch.Generator().manual_seed(1)
     tvs = torch.randn(3, *shape, generator=g, dtype=torch.float64)

@@ -6,12 +6,12 @@ import json
 
 import pytest
 
-from featcal.bench.metrics import gap_closed, mean, normalised_accuracy
-from featcal.bench.regime import regime
-from featcal.bench.run import BenchSettings, run_bench, validate, write_bench
-from featcal.bench.table import bench_table
 from featcal.cli.main import main
 from featcal.errors import ConfigError
+from featcal.experiments.bench.metrics import gap_closed, mean, normalised_accuracy
+from featcal.experiments.bench.regime import regime
+from featcal.experiments.bench.run import BenchSettings, run_bench, validate, write_bench
+from featcal.experiments.bench.table import bench_table
 
 ROW_KEYS = {"method", "calibrated", "average_accuracy", "per_task", "seconds", "peak_rss_mb"}
 
@@ -148,7 +148,7 @@ def test_stale_zoo_cache_is_refused_with_the_bench_flag_and_rebuilt_on_request(t
     assert "--rebuild-zoo" in err and "--overwrite to rebuild" not in err
     assert json.loads((zoo / "zoo.json").read_text())["fingerprint"] == "from-an-older-featcal"  # untouched
 
-    import featcal.zoo.build as build
+    import featcal.experiments.zoo.build as build
 
     seen = {}
 

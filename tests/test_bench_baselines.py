@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from featcal.bench.baselines import ALL_BASELINES, parse_baselines
-from featcal.bench.run import BenchSettings, validate
 from featcal.cli.main import main
 from featcal.errors import ConfigError
+from featcal.experiments.bench.baselines import ALL_BASELINES, parse_baselines
+from featcal.experiments.bench.run import BenchSettings, validate
 
 ROW_KEYS = {"method", "calibrated", "baseline", "average_accuracy", "per_task", "seconds", "peak_rss_mb",
             "normalised_accuracy"}

@@ -1,9 +1,9 @@
-"""The exact method's arithmetic next to the forward floor (featcal.bench.cost)."""
+"""The exact method's arithmetic next to the forward floor (featcal.experiments.bench.cost)."""
 
 import pytest
 import transformers
 
-from featcal.bench.cost import arithmetic_cost_ratio, block_macs
+from featcal.experiments.bench.cost import arithmetic_cost_ratio, block_macs
 
 
 def test_block_counts_match_a_hand_count():

@@ -8,7 +8,7 @@ import scipy.stats
 import torch
 
 from featcal.errors import CalibrationDataError, ConfigError
-from featcal.evaluation.glue import (
+from featcal.experiments.evaluation.glue import (
     STSB_FALLBACK,
     calibration_batches,
     evaluate_glue,
@@ -17,7 +17,7 @@ from featcal.evaluation.glue import (
     score,
     spearman,
 )
-from featcal.evaluation.templates import GLUE_PROMPTS, glue_eval_split, glue_prompt
+from featcal.experiments.evaluation.templates import GLUE_PROMPTS, glue_eval_split, glue_prompt
 from fixtures_hub import word_tokenizer
 
 

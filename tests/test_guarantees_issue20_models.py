@@ -215,7 +215,7 @@ def offline_hub(clip_hub, monkeypatch):
 
 
 def test_the_readme_hub_commands_work(offline_hub, capsys):
-    from featcal.reproduce.clip import load_vision_tower
+    from featcal.experiments.reproduce.clip import load_vision_tower
 
     commands = _readme_commands()
     assert [c[:2] for c in commands] == [["featcal", "merge"], ["featcal", "calibrate"], ["featcal", "run"]]
@@ -298,7 +298,7 @@ def test_t5_experts_that_store_tied_embeddings_merge_and_calibrate(tmp_path, cap
 
 def test_whole_model_merges_read_the_clip_pairing_as_vision_towers(clip_hub, tmp_path, capsys):
     """RegMean on the hub pairing gives exactly RegMean on the same towers saved as CLIPVisionModels."""
-    from featcal.reproduce.clip import load_vision_tower
+    from featcal.experiments.reproduce.clip import load_vision_tower
 
     models, work = clip_hub["models"], clip_hub["work"]
     paired = {"base": models / "openai" / "clip-vit-base-patch32",

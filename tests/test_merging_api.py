@@ -12,11 +12,11 @@ import featcal.merging.api as api
 from featcal import MergeConfig, merge
 from featcal.errors import CheckpointError, ConfigError, OutputExistsError
 from featcal.io.checkpoint import CheckpointReader
+from featcal.io.sources import checkpoint_state_dict
 from featcal.merging import available_methods, register
 from featcal.merging.methods import dare, derive_seed, task_vector, ties_from_task_vectors
 from featcal.merging.methods import task_arithmetic as ta_reference
 from featcal.merging.registry import Merger
-from featcal.merging.sources import checkpoint_state_dict
 from featcal.merging.writer import save_state_dict
 from tiny import make_family, tiny_model
 
@@ -360,7 +360,7 @@ def test_registry_refuses_a_second_method_of_the_same_name():
 
 
 def test_unmapped_reader_reads_what_safetensors_reads(tmp_path):
-    from featcal.merging.sources import UnmappedReader
+    from featcal.io.sources import UnmappedReader
 
     base, experts = make_family("bert", tmp_path, n_experts=1)
     _rewrite(base, lambda sd: sd.update({

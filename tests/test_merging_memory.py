@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_flatten
 
 from featcal import merge
 from featcal.io.checkpoint import CheckpointReader
-from featcal.merging.sources import UnmappedReader
+from featcal.io.sources import UnmappedReader
 from tiny import perturbed, save
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -16,12 +16,12 @@ import yaml
 
 import featcal.merging.api as merge_api
 from featcal import merge
-from featcal.baselines import run_baseline
-from featcal.baselines.params import RegMeanParams, WudiParams
 from featcal.config import MergeConfig
 from featcal.errors import CalibrationDataError, ConfigError
+from featcal.experiments.baselines import run_baseline
 from featcal.io.checkpoint import CheckpointReader
 from featcal.io.models import load_model
+from featcal.merging.method_params import RegMeanParams, WudiParams
 from test_data_support import save_tokenizer, sentences, write_jsonl
 from test_guarantees_support import cli, merge_argv, one_line_error, weights_sha
 from test_pipeline_support import clip_family
@@ -99,7 +99,7 @@ def test_regmean_of_one_expert_is_the_expert(bert, tmp_path, capsys):
 
 
 def test_api_matches_the_baseline_on_in_memory_batches(clip):
-    """featcal.merge(method="regmean", calibration=batches) is featcal.baselines' RegMean, tensor for tensor."""
+    """featcal.merge(method="regmean", calibration=batches) is featcal.experiments.baselines' RegMean, tensor for tensor."""
     batches = {t: [sample_inputs("clip", batch=3, seed=i)] for i, t in enumerate(clip["experts"])}
     experts = {t: load_model(p) for t, p in clip["experts"].items()}
     for method in ("regmean", "regmean++"):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from featcal import FeatCalConfig, calibrate
-from featcal.calibration.adapters import adapter_for
+from featcal.blocks.adapters import adapter_for
 from featcal.calibration.chains import ChainStore
 from featcal.calibration.engine import FeatCalEngine, stem_param_names
 from featcal.calibration.placement import Placement, stem_parts

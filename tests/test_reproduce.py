@@ -11,7 +11,7 @@ import transformers as T
 
 from featcal.cli.main import main
 from featcal.errors import ConfigError
-from featcal.reproduce.settings import SETTINGS, get_setting
+from featcal.experiments.reproduce.settings import SETTINGS, get_setting
 from fixtures_hub import build_clip_hub, build_glue_hub, build_mergebench_hub
 
 
@@ -138,7 +138,7 @@ def test_clip_reproduce_end_to_end_then_resume(clip_hub, tmp_path, capsys, monke
 
     monkeypatch.setattr("featcal.merging.api.merge", refuse)
     monkeypatch.setattr("featcal.calibration.api.calibrate", refuse)
-    monkeypatch.setattr("featcal.reproduce.clip.evaluate_zero_shot", refuse)
+    monkeypatch.setattr("featcal.experiments.reproduce.clip.evaluate_zero_shot", refuse)
     rc, _, err = _run(capsys, *_clip_args(clip_hub, out))
     assert rc == 0, err
     resumed = json.loads((out / "metrics.json").read_text())
@@ -234,7 +234,7 @@ def test_a_split_without_the_hub_columns_is_refused_before_any_work(clip_hub, tm
 
 
 def test_metrics_table_lists_tasks_beside_the_paper():
-    from featcal.reproduce.report import build_metrics, format_table
+    from featcal.experiments.reproduce.report import build_metrics, format_table
 
     setting = get_setting("clip-vit-b32-ta8").restrict(["mnist"])
     metrics = build_metrics(setting, {"merged": {"mnist": {"accuracy": 50.0}}, "featcal": {"mnist": {"accuracy": 75.0}}})
@@ -260,8 +260,8 @@ def test_models_are_found_in_the_hf_cache_named_by_hf_home(tmp_path):
         (repo / "refs").mkdir()
         (repo / "refs" / "main").write_text(commit)
     code = (
-        "from featcal.reproduce.resolve import Sources, resolve_all\n"
-        "from featcal.reproduce.settings import get_setting\n"
+        "from featcal.experiments.reproduce.resolve import Sources, resolve_all\n"
+        "from featcal.experiments.reproduce.settings import get_setting\n"
         f"r = resolve_all(get_setting('llama-3.2-3b-mergebench').restrict(['math']), Sources(None, {str(data)!r}))\n"
         "print(r.models['meta-llama/Llama-3.2-3B'])\n"
     )

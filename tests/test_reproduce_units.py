@@ -8,11 +8,11 @@ import torch
 
 from featcal.config import parse
 from featcal.errors import CalibrationDataError, ConfigError, OutputExistsError
-from featcal.reproduce.options import ReproduceOptions
-from featcal.reproduce.pipeline import calibration_indices, eval_indices
-from featcal.reproduce.resolve import Sources, local_dataset, local_model
-from featcal.reproduce.rundir import RunDir
-from featcal.reproduce.settings import DatasetRef
+from featcal.experiments.reproduce.options import ReproduceOptions
+from featcal.experiments.reproduce.pipeline import calibration_indices, eval_indices
+from featcal.experiments.reproduce.resolve import Sources, local_dataset, local_model
+from featcal.experiments.reproduce.rundir import RunDir
+from featcal.experiments.reproduce.settings import DatasetRef
 
 
 def _save(path):

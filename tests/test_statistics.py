@@ -120,8 +120,8 @@ def test_cross_form_equals_output_form():
 
 def test_block_plan_groups_shared_inputs_and_picks_the_cheaper_form():
     import tiny
-    from featcal.calibration.adapters import adapter_for
-    from featcal.calibration.engine import calibrated_modules
+    from featcal.blocks.adapters import adapter_for
+    from featcal.blocks.discovery import calibrated_modules
     from featcal.calibration.hooks import ExpertRecorder, plan_block
 
     model = tiny.tiny_model("clip")

@@ -308,7 +308,7 @@ def test_pooled_follows_tune_head_pooling():
 
 @pytest.fixture(scope="module")
 def saved_heads(on_disk, tmp_path_factory):
-    from featcal.evaluation.classification import LinearHead
+    from featcal.blocks.heads import LinearHead
 
     root = tmp_path_factory.mktemp("heads")
     torch.manual_seed(0)

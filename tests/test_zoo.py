@@ -10,14 +10,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from featcal.blocks.heads import LinearHead
 from featcal.errors import CheckpointError, ConfigError, OutputExistsError
-from featcal.evaluation.classification import LinearHead, accuracy, fit_linear_probe
-from featcal.zoo.build import build_zoo, few_shot
-from featcal.zoo.presets import PRESETS, ModelShape, get_preset
-from featcal.zoo.pretrain import PretrainSettings, categories, n_classes, pretraining_set
-from featcal.zoo.store import Zoo
-from featcal.zoo.tasks import TASKS, make_splits
-from featcal.zoo.train import FinetuneSettings, pixel_values
+from featcal.experiments.evaluation.classification import accuracy, fit_linear_probe
+from featcal.experiments.zoo.build import build_zoo, few_shot
+from featcal.experiments.zoo.presets import PRESETS, ModelShape, get_preset
+from featcal.experiments.zoo.pretrain import PretrainSettings, categories, n_classes, pretraining_set
+from featcal.experiments.zoo.store import Zoo
+from featcal.experiments.zoo.tasks import TASKS, make_splits
+from featcal.experiments.zoo.train import FinetuneSettings, pixel_values
 
 
 @pytest.mark.parametrize("name", list(TASKS))

@@ -11,14 +11,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from featcal.blocks.adapters import adapter_for
 from featcal.calibration import resume as resume_mod
-from featcal.calibration.adapters import adapter_for
 from featcal.calibration.distributed import RankGroup, current_group
 from featcal.calibration.engine import FeatCalEngine, needed_param_names
 from featcal.calibration.placement import Placement
-from featcal.calibration.sources import CheckpointSource, ModelSource, ParamSource, validate_source
 from featcal.config import FeatCalConfig
 from featcal.errors import CalibrationDataError, CheckpointError, ConfigError
+from featcal.io.param_sources import CheckpointSource, ModelSource, ParamSource, validate_source
 from featcal.io.validate import first_non_finite, validate_expert_names
 
 log = logging.getLogger("featcal.calibration")
@@ -177,7 +177,7 @@ def adapter_reader(expert: ModelLike, base: ModelLike | None, label: str, allow_
     None for any other input (a checkpoint folder, read by CheckpointSource itself)."""
     from featcal.io.gguf import open_gguf
     from featcal.io.lora import is_adapter_dir, open_adapter
-    from featcal.merging.sources import open_source
+    from featcal.io.sources import open_source
 
     gguf = open_gguf(expert, label)
     if gguf is not None:
@@ -279,7 +279,7 @@ def calibrate(
             base, template, "base", allow_pickle=allow_pickle, reader=adapter_reader(base, None, "base", allow_pickle)
         )
 
-    from featcal.merging.vocab import pad_param_sources
+    from featcal.io.vocab import pad_param_sources
 
     sources = pad_param_sources(sources, model)  # fewer vocabulary rows than a grown merge: its rows complete them
     stem_names, block_names = needed_param_names(model, stacks)

@@ -32,9 +32,7 @@ token only where the output is read from it); calibration that makes this worse 
 
 from __future__ import annotations
 
-import inspect
 import logging
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -42,89 +40,27 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from featcal.blocks.adapters import Adapter, Stack
+from featcal.blocks.capture import _hidden, capture_block_input
+from featcal.blocks.discovery import Calibrated, calibrated_modules
 from featcal.calibration import solver
-from featcal.calibration.adapters import Adapter, Stack
 from featcal.calibration.chains import ChainStore
 from featcal.calibration.distributed import RankGroup, current_group
 from featcal.calibration.hooks import ExpertRecorder, MergedFolder, plan_block
 from featcal.calibration.placement import Placement
 from featcal.calibration.resume import Position, ResumeStore, common_position
-from featcal.calibration.sources import ParamSource, load_into
 from featcal.calibration.statistics import NormalisedSums, TaskSums
 from featcal.config import FeatCalConfig
 from featcal.errors import FeatCalError
+from featcal.io.param_sources import ParamSource, load_into
 
 log = logging.getLogger("featcal.calibration")
 
 Batch = dict[str, torch.Tensor]
 
 
-class _StopForward(Exception):
-    """Raised by the block-0 pre-hook: the rest of the model's forward is not needed."""
-
-
-@dataclass(frozen=True)
-class Calibrated:
-    """One calibrated module of a block: its name inside the block and its kind."""
-
-    name: str
-    kind: str  # "linear" | "layernorm" | "rmsnorm"
-    module: nn.Module
-
-
-def calibrated_modules(block: nn.Module, adapter: Adapter) -> list[Calibrated]:
-    """Every Linear, LayerNorm and (adapter-declared) RMS norm inside `block`, in module order."""
-    out = []
-    for name, mod in block.named_modules():
-        if isinstance(mod, nn.Linear):
-            out.append(Calibrated(name, "linear", mod))
-        elif isinstance(mod, nn.LayerNorm) and mod.elementwise_affine:
-            out.append(Calibrated(name, "layernorm", mod))
-        elif adapter.is_rms(mod):
-            out.append(Calibrated(name, "rmsnorm", mod))
-    return out
-
-
-def _hidden(output: Any) -> torch.Tensor:
-    """Blocks return a tensor (CLIP, Llama in transformers 5) or a tuple whose first item is it (T5)."""
-    return output[0] if isinstance(output, (tuple, list)) else output
-
-
 def _to_device(batch: Batch, device: torch.device) -> Batch:
     return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
-
-
-def capture_block_input(module: nn.Module, block: nn.Module, kwargs: dict[str, Any]) -> tuple[torch.Tensor, dict]:
-    """Run `module(**kwargs)` until `block` is called; return (hidden_states, other arguments by name)."""
-    seen: dict[str, Any] = {}
-
-    def hook(_mod, args, kw):
-        seen["args"], seen["kwargs"] = args, kw
-        raise _StopForward
-
-    handle = block.register_forward_pre_hook(hook, with_kwargs=True)
-    try:
-        module(**kwargs)
-    except _StopForward:
-        pass
-    finally:
-        handle.remove()
-    if "args" not in seen:
-        raise FeatCalError(f"{type(module).__name__}: the forward never reached {type(block).__name__} 0")
-    bound = inspect.signature(block.forward).bind(*seen["args"], **seen["kwargs"])
-    params = inspect.signature(block.forward).parameters
-    ctx: dict[str, Any] = {}
-    hidden_name = next(iter(params))
-    for name, value in bound.arguments.items():
-        kind = params[name].kind
-        if kind is inspect.Parameter.VAR_KEYWORD:
-            ctx.update(value)
-        elif kind is inspect.Parameter.VAR_POSITIONAL:
-            if value:
-                raise FeatCalError(f"{type(block).__name__} is called with extra positional arguments")
-        elif name != hidden_name:
-            ctx[name] = value
-    return bound.arguments[hidden_name], ctx
 
 
 def _same(a: Any, b: Any) -> bool:

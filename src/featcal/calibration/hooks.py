@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from featcal.blocks.grams import WeightFn
 from featcal.calibration.statistics import TaskSums
 from featcal.errors import FeatCalError
 
-WeightFn = Callable[[str, torch.Tensor], "torch.Tensor | None"]  # (module name, its input) -> token weights
 KindFn = Callable[[str], tuple]  # module name -> what its token weights depend on
 
 

@@ -9,7 +9,6 @@ then is anything written, through a temporary directory renamed into place.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import shutil
@@ -21,7 +20,13 @@ from typing import Any
 import torch
 
 from featcal.config import FeatCalConfig
-from featcal.data.calibration import check_calibration_source, load_calibration_batches, load_model_config
+from featcal.data.calibration import (
+    batches_sha256,
+    check_calibration_source,
+    check_task_names,
+    load_calibration_batches,
+    load_model_config,
+)
 from featcal.data.preprocess import (
     IMAGE_PROCESSOR_FILES,
     TOKENIZER_FILES,
@@ -39,33 +44,15 @@ from featcal.io.atomic import (
 from featcal.io.checkpoint import CheckpointReader, copy_side_files, read_json, resolve_checkpoint
 from featcal.io.models import hf_progress_bars, load_config, load_model
 from featcal.io.report import Timer, build_report, checkpoint_hashes, peak_rss_mb, write_report
+from featcal.io.sources import UnmappedReader
 from featcal.io.validate import (
     check_finite_state,
     check_same_config,
     check_same_tensors,
     scan_finite,
-    validate_expert_names,
 )
-from featcal.merging.sources import UnmappedReader
 
 log = logging.getLogger(__name__)
-
-
-def check_task_names(experts: Mapping[str, Any], calibration_sources: Mapping[str, Any]) -> list[str]:
-    """The task names, in the experts' order; refuse any task that lacks its expert or its data."""
-    if not experts:
-        raise ConfigError("at least one expert is needed (--expert NAME=PATH)")
-    validate_expert_names(experts)  # e.g. 'glue/sst2' would crash calibration after the first block
-    no_data = [t for t in experts if t not in calibration_sources]
-    no_expert = [t for t in calibration_sources if t not in experts]
-    problems = []
-    if no_data:
-        problems.append(f"task(s) {', '.join(map(repr, no_data))} have an expert but no calibration data (--calib NAME=DATA)")
-    if no_expert:
-        problems.append(f"task(s) {', '.join(map(repr, no_expert))} have calibration data but no expert (--expert NAME=PATH)")
-    if problems:
-        raise ConfigError("; ".join(problems))
-    return list(experts)
 
 
 def _checkpoint(label: str, path_or_id: str | Path, allow_pickle: bool) -> Path:
@@ -152,7 +139,7 @@ def _check_same_tensors(inputs: Mapping[str, Path], reference: str, allow_pickle
     One reader besides the reference is open at a time (an allowed pickle is held whole while open).
     """
     from featcal.io.layouts import harmonise
-    from featcal.merging.vocab import vocab_rows_view
+    from featcal.io.vocab import vocab_rows_view
 
     ref = _reader(reference, inputs[reference], inputs, allow_pickle, CheckpointReader)
     for label, path in inputs.items():
@@ -305,26 +292,6 @@ def _copy_processor_files(src: Path, dst: Path) -> None:
     for name in IMAGE_PROCESSOR_FILES + TOKENIZER_FILES + ("special_tokens_map.json", "merges.txt"):
         if (src / name).is_file() and not (dst / name).exists():
             shutil.copy2(src / name, dst / name)
-
-
-def batches_sha256(batches: list[Batch] | list[torch.Tensor]) -> str:
-    """A fingerprint of exactly the tensors calibration saw (cheaper and more exact than hashing the source).
-
-    Also takes what the merges' in-memory calibration may hold: tensor batches, non-tensor keyword
-    values, tensors of any dtype or device.
-    """
-    h = hashlib.sha256()
-    for batch in batches:
-        items = batch if isinstance(batch, Mapping) else {"input": batch}
-        for key in sorted(items):
-            t = items[key]
-            if not isinstance(t, torch.Tensor):
-                h.update(f"{key}={t!r}".encode())
-                continue
-            t = t.detach().cpu().contiguous()
-            h.update(f"{key}:{t.dtype}:{tuple(t.shape)}".encode())
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 def _count(batches: list[Batch]) -> int:

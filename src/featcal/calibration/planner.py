@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from featcal.calibration.adapters import adapter_for
+from featcal.blocks.adapters import adapter_for
 from featcal.calibration.chains import DTYPES
 from featcal.config import FeatCalConfig
 from featcal.errors import ConfigError
@@ -96,7 +96,7 @@ class ModelShape:
 
 
 def _block_shape(block: nn.Module, adapter) -> BlockShape:
-    from featcal.calibration.engine import calibrated_modules
+    from featcal.blocks.discovery import calibrated_modules
 
     linears, norms = [], []
     for c in calibrated_modules(block, adapter):

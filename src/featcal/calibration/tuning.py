@@ -37,12 +37,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from featcal.calibration.adapters import Adapter, adapter_for
-from featcal.calibration.adapters.base import accepted_inputs
+from featcal.blocks.adapters import Adapter, adapter_for
+from featcal.blocks.adapters.base import accepted_inputs
 from featcal.calibration.distributed import current_group
-from featcal.calibration.sources import CheckpointSource, ModelSource, ParamSource, load_into
 from featcal.config import FeatCalConfig
 from featcal.errors import CalibrationDataError, ConfigError
+from featcal.io.param_sources import CheckpointSource, ModelSource, ParamSource, load_into
 from featcal.io.report import Timer
 
 log = logging.getLogger("featcal.calibration")
@@ -368,8 +368,8 @@ def merge_scaling_from_report(merged_dir: str | os.PathLike, base_dir: str | os.
 def load_heads(paths: Mapping[str, str | os.PathLike], tasks: Iterable[str], tune: bool) -> dict[str, nn.Module]:
     """Heads saved by featcal (LinearHead / CosineHead safetensors) for `featcal calibrate --tune-head` and
     a run file's `calibrate.heads`; refused in one line before any work (unknown task, no tune, bad file)."""
+    from featcal.blocks.heads import load_head
     from featcal.errors import CheckpointError
-    from featcal.evaluation.classification import load_head
 
     if not paths:
         return {}

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from featcal.config import MERGE_METHODS
 from featcal.errors import ConfigError
-from featcal.zoo.presets import PRESETS, get_preset
+from featcal.experiments.zoo.presets import PRESETS, get_preset
 
 
 def _sizes(text: str) -> tuple[int, ...]:
@@ -31,9 +31,9 @@ def _baseline_params(args: argparse.Namespace, baselines: tuple[str, ...]) -> di
 def _run(args: argparse.Namespace) -> int:
     import torch
 
-    from featcal.bench.baselines import parse_baselines
-    from featcal.bench.run import BenchSettings, run_bench, validate, write_bench
-    from featcal.bench.table import bench_table
+    from featcal.experiments.bench.baselines import parse_baselines
+    from featcal.experiments.bench.run import BenchSettings, run_bench, validate, write_bench
+    from featcal.experiments.bench.table import bench_table
     from featcal.io.atomic import check_output_dir, check_replaceable
 
     if args.threads:

@@ -7,7 +7,7 @@ from typing import Any
 
 
 def _settings_help() -> str:
-    from featcal.reproduce.settings import SETTINGS
+    from featcal.experiments.reproduce.settings import SETTINGS
 
     return "settings:\n" + "\n".join(
         f"  {name:<26} {s.description}\n  {'':<26} tasks: {','.join(s.task_names)}" for name, s in SETTINGS.items()
@@ -19,7 +19,7 @@ def _tasks(text: str) -> list[str]:
 
 
 def register(subparsers: Any) -> None:
-    from featcal.reproduce.settings import SETTINGS
+    from featcal.experiments.reproduce.settings import SETTINGS
 
     p = subparsers.add_parser(
         "reproduce",
@@ -53,7 +53,7 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from featcal.reproduce.runner import reproduce
+    from featcal.experiments.reproduce.runner import reproduce
 
     reproduce({
         "setting": args.setting, "out": args.out, "tasks": args.tasks,

@@ -6,13 +6,13 @@ from __future__ import annotations
 import argparse
 import json
 
-from featcal.zoo.presets import PRESETS
+from featcal.experiments.zoo.presets import PRESETS
 
 
 def _build(args: argparse.Namespace) -> int:
     import torch
 
-    from featcal.zoo.build import build_zoo
+    from featcal.experiments.zoo.build import build_zoo
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -24,7 +24,7 @@ def _build(args: argparse.Namespace) -> int:
 
 
 def _fetch(args: argparse.Namespace) -> int:
-    from featcal.zoo.text_sources import SOURCES, check_sources, fetch_sources, model_path
+    from featcal.experiments.zoo.text_sources import SOURCES, check_sources, fetch_sources, model_path
 
     d = fetch_sources(args.sources, quiet=args.no_progress)
     check_sources(d)
@@ -35,7 +35,7 @@ def _fetch(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
-    from featcal.zoo.store import Zoo
+    from featcal.experiments.zoo.store import Zoo
 
     zoo = Zoo.open(args.dir)
     print((zoo.root / "build.log").read_text(), end="")

@@ -7,8 +7,11 @@ so the same source, size and seed always give the same batches.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -16,6 +19,7 @@ from tqdm.auto import tqdm
 from featcal.data.preprocess import Batch, make_preprocessor, model_modality
 from featcal.data.sources import open_source
 from featcal.errors import CalibrationDataError, ConfigError
+from featcal.io.validate import validate_expert_names
 
 log = logging.getLogger(__name__)
 
@@ -133,3 +137,40 @@ def load_calibration_batches(
         preprocess(src.fetch(chunk, wanted))
         for chunk in tqdm(chunks, desc=f"data {Path(source).name}", unit="batch", disable=not progress)
     ]
+
+
+def check_task_names(experts: Mapping[str, Any], calibration_sources: Mapping[str, Any]) -> list[str]:
+    """The task names, in the experts' order; refuse any task that lacks its expert or its data."""
+    if not experts:
+        raise ConfigError("at least one expert is needed (--expert NAME=PATH)")
+    validate_expert_names(experts)  # e.g. 'glue/sst2' would crash calibration after the first block
+    no_data = [t for t in experts if t not in calibration_sources]
+    no_expert = [t for t in calibration_sources if t not in experts]
+    problems = []
+    if no_data:
+        problems.append(f"task(s) {', '.join(map(repr, no_data))} have an expert but no calibration data (--calib NAME=DATA)")
+    if no_expert:
+        problems.append(f"task(s) {', '.join(map(repr, no_expert))} have calibration data but no expert (--expert NAME=PATH)")
+    if problems:
+        raise ConfigError("; ".join(problems))
+    return list(experts)
+
+
+def batches_sha256(batches: list[Batch] | list[torch.Tensor]) -> str:
+    """A fingerprint of exactly the tensors calibration saw (cheaper and more exact than hashing the source).
+
+    Also takes what the merges' in-memory calibration may hold: tensor batches, non-tensor keyword
+    values, tensors of any dtype or device.
+    """
+    h = hashlib.sha256()
+    for batch in batches:
+        items = batch if isinstance(batch, Mapping) else {"input": batch}
+        for key in sorted(items):
+            t = items[key]
+            if not isinstance(t, torch.Tensor):
+                h.update(f"{key}={t!r}".encode())
+                continue
+            t = t.detach().cpu().contiguous()
+            h.update(f"{key}:{t.dtype}:{tuple(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()

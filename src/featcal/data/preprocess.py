@@ -18,14 +18,11 @@ import torch
 
 from featcal.data.sources import Modality, TextExample
 from featcal.errors import CalibrationDataError
+from featcal.io.checkpoint import TOKENIZER_FILES
 
 log = logging.getLogger(__name__)
 
 IMAGE_PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
-TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "spiece.model", "tokenizer.model",
-    "sentencepiece.bpe.model",
-)
 # CLIP's normalisation: the fallback for vision checkpoints saved without a processor.
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)

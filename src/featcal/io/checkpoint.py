@@ -27,6 +27,11 @@ PICKLE_INDEX = "pytorch_model.bin.index.json"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"]
 
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "spiece.model", "tokenizer.model",
+    "sentencepiece.bpe.model",
+)
+
 
 def resolve_checkpoint(path_or_id: str | os.PathLike, *, allow_pickle: bool = False) -> Path:
     """Return a local directory for a checkpoint: the path itself, or a hub snapshot.

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from featcal.errors import CheckpointError
-from featcal.merging.sources import ModuleSource
+from featcal.io.sources import ModuleSource
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ def load_gguf_model(file: Path, label: str, config=None) -> torch.nn.Module:
     """The GGUF file's model, dequantised to float32 (transformers' GGUF tensor loader, no accelerate)."""
     from transformers import modeling_gguf_pytorch_utils as hf_gguf
 
-    from featcal.calibration.sources import parameter_aliases
+    from featcal.io.param_sources import parameter_aliases
 
     config = config if config is not None else gguf_config(file, label)
     cls = _model_class(config)
@@ -168,7 +168,7 @@ class GGUFHeader(ModuleSource):
     def __init__(self, file: Path, label: str) -> None:  # no ModuleSource.__init__: it copies tensors to the CPU
         from transformers.modeling_utils import remove_tied_weights_from_state_dict, revert_weight_conversion
 
-        from featcal.merging.sources import module_config
+        from featcal.io.sources import module_config
 
         config = gguf_config(file, label)
         with torch.device("meta"):

@@ -6,7 +6,7 @@ checks (config identity, names, shapes, dtypes) use only headers (`reader.meta`)
 reads tensors one at a time, so it needs memory for a single tensor whatever the model size.
 
 The functions accept anything that looks like a `CheckpointReader` (see `TensorSource`): in-memory
-models are wrapped by `featcal.merging.sources` with the same interface.
+models are wrapped by `featcal.io.sources` with the same interface.
 """
 
 from __future__ import annotations

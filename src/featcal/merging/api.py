@@ -27,7 +27,9 @@ from featcal.io.atomic import (
 from featcal.io.checkpoint import CheckpointReader, copy_side_files
 from featcal.io.layouts import RenamedSource, harmonise
 from featcal.io.report import Timer, build_report, checkpoint_hashes, peak_rss_mb, write_report
+from featcal.io.sources import MergeInput, ModuleSource, open_source
 from featcal.io.validate import check_finite_state, validate_expert_names, validate_family
+from featcal.io.vocab import VocabPlan, grown_vocabulary
 from featcal.merging.calibration_data import (
     CalibrationInput,
     check_calibration_data,
@@ -36,9 +38,7 @@ from featcal.merging.calibration_data import (
 )
 from featcal.merging.family import Family
 from featcal.merging.registry import check_method, make_merger
-from featcal.merging.sources import MergeInput, ModuleSource, open_source
 from featcal.merging.streaming import merge_family
-from featcal.merging.vocab import VocabPlan, grown_vocabulary
 from featcal.merging.writer import save_state_dict
 
 log = logging.getLogger(__name__)

@@ -46,7 +46,7 @@ def check_calibration_request(
         )
     if not isinstance(calibration, Mapping):
         raise ConfigError(f"calibration must map task names to data, not be a {type(calibration).__name__}")
-    from featcal.calibration.pipeline import check_task_names
+    from featcal.data.calibration import check_task_names
 
     check_task_names(experts, calibration)
 
@@ -62,8 +62,8 @@ def check_calibration_data(
     """Every task's data usable, reading no example: a path exists and holds enough examples of the
     base's modality; in-memory batches are non-empty tensors or dicts. `model_dir`: the base checkpoint
     directory (its config and processor decide how sources are read), None for an in-memory base."""
-    from featcal.baselines.inputs import as_batches
     from featcal.data.calibration import check_calibration_source, load_model_config
+    from featcal.data.inputs import as_batches
 
     if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
         raise ConfigError(f"max_length must be an integer of at least 1, got {max_length!r}")
@@ -96,7 +96,7 @@ class LoadedCalibration:
 
 
 def _fingerprint(batches: list[Batch]) -> str:
-    from featcal.calibration.pipeline import batches_sha256
+    from featcal.data.calibration import batches_sha256
 
     return batches_sha256(batches)
 
@@ -111,8 +111,8 @@ def load_calibration(
     progress: bool = False,
 ) -> LoadedCalibration:
     """The batches of every task (checked by `check_calibration_data` first)."""
-    from featcal.baselines.inputs import as_batches, batch_size
     from featcal.data.calibration import load_calibration_batches
+    from featcal.data.inputs import as_batches, batch_size
 
     batches: dict[str, list[Batch]] = {}
     report: dict[str, dict[str, Any]] = {}

@@ -3,7 +3,7 @@
 They plug into the same registry and driver as the streaming mergers, so that `featcal merge`,
 `featcal.merge` and `featcal run` validate, check for NaN/Inf, write (atomically, safetensors named
 as the base checkpoint names them) and report them exactly like the others. `prepare` loads the
-models and computes the whole merge with featcal.baselines' algorithms; `merge_tensor` then hands
+models and computes the whole merge with featcal.experiments.baselines' algorithms; `merge_tensor` then hands
 its tensors to the writer one by one. Memory is that of the algorithm, not the streaming bound:
 RegMean holds the base, the merge and one expert at a time; RegMean++ and WUDI hold every expert.
 """
@@ -21,10 +21,10 @@ from torch import Tensor, nn
 
 from featcal.config import MergeConfig
 from featcal.errors import CheckpointError, ConfigError
+from featcal.io.sources import ModuleSource, checkpoint_state_dict
 from featcal.merging.calibration_data import LoadedCalibration
 from featcal.merging.family import Family
 from featcal.merging.registry import Merger, register
-from featcal.merging.sources import ModuleSource, checkpoint_state_dict
 
 
 def _model(source, label: str, allow_pickle: bool) -> nn.Module:
@@ -101,8 +101,8 @@ class _RegMean(ModelMerger):
     plus_plus: ClassVar[bool] = False
 
     def merge_models(self, base, experts, progress):
-        from featcal.baselines.params import RegMeanParams
-        from featcal.baselines.regmean import regmean_models
+        from featcal.merging.method_params import RegMeanParams
+        from featcal.merging.regmean import regmean_models
 
         params = RegMeanParams(alpha=self.config.alpha, plus_plus=self.plus_plus)
         return regmean_models(base, experts, self.calibration.batches, params, progress=progress)
@@ -127,8 +127,8 @@ class Wudi(ModelMerger):
     uses = ("steps", "lr", "seed")
 
     def merge_models(self, base, experts, progress):
-        from featcal.baselines.params import WudiParams
-        from featcal.baselines.wudi import wudi_models
+        from featcal.merging.method_params import WudiParams
+        from featcal.merging.wudi import wudi_models
 
         params = WudiParams(steps=self.config.steps, lr=self.config.lr, seed=self.config.seed)
         state = wudi_models(base, {t: load() for t, load in experts.items()}, params, progress=progress)

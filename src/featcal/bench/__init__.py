@@ -1,5 +1,0 @@
-"""`featcal bench`: experts, base and merges alone and + FeatCal on the offline zoo."""
-
-from featcal.bench.run import BenchSettings, run_bench, write_bench
-
-__all__ = ["BenchSettings", "run_bench", "write_bench"]

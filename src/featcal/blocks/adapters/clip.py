@@ -1,0 +1,23 @@
+"""CLIP vision encoders: CLIPVisionModel (5.x flat layout or 4.x `vision_model.` wrapper) and CLIPModel's
+vision tower. Only the vision encoder blocks are calibrated; the stem (embeddings + pre_layrnorm) and the
+head (post_layernorm, projection) stay merged. The output is read from the class token only."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from featcal.blocks.adapters.base import Adapter, Stack, first_existing
+
+
+class CLIPAdapter(Adapter):
+    name = "clip"
+    model_types = ("clip", "clip_vision_model")
+
+    def stacks(self, model: nn.Module) -> list[Stack]:
+        path = first_existing(model, ["encoder.layers", "vision_model.encoder.layers"])
+        if path is None:
+            from featcal.errors import FeatCalError
+
+            raise FeatCalError(f"{type(model).__name__}: cannot find the CLIP vision encoder layers")
+        entry = path[: -len("encoder.layers")].rstrip(".")
+        return [Stack("vision", path, entry, mask_key=None, class_token_head=True)]

@@ -1,0 +1,407 @@
+"""`featcal bench`: experts, base, and each merge alone and + FeatCal, on an offline zoo.
+
+Zoos are vision (pixel_values, pooler features) or text (input_ids + attention_mask, mean pooling);
+the zoo's manifest says which, and every evaluation, calibration batch and drift curve follows it.
+Every merged model comes from featcal's own `merge`, every calibrated one from featcal's own
+`calibrate`; the zoo only supplies checkpoints, frozen heads and fixed data splits. Calibration draws
+from the zoo's calibration split (never the test split). The cost of calibration is compared, in the
+same run, with its floor: one forward of the merged model and of every expert over the same data.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import shlex
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from featcal.config import MERGE_METHODS, FeatCalConfig
+from featcal.errors import ConfigError, OutputExistsError
+from featcal.experiments.bench.baselines import merge_baseline_rows, parse_baselines, surgery_rows
+from featcal.experiments.bench.cost import arithmetic_cost_ratio
+from featcal.experiments.bench.memory import PeakRSS
+from featcal.experiments.bench.metrics import gap_closed, mean, normalised_accuracy
+from featcal.experiments.bench.regime import regime
+from featcal.experiments.evaluation.classification import accuracy
+from featcal.experiments.evaluation.features import Inputs, batches, head_rows, num_examples
+from featcal.experiments.zoo.presets import get_preset
+from featcal.io.report import Timer, build_report
+
+log = logging.getLogger(__name__)
+
+DEFAULT_METHODS = ("average", "task_arithmetic", "ties")  # vision presets; a text preset names its own
+MERGE_PARAMS: dict[str, dict[str, Any]] = {  # the paper's / demo's settings
+    "average": {},
+    "task_arithmetic": {"scaling": 0.3},
+    "ties": {"density": 0.2, "scaling": 1.0},
+    "dare_ta": {"drop_rate": 0.5, "scaling": 0.3, "seed": 0},
+    "dare_ties": {"drop_rate": 0.5, "density": 0.2, "scaling": 1.0, "seed": 0},
+    # data-assisted (the calibration batches at the largest size) and subspace merges, + FeatCal like any
+    "regmean": {"alpha": 0.9},
+    "regmean++": {"alpha": 0.9},
+    "wudi": {},  # steps: the preset's wudi_steps (300 = the authors' default)
+}
+DATA_MERGES = ("regmean", "regmean++")
+REGIME_METHODS = ("task_arithmetic", "regmean", "wudi")  # merged for the regime line when not benched
+
+
+@dataclass
+class BenchSettings:
+    preset: str = "default"
+    seed: int = 0
+    calib_sizes: tuple[int, ...] = (256,)
+    methods: tuple[str, ...] | None = None  # None: the preset's bench_methods, else DEFAULT_METHODS
+    zoo_dir: Path | None = None  # default: zoo-cache/<preset>-seed<seed>
+    base_cache: Path | None = None  # pretrained bases shared between zoo builds
+    rebuild_zoo: bool = False  # rebuild a zoo cache built from another preset, seed or zoo version
+    featcal: FeatCalConfig = field(default_factory=FeatCalConfig)
+    eval_batch_size: int = 256
+    baselines: tuple[str, ...] = ()  # see featcal.experiments.bench.baselines: none by default
+    baseline_params: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> run_baseline params
+
+    sources: Path | None = None  # text presets: the downloaded data archives (featcal.experiments.zoo.text_sources)
+    wudi_steps: int | None = None  # WUDI's steps in the bench merge and regime line (None: the preset's)
+
+    def resolved_zoo_dir(self) -> Path:
+        return self.zoo_dir or Path("zoo-cache") / f"{self.preset}-seed{self.seed}"
+
+    def resolved_methods(self) -> tuple[str, ...]:
+        if self.methods is not None:
+            return self.methods
+        return tuple(getattr(get_preset(self.preset), "bench_methods", DEFAULT_METHODS))
+
+    def merge_params(self, method: str) -> dict[str, Any]:
+        if method == "wudi":
+            default = getattr(get_preset(self.preset), "wudi_steps", 300)
+            return {"steps": default if self.wudi_steps is None else self.wudi_steps}
+        return dict(MERGE_PARAMS[method])
+
+
+def validate(settings: BenchSettings) -> None:
+    """Reject bad settings before any model is built or loaded."""
+    preset = get_preset(settings.preset)
+    if not settings.calib_sizes:
+        raise ConfigError("--calib-sizes needs at least one size")
+    for n in settings.calib_sizes:
+        if n < 1 or n > preset.calibration:
+            raise ConfigError(
+                f"calibration size {n} is out of range: the {preset.name} zoo holds {preset.calibration} "
+                "calibration examples per task (test data is never used for calibration)"
+            )
+    methods = settings.resolved_methods()
+    bad = [m for m in methods if m not in MERGE_PARAMS]
+    if bad or not methods:
+        others = [m for m in MERGE_METHODS if m not in MERGE_PARAMS]
+        raise ConfigError(f"unknown merge methods {bad}; choose from {', '.join(MERGE_PARAMS)}"
+                          + (f" ({', '.join(others)}: --baselines)" if others else ""))
+    parse_baselines(settings.baselines)
+    _validate_baseline_params(settings)
+    if settings.wudi_steps is not None and settings.wudi_steps < 0:
+        raise ConfigError(f"--wudi-steps must be at least 0, got {settings.wudi_steps}")
+    if preset.modality == "text":
+        from featcal.experiments.zoo.build import cached
+        from featcal.experiments.zoo.text_build import check_text_inputs
+
+        if cached(settings.resolved_zoo_dir(), preset, settings.seed) is None:  # the zoo will be built
+            check_text_inputs(settings.sources)
+
+
+def _validate_baseline_params(settings: BenchSettings) -> None:
+    """Parameters of a baseline that is not run, or that its schema refuses, fail before any work."""
+    from featcal.config import parse
+    from featcal.experiments.baselines.api import BASELINES
+
+    for name, params in settings.baseline_params.items():
+        if name not in settings.baselines:
+            raise ConfigError(f"parameters given for baseline {name!r}, which is not in --baselines")
+        schema = BASELINES[name][0]
+        extra = {"plus_plus": name == "regmean++"} if name.startswith("regmean") else {}
+        parse(schema, {**params, **extra})
+
+
+def _evaluate(model, heads: Mapping[str, Any], tests: Mapping[str, tuple], batch: int,
+              pooling: str = "pooler") -> dict[str, float]:
+    return {t: accuracy(model, heads[t], x, y, batch, pooling) for t, (x, y) in tests.items()}
+
+
+def _batches(x: Inputs, size: int, trim: bool = True) -> list[dict[str, torch.Tensor]]:
+    return batches(x, size, trim)
+
+
+@torch.no_grad()
+def forward_floor_seconds(merged, experts: Mapping[str, Any], calibration: Mapping[str, Sequence[dict]]) -> float:
+    """Wall time of one forward of the merged model over all calibration data and of each expert over
+    its own task's data: the least any calibration that looks at both sides' features can cost."""
+    timer = Timer()
+    for task, task_batches in calibration.items():
+        for b in task_batches:
+            merged(**b)
+            experts[task](**b)
+    return timer.seconds
+
+
+@torch.no_grad()
+def feature_drift(model, experts: Mapping[str, Any], calibration: Mapping[str, Sequence[dict]]) -> list[float]:
+    """Per block, mean over tasks of E_tokens ||h_model - h_expert||² / ||h_expert||² at the block's
+    output, each model run end to end on its task's calibration data (the paper's Figure 1 metric,
+    the same quantity the engine logs)."""
+    per_task = []
+    for task, task_batches in calibration.items():
+        sums: list[float] = []
+        count = 0.0
+        for b in task_batches:
+            hm = model(**b, output_hidden_states=True).hidden_states[1:]
+            he = experts[task](**b, output_hidden_states=True).hidden_states[1:]
+            mask = b.get("attention_mask")  # text: padding tokens do not count
+            w = torch.ones(hm[0].shape[:2]) if mask is None else mask.to(torch.float32)
+            rel = [((m - e).pow(2).sum(-1) / e.pow(2).sum(-1).clamp_min(1e-12) * w).sum().item()
+                   for m, e in zip(hm, he, strict=True)]
+            sums = rel if not sums else [a + r for a, r in zip(sums, rel, strict=True)]
+            count += float(w.sum())
+        per_task.append([v / count for v in sums])
+    return [sum(col) / len(col) for col in zip(*per_task, strict=True)]
+
+
+def _warm_up(zoo, base, experts: Mapping[str, Any], pools: Mapping[str, Inputs], progress: bool) -> None:
+    """One small, untimed merge and calibration, so that lazy imports and first-call allocations are
+    not charged to whichever method happens to be timed first."""
+    from featcal.calibration.api import calibrate
+    from featcal.merging.api import merge
+
+    merged = copy.deepcopy(base)
+    merged.load_state_dict(merge(zoo.base_dir, zoo.expert_dirs, "average", progress=False))
+    tiny = {t: _batches(head_rows(p, 2), 2) for t, p in pools.items()}
+    calibrate(merged, base=base, experts=experts, calibration=tiny,
+              config=FeatCalConfig(num_calibration_examples=2), progress=False)
+    forward_floor_seconds(merged, experts, tiny)
+
+
+def _json_record(d: Mapping[str, Any]) -> dict[str, Any]:
+    """A drift record with tensors and numpy scalars turned into plain numbers."""
+    return {k: (v if isinstance(v, str | int) else float(v)) for k, v in d.items()}
+
+
+def _row(method: str, calibrated: bool, per_task: dict[str, float], seconds: float, rss: float, **extra) -> dict:
+    return {"method": method, "calibrated": calibrated, "average_accuracy": mean(per_task), "per_task": per_task,
+            "seconds": round(seconds, 3), "peak_rss_mb": round(rss, 1), **extra}
+
+
+def _tokens(pools: Mapping[str, Inputs]) -> int | None:
+    """Mean non-padding tokens per calibration text (None for images: the config knows them)."""
+    masks = [p["attention_mask"] for p in pools.values() if isinstance(p, Mapping) and "attention_mask" in p]
+    if not masks:
+        return None
+    return max(1, round(float(torch.cat([m.sum(1).float() for m in masks]).mean())))
+
+
+def _merge(zoo, method: str, params: dict[str, Any], calibration: Mapping[str, list], progress: bool):
+    """featcal's own merge of the zoo's experts; RegMean(++) read the given calibration batches."""
+    from featcal.merging.api import merge
+
+    if method in DATA_MERGES:
+        n = max(sum(num_examples(b) for b in bs) for bs in calibration.values())
+        return merge(zoo.base_dir, zoo.expert_dirs, method, progress=progress, calibration=calibration,
+                     num_calibration_examples=n, **params)
+    return merge(zoo.base_dir, zoo.expert_dirs, method, progress=progress, **params)
+
+
+def _regime_record(rows: list[dict], zoo, base, heads, tests, settings: BenchSettings, calibration,
+                   pooling: str, progress: bool) -> dict[str, Any]:
+    """The regime line's numbers: from the benched rows, merging TA / RegMean / WUDI only where absent."""
+    found = {r["method"]: r["average_accuracy"] for r in rows if not r["calibrated"] and not r.get("baseline")}
+    extra_seconds: dict[str, float] = {}
+    for method in REGIME_METHODS:
+        if method not in found:
+            timer = Timer()
+            merged = copy.deepcopy(base)
+            merged.load_state_dict(_merge(zoo, method, settings.merge_params(method), calibration, progress))
+            found[method] = mean(_evaluate(merged, heads, tests, settings.eval_batch_size, pooling))
+            extra_seconds[method] = round(timer.seconds, 2)
+            del merged
+    experts_average = mean({r["task"]: r["average_accuracy"] for r in rows if r["method"] == "expert"})
+    record = regime(found["base"], found["task_arithmetic"], experts_average, found["regmean"], found["wudi"],
+                    MERGE_PARAMS["task_arithmetic"]["scaling"])
+    record["merged_for_the_regime_only"] = extra_seconds  # method -> seconds (merge + evaluation)
+    return record
+
+
+def run_bench(settings: BenchSettings, progress: bool = True) -> dict[str, Any]:
+    """Run the whole benchmark in memory and return its report (see `write_bench` for the files)."""
+    from featcal.calibration.api import calibrate
+    from featcal.experiments.zoo.build import build_zoo
+    from featcal.experiments.zoo.store import MANIFEST
+    from featcal.io.models import load_model
+
+    validate(settings)
+    methods = settings.resolved_methods()
+    load_before = os.getloadavg()
+    total = Timer()
+    zoo_timer = Timer()
+    # --rebuild-zoo replaces a stale zoo, never a directory that is not a zoo at all
+    rebuild = settings.rebuild_zoo and (settings.resolved_zoo_dir() / MANIFEST).is_file()
+    try:
+        zoo = build_zoo(settings.resolved_zoo_dir(), settings.preset, settings.seed, progress=progress,
+                        base_cache=settings.base_cache, overwrite=rebuild, sources=settings.sources)
+    except OutputExistsError as e:  # build_zoo's advice names `featcal zoo build`'s flag, not the bench's
+        raise OutputExistsError(
+            f"{settings.resolved_zoo_dir()} holds a zoo built from another preset, seed or zoo version (an older "
+            "featcal, say); pass --rebuild-zoo to rebuild it there, or --zoo-dir to build one elsewhere"
+        ) from e
+    zoo_seconds = zoo_timer.seconds
+    tasks = zoo.tasks
+    heads = zoo.heads()
+    tests = zoo.test_splits()
+    pooling = zoo.pooling
+    bs = settings.eval_batch_size
+    rows: list[dict] = []
+
+    experts = {}
+    for t in tasks:
+        with PeakRSS() as rss:
+            timer = Timer()
+            experts[t] = load_model(zoo.expert_dir(t))
+            acc = accuracy(experts[t], heads[t], *tests[t], bs, pooling)
+        rows.append(_row("expert", False, {t: acc}, timer.seconds, rss.mb, task=t))
+        log.info("expert %s: %.4f", t, acc)
+    expert_acc = {r["task"]: r["average_accuracy"] for r in rows}
+    experts_average = mean(expert_acc)
+
+    with PeakRSS() as rss:
+        timer = Timer()
+        base = load_model(zoo.base_dir)
+        per_task = _evaluate(base, heads, tests, bs, pooling)
+    rows.append(_row("base", False, per_task, timer.seconds, rss.mb))
+    log.info("base: %.4f", mean(per_task))
+
+    pools = {t: zoo.split(t, "calibration")[0] for t in tasks}
+    _warm_up(zoo, base, experts, pools, progress)
+    drift_curves: dict[str, list[dict]] = {}
+    n_max = max(settings.calib_sizes)
+    batch_size = settings.featcal.calibration_batch_size
+    largest = {t: _batches(head_rows(pools[t], n_max), batch_size) for t in tasks}  # FeatCal's, at the largest size
+    # the trained baselines concatenate batches, so theirs keep one width (same examples, same order)
+    largest_untrimmed = {t: _batches(head_rows(pools[t], n_max), batch_size, trim=False) for t in tasks}
+    drift_probe = {t: _batches(head_rows(pools[t], 64), 64) for t in tasks}  # a fixed slice for the drift curves
+    for method in methods:
+        params = settings.merge_params(method)
+        with PeakRSS() as rss:
+            timer = Timer()
+            state = _merge(zoo, method, params, largest, progress)
+            merged = copy.deepcopy(base)
+            merged.load_state_dict(state)
+            merge_seconds = timer.seconds
+            per_task = _evaluate(merged, heads, tests, bs, pooling)
+        merge_avg = mean(per_task)
+        merged_drift = feature_drift(merged, experts, drift_probe)
+        extra = {"calibration_examples_of_merge": n_max} if method in DATA_MERGES else {}
+        rows.append(_row(method, False, per_task, merge_seconds, rss.mb, params=params, feature_drift=merged_drift,
+                         normalised_accuracy=normalised_accuracy(per_task, expert_acc),
+                         gap_closed=0.0, **extra))
+        log.info("%s: %.4f (%.1fs)", method, merge_avg, merge_seconds)
+        for n in settings.calib_sizes:
+            cfg = settings.featcal.model_copy(update={"num_calibration_examples": n})
+            calibration = {t: _batches(head_rows(pools[t], n), cfg.calibration_batch_size) for t in tasks}
+            floor = forward_floor_seconds(merged, experts, calibration)
+            with PeakRSS() as rss:
+                timer = Timer()
+                calibrated = calibrate(merged, base=zoo.base_dir, experts=experts, calibration=calibration,
+                                       config=cfg, progress=progress)
+                calib_seconds = timer.seconds
+            per_task = _evaluate(calibrated, heads, tests, bs, pooling)
+            engine_drift = [_json_record(d) for d in getattr(calibrated, "featcal_drift", [])]
+            calibrated_drift = feature_drift(calibrated, experts, drift_probe)
+            if n == max(settings.calib_sizes):
+                drift_curves[method] = [{"block": i, "before": b, "after": a}
+                                        for i, (b, a) in enumerate(zip(merged_drift, calibrated_drift, strict=True))]
+            avg = mean(per_task)
+            rows.append(_row(method, True, per_task, merge_seconds + calib_seconds, rss.mb, params=params,
+                             calibration_examples=n, calibration_seconds=round(calib_seconds, 4),
+                             forward_floor_seconds=round(floor, 4), cost_ratio=calib_seconds / floor,
+                             normalised_accuracy=normalised_accuracy(per_task, expert_acc),
+                             gap_closed=gap_closed(avg, merge_avg, experts_average),
+                             feature_drift=calibrated_drift, engine_drift=engine_drift))
+            log.info("%s + FeatCal (%d/task): %.4f (%.1fs, floor %.1fs)", method, n, avg, calib_seconds, floor)
+            del calibrated
+        rows += surgery_rows(settings.baselines, merge=method, merged=merged, merge_average=merge_avg,
+                             experts=experts, calibration=largest_untrimmed, heads=heads, tests=tests,
+                             expert_acc=expert_acc, params=settings.baseline_params, batch=bs, progress=progress,
+                             pooling=pooling)
+    rows += merge_baseline_rows(settings.baselines, base=base, experts=experts, calibration=largest, heads=heads,
+                                tests=tests, expert_acc=expert_acc, params=settings.baseline_params, batch=bs,
+                                progress=progress, pooling=pooling)
+
+    base_row = next(r for r in rows if r["method"] == "base")
+    base_row["normalised_accuracy"] = normalised_accuracy(base_row["per_task"], expert_acc)
+    regime_record = _regime_record(rows, zoo, base, heads, tests, settings, largest, pooling, progress)
+    log.info("%s", regime_record["line"])
+    return build_report(
+        "bench",
+        {"preset": settings.preset, "seed": settings.seed, "calib_sizes": list(settings.calib_sizes),
+         "methods": list(methods), "baselines": list(settings.baselines),
+         "baseline_params": settings.baseline_params, "merge_params": {m: settings.merge_params(m) for m in methods},
+         "featcal": settings.featcal.model_dump(mode="json"), "zoo_dir": str(settings.resolved_zoo_dir())},
+        command_line=shlex.join(["featcal", *sys.argv[1:]]) if Path(sys.argv[0]).name == "featcal" else shlex.join(sys.argv),
+        seed=settings.seed,
+        tasks=tasks,
+        experts_average=experts_average,
+        rows=rows,
+        summary=summarise(rows, experts_average, settings, arithmetic_cost_ratio(base.config, _tokens(pools))),
+        regime=regime_record,
+        drift=drift_curves,
+        zoo={"root": str(zoo.root), "fingerprint": zoo.manifest["fingerprint"], "modality": zoo.modality,
+             "pooling": pooling, "regime_at_build": zoo.manifest["regime"], "seconds_to_ready": round(zoo_seconds, 2)},
+        load_average={"start": load_before, "end": os.getloadavg()},
+        threads=torch.get_num_threads(),
+        total_seconds=round(total.seconds, 2),
+    )
+
+
+def summarise(rows: list[dict], experts_average: float, settings: BenchSettings,
+              arithmetic_ratio: float) -> dict[str, Any]:
+    """Headline numbers: per merge, accuracy alone and calibrated, gap closed and cost ratio, per size;
+    beside the measured cost ratios, the exact method's arithmetic ratio to the floor (bench/cost.py)."""
+    out: dict[str, Any] = {"experts_average": experts_average, "cost_ratio_arithmetic": arithmetic_ratio}
+    base = next(r for r in rows if r["method"] == "base")
+    out["base_average"] = base["average_accuracy"]
+    for method in settings.resolved_methods():
+        alone = next(r for r in rows if r["method"] == method and not r["calibrated"])
+        cal = {r["calibration_examples"]: r for r in rows if r["method"] == method and r["calibrated"]}
+        out[method] = {
+            "merge_average": alone["average_accuracy"],
+            "calibrated_average": {n: r["average_accuracy"] for n, r in cal.items()},
+            "gap_closed": {n: r["gap_closed"] for n, r in cal.items()},
+            "cost_ratio": {n: r["cost_ratio"] for n, r in cal.items()},
+        }
+    return out
+
+
+def write_bench(report: dict[str, Any], out: str | os.PathLike, overwrite: bool = False) -> Path:
+    """Write bench.json, table.md, drift.png (and calib_sizes.png for a sweep) atomically into `out`."""
+    import json
+
+    from featcal.experiments.bench.plot import drift_plot, sample_efficiency_plot
+    from featcal.experiments.bench.table import bench_table
+    from featcal.io.atomic import atomic_output_dir
+
+    with atomic_output_dir(out, overwrite) as tmp:
+        (tmp / "bench.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+        (tmp / "table.md").write_text(bench_table(report))
+        if report["drift"] and all(report["drift"].values()):
+            n = max(report["params"]["calib_sizes"])
+            drift_plot(report["drift"], tmp / "drift.png",
+                       f"{report['params']['preset']} zoo: feature drift by block ({n} calibration examples/task)")
+        sizes = report["params"]["calib_sizes"]
+        if len(sizes) > 1:
+            points = {m: {int(k): v for k, v in s["calibrated_average"].items()}
+                      for m, s in report["summary"].items() if isinstance(s, dict) and "calibrated_average" in s}
+            baselines = {"experts": report["experts_average"],
+                         **{m: report["summary"][m]["merge_average"] for m in points}}
+            sample_efficiency_plot(points, baselines, tmp / "calib_sizes.png")
+    return Path(out)

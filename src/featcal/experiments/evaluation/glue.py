@@ -1,0 +1,174 @@
+"""FLAN-T5 on GLUE as text-to-text: prompts in, greedy generations out, GLUE metrics on the text.
+
+Classification tasks (cola, mnli, mrpc, qnli, qqp, rte, sst2) score exact match between the
+generated text and the label word, after stripping surrounding whitespace and lower-casing.
+stsb scores Spearman's ρ between the gold similarity and the first number in the generated text;
+a generation with no number is given STSB_FALLBACK (0.0, FusionBench's choice: below the 0–5 scale,
+so it ranks as "least similar"), and the count of such generations is reported.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from featcal.errors import CalibrationDataError
+from featcal.experiments.evaluation.templates import glue_prompt
+
+STSB_FALLBACK = 0.0
+_NUMBER = re.compile(r"[-+]?(?:\d+\.\d*|\.\d+|\d+)")
+
+
+
+def normalise_answer(text: str) -> str:
+    return " ".join(text.strip().lower().split())
+
+
+def exact_match(predictions: Sequence[str], references: Sequence[str]) -> float:
+    """Share (in %) of predictions equal to their reference after normalise_answer."""
+    if len(predictions) != len(references):
+        raise ValueError(f"{len(predictions)} predictions for {len(references)} references")
+    if not predictions:
+        raise ValueError("exact match of nothing is undefined")
+    hits = sum(normalise_answer(p) == normalise_answer(r) for p, r in zip(predictions, references, strict=True))
+    return 100.0 * hits / len(predictions)
+
+
+def parse_similarity(text: str) -> float | None:
+    """The first number in a generation ('3.8', 'about 4', '4.0.'), or None if there is none."""
+    match = _NUMBER.search(text)
+    return float(match.group()) if match else None
+
+
+def _ranks(x: np.ndarray) -> np.ndarray:
+    """Ranks 1..n, ties given their average rank (as Spearman's ρ requires)."""
+    order = np.argsort(x, kind="mergesort")
+    ranks = np.empty(len(x), dtype=np.float64)
+    sorted_x = x[order]
+    i = 0
+    while i < len(x):
+        j = i
+        while j + 1 < len(x) and sorted_x[j + 1] == sorted_x[i]:
+            j += 1
+        ranks[order[i : j + 1]] = (i + j) / 2.0 + 1.0
+        i = j + 1
+    return ranks
+
+
+def spearman(x: Sequence[float], y: Sequence[float]) -> float:
+    """Spearman's rank correlation; 0.0 when either side is constant (ρ undefined: no ranking signal)."""
+    a, b = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    if a.shape != b.shape or a.ndim != 1:
+        raise ValueError(f"spearman needs two equal-length vectors, got {a.shape} and {b.shape}")
+    if len(a) < 2:
+        raise ValueError("spearman needs at least two pairs")
+    ra, rb = _ranks(a) - (len(a) + 1) / 2.0, _ranks(b) - (len(b) + 1) / 2.0
+    denom = math.sqrt(float(ra @ ra) * float(rb @ rb))
+    return float(ra @ rb / denom) if denom > 0 else 0.0
+
+
+def score(task: str, generations: Sequence[str], labels: Sequence[float | int]) -> dict[str, float | int]:
+    """The task's GLUE metric (in %, ρ×100 for stsb) from generated texts and gold labels."""
+    prompt = glue_prompt(task)
+    if prompt.labels is None:
+        parsed = [parse_similarity(g) for g in generations]
+        preds = [STSB_FALLBACK if p is None else p for p in parsed]
+        return {
+            "score": 100.0 * spearman(preds, [float(v) for v in labels]),
+            "metric": "spearman",
+            "unparsable": sum(p is None for p in parsed),
+            "n": len(generations),
+        }
+    refs = [prompt.target_text(v) for v in labels]
+    return {"score": exact_match(generations, refs), "metric": "exact_match", "n": len(generations)}
+
+
+def text_pairs(task: str, dataset: Any, indices: Sequence[int]) -> tuple[list[str], list[float | int]]:
+    """(prompts, labels) of the rows `indices`."""
+    prompt = glue_prompt(task)
+    missing = [c for c in (*prompt.fields, "label") if c not in dataset.column_names]
+    if missing:
+        raise CalibrationDataError(f"GLUE {task}: dataset lacks column(s) {missing} (has {dataset.column_names})")
+    rows = dataset[list(indices)]
+    texts = [prompt.input_text({f: rows[f][i] for f in prompt.fields}) for i in range(len(indices))]
+    return texts, list(rows["label"])
+
+
+def calibration_batches(
+    task: str,
+    dataset: Any,
+    indices: Sequence[int],
+    tokenizer: Any,
+    *,
+    batch_size: int,
+    decoder_start_token_id: int,
+    max_length: int = 512,
+) -> list[dict[str, torch.Tensor]]:
+    """Encoder inputs plus teacher-forced decoder inputs (the label text, shifted right) per batch.
+
+    The decoder needs some input to calibrate; the label text of a TRAIN example is what the expert
+    saw in fine-tuning, so its decoder features are the ones the expert specialised.
+    """
+    prompt = glue_prompt(task)
+    texts, labels = text_pairs(task, dataset, indices)
+    batches = []
+    for start in range(0, len(texts), batch_size):
+        enc = tokenizer(texts[start : start + batch_size], padding=True, truncation=True, max_length=max_length,
+                        return_tensors="pt")
+        targets = [prompt.target_text(v) for v in labels[start : start + batch_size]]
+        dec = tokenizer(targets, padding=True, truncation=True, max_length=32, return_tensors="pt")
+        shifted = torch.full_like(dec["input_ids"], tokenizer.pad_token_id)
+        shifted[:, 0] = decoder_start_token_id
+        shifted[:, 1:] = dec["input_ids"][:, :-1]
+        dec_mask = torch.ones_like(shifted)
+        dec_mask[:, 1:] = dec["attention_mask"][:, :-1]
+        batches.append({
+            "input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"],
+            "decoder_input_ids": shifted, "decoder_attention_mask": dec_mask,
+        })
+    return batches
+
+
+def _generate(model: Any, tokenizer: Any, texts: list[str], device: Any, max_new_tokens: int, max_length: int) -> list[str]:
+    enc = tokenizer(texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt").to(device)
+    out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, num_beams=1)
+    return tokenizer.batch_decode(out, skip_special_tokens=True)
+
+
+def generations(
+    model: Any, tokenizer: Any, texts: Sequence[str], *, batch_size: int, device: Any, max_new_tokens: int = 10,
+    desc: str = "generate", max_length: int = 512,
+) -> Iterator[str]:
+    """Greedy generations, batch by batch (max_new_tokens=10 covers every GLUE answer word or score)."""
+    for start in tqdm(range(0, len(texts), batch_size), desc=desc):
+        yield from _generate(model, tokenizer, list(texts[start : start + batch_size]), device, max_new_tokens,
+                             max_length)
+
+
+@torch.no_grad()
+def evaluate_glue(
+    model: Any,
+    tokenizer: Any,
+    task: str,
+    dataset: Any,
+    *,
+    batch_size: int = 32,
+    device: str | torch.device = "cpu",
+    desc: str | None = None,
+    max_length: int = 512,
+) -> dict[str, float | int]:
+    """Greedy-generate an answer for every row of a GLUE split and score it."""
+    n = len(dataset)
+    if n == 0:
+        raise CalibrationDataError(f"GLUE {task}: the evaluation split is empty")
+    texts, labels = text_pairs(task, dataset, range(n))
+    model = model.to(device).eval()
+    gens = list(generations(model, tokenizer, texts, batch_size=batch_size, device=device, desc=desc or task,
+                            max_length=max_length))
+    return score(task, gens, labels)

@@ -1,0 +1,213 @@
+"""Build (or reuse) a zoo: pretrain a base, fit frozen probe heads, fine-tune one expert per task.
+
+Deterministic for a given (preset, seed). A finished zoo is recognised by its fingerprint and reused;
+a build writes into a temporary directory and is renamed into place only when complete.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+from featcal.errors import OutputExistsError
+from featcal.experiments.evaluation.classification import accuracy, fit_linear_probe, pooled_features
+from featcal.experiments.zoo.presets import AnyPreset, TextZooPreset, ZooPreset, get_preset
+from featcal.experiments.zoo.pretrain import pretrain
+from featcal.experiments.zoo.store import MANIFEST, Zoo
+from featcal.experiments.zoo.tasks import TASKS, make_splits
+from featcal.experiments.zoo.train import finetune, pixel_values
+from featcal.io.atomic import atomic_output_dir, atomic_write_text, check_output_dir, check_replaceable
+from featcal.io.report import package_versions, peak_rss_mb
+
+log = logging.getLogger(__name__)
+
+
+def cached(out: str | os.PathLike, preset: ZooPreset, seed: int) -> Zoo | None:
+    """The zoo at `out` if it was built from exactly this preset and seed, else None."""
+    path = Path(out) / MANIFEST
+    if not path.exists():
+        return None
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return None
+    if manifest.get("fingerprint") != preset.fingerprint(seed):
+        return None
+    return Zoo.open(out)
+
+
+def build_zoo(out: str | os.PathLike, preset: str | AnyPreset = "default", seed: int = 0, *,
+              overwrite: bool = False, progress: bool = True, base_cache: str | os.PathLike | None = None,
+              sources: str | os.PathLike | None = None) -> Zoo:
+    """Return the zoo at `out`, building it first unless an identical one is already there.
+
+    `base_cache` (vision): a directory of pretrained bases keyed by `preset.pretrain_fingerprint(seed)`;
+    the pretraining stage (most of the build) is skipped when the key is there, and stored when not.
+    `sources` (text): the folder of downloaded text archives (featcal.experiments.zoo.text_sources).
+    """
+    p = get_preset(preset) if isinstance(preset, str) else preset
+    hit = cached(out, p, seed)
+    if hit is not None:
+        log.info("zoo %s: reusing the cached build (preset %s, seed %d)", out, p.name, seed)
+        return hit
+    if (Path(out) / MANIFEST).exists() and not overwrite:
+        raise OutputExistsError(
+            f"{out} holds a zoo built from another preset, seed or zoo version; pass --overwrite to rebuild it"
+        )
+    check_output_dir(out, overwrite)
+    check_replaceable(out, overwrite, marker=MANIFEST)  # --overwrite replaces a zoo, never a user's folder
+    if isinstance(p, TextZooPreset):
+        from featcal.experiments.zoo.text_build import build_text, check_text_inputs
+
+        check_text_inputs(sources)  # a missing source is named before the output directory is touched
+        with atomic_output_dir(out, overwrite) as tmp:
+            build_text(tmp, p, seed, progress, sources)
+        return Zoo.open(out)
+    with atomic_output_dir(out, overwrite) as tmp:
+        _build(tmp, p, seed, progress, Path(base_cache) if base_cache else None)
+    return Zoo.open(out)
+
+
+def few_shot(x: np.ndarray, y: np.ndarray, shots: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """The first `shots` examples of every class, in split order (all of them when `shots` is None)."""
+    if shots is None:
+        return x, y
+    if shots < 1:
+        raise ValueError(f"probe_shots must be at least 1, got {shots}")
+    keep = np.concatenate([np.flatnonzero(y == c)[:shots] for c in np.unique(y)])
+    keep.sort()
+    return x[keep], y[keep]
+
+
+def _save(model, directory: Path) -> None:
+    model.save_pretrained(directory, safe_serialization=True)
+
+
+def _pretrained_base(p: ZooPreset, seed: int, progress: bool, cache: Path | None) -> tuple[object, dict, bool]:
+    """The pretrained base (from the cache when it holds this key), its metrics, and whether cached."""
+    import transformers
+
+    from featcal.io.models import load_model
+
+    key = cache / f"base-{p.pretrain_fingerprint(seed)}" if cache else None
+    if key is not None and (key / "pretrain.json").exists():
+        return load_model(key), json.loads((key / "pretrain.json").read_text()), True
+    torch.manual_seed(seed)
+    base = transformers.CLIPVisionModel(p.model.config())
+    metrics = pretrain(base, p.pretrain, seed, progress)
+    if key is not None:
+        with atomic_output_dir(key, overwrite=True) as tmp:
+            _save(base, tmp)
+            (tmp / "pretrain.json").write_text(json.dumps(metrics) + "\n")
+    return base, metrics, False
+
+
+def _build(root: Path, p: ZooPreset, seed: int, progress: bool, base_cache: Path | None = None) -> None:
+    t0 = time.perf_counter()
+    timings: dict[str, float] = {}
+    lines: list[str] = []
+
+    def note(msg: str) -> None:
+        log.info(msg)
+        lines.append(msg)
+
+    unknown = [t for t in p.tasks if t not in TASKS]
+    if unknown:
+        raise ValueError(f"preset {p.name}: unknown tasks {unknown}")
+
+    # 1. data, fixed splits per task
+    t = time.perf_counter()
+    (root / "data").mkdir()
+    data: dict[str, dict[str, tuple[np.ndarray, np.ndarray]]] = {}
+    sizes: dict[str, dict[str, int]] = {}
+    for name in p.tasks:
+        task = TASKS[name]
+        train = p.train
+        if task.pool is not None:
+            train = min(train, len(task.pool()[1]) - p.calibration - p.test)
+        sz = {"train": train, "calibration": p.calibration, "test": p.test}
+        data[name] = make_splits(task, sz, seed)
+        sizes[name] = sz
+        save_file({f"{s}_{k}": torch.from_numpy(np.ascontiguousarray(v)) for s, (x, y) in data[name].items()
+                   for k, v in (("images", x), ("labels", y))}, str(root / "data" / f"{name}.safetensors"))
+    timings["data"] = time.perf_counter() - t
+
+    # 2. base: pretrained on distinct procedural categories
+    t = time.perf_counter()
+    base, pre, reused = _pretrained_base(p, seed, progress, base_cache)
+    _save(base, root / "base")
+    timings["pretrain"] = time.perf_counter() - t
+    where = f"reused from {base_cache}" if reused else f"{timings['pretrain']:.0f}s"
+    note(f"pretrain: {p.pretrain.steps} steps, final loss {pre['final_loss']:.3f}, "
+         f"train accuracy {pre['final_train_accuracy']:.3f} ({where})")
+
+    # 3. heads: linear probes on the base's pooled features (few-shot when the preset says so), then frozen
+    t = time.perf_counter()
+    (root / "heads").mkdir()
+    heads, tests, base_acc = {}, {}, {}
+    for name in p.tasks:
+        x, y = few_shot(*data[name]["train"], p.probe_shots)
+        heads[name] = fit_linear_probe(pooled_features(base, pixel_values(x)), y, len(TASKS[name].classes), c=p.probe_c)
+        heads[name].save(root / "heads" / f"{name}.safetensors")
+        tests[name] = (pixel_values(data[name]["test"][0]), torch.from_numpy(data[name]["test"][1]))
+        base_acc[name] = accuracy(base, heads[name], *tests[name])
+    timings["probes"] = time.perf_counter() - t
+
+    # 4. experts: the full encoder fine-tuned per task through its frozen head
+    t = time.perf_counter()
+    expert_acc, tv_norm = {}, {}
+    base_sd = {k: v.clone() for k, v in base.state_dict().items()}
+    base_norm = torch.sqrt(sum(v.float().pow(2).sum() for v in base_sd.values()))
+    vectors = {}
+    for i, name in enumerate(p.tasks):
+        expert = copy.deepcopy(base)
+        x, y = data[name]["train"]
+        finetune(expert, heads[name], x, y, p.finetune, seed * 1000 + i, desc=f"expert {name}", progress=progress)
+        _save(expert, root / "experts" / name)
+        expert_acc[name] = accuracy(expert, heads[name], *tests[name])
+        vectors[name] = {k: v - base_sd[k] for k, v in expert.state_dict().items()}
+        tv_norm[name] = float(torch.sqrt(sum(v.float().pow(2).sum() for v in vectors[name].values())) / base_norm)
+        note(f"expert {name}: base {base_acc[name]:.3f} -> expert {expert_acc[name]:.3f}, "
+             f"|task vector|/|base| {tv_norm[name]:.4f}")
+    timings["experts"] = time.perf_counter() - t
+
+    # 5. regime check (own in-memory Task Arithmetic; the bench uses featcal.merge)
+    merged = copy.deepcopy(base)
+    s = p.regime_scaling
+    merged.load_state_dict({k: v + s * sum(vec[k] for vec in vectors.values()) for k, v in base_sd.items()})
+    ta_acc = {name: accuracy(merged, heads[name], *tests[name]) for name in p.tasks}
+    mean = lambda d: float(np.mean(list(d.values())))  # noqa: E731
+    regime = {"base": mean(base_acc), f"task_arithmetic_{s}": mean(ta_acc), "experts": mean(expert_acc)}
+    ok = regime["base"] < regime[f"task_arithmetic_{s}"] < regime["experts"]
+    note(f"regime: base {regime['base']:.3f} < TA {s} {regime[f'task_arithmetic_{s}']:.3f} < experts "
+         f"{regime['experts']:.3f}: {'yes' if ok else 'NO'}")
+    timings["total"] = time.perf_counter() - t0
+    note(f"build time {timings['total']:.0f}s, peak RSS {peak_rss_mb():.0f} MiB")
+
+    manifest = {
+        "format": "featcal-zoo",
+        "preset": p.name,
+        "seed": seed,
+        "fingerprint": p.fingerprint(seed),
+        "architecture": "CLIPVisionModel",
+        "model": p.model.__dict__,
+        "tasks": {n: {"classes": list(TASKS[n].classes), "real_data": TASKS[n].pool is not None, "sizes": sizes[n],
+                      "base_accuracy": base_acc[n], "expert_accuracy": expert_acc[n],
+                      f"task_arithmetic_{s}_accuracy": ta_acc[n], "task_vector_relative_norm": tv_norm[n]}
+                  for n in p.tasks},
+        "regime": {**regime, "ordered": ok},
+        "pretrain": {**pre, "reused_from_cache": reused},
+        "timings_s": {k: round(v, 2) for k, v in timings.items()},
+        "threads": torch.get_num_threads(),
+        "versions": package_versions(),
+    }
+    atomic_write_text(root / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+    atomic_write_text(root / "build.log", "\n".join(lines) + "\n")

@@ -1,0 +1,206 @@
+"""Build the text zoo: the real all-MiniLM-L6-v2 as base, cosine heads on class prototypes, 8 experts.
+
+Heads come first and stay frozen: each class's prototype is the mean of the base's (mean-pooled,
+unit-normalised) embeddings of a few of its training examples, and logits are scale·cos. That is the
+form of CLIP's zero-shot heads (text-tower prototypes, logit scale) and about as weak, so fine-tuning
+has room to help, as it has on the paper's CLIP experts. Each expert is the whole encoder fine-tuned on
+its task through its frozen head, saved as an ordinary HF checkpoint (safetensors + tokenizer).
+Deterministic for a (preset, seed): splits, head shots, batch order and dropout all come from the seed.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from featcal.blocks.heads import CosineHead
+from featcal.experiments.evaluation.classification import accuracy, pooled_features
+from featcal.experiments.evaluation.features import Inputs, features, num_examples, select
+from featcal.experiments.zoo.presets import TextZooPreset
+from featcal.experiments.zoo.store import MANIFEST
+from featcal.experiments.zoo.text_sources import (
+    MODEL_PACKAGE,
+    MODEL_VERSION,
+    SOURCES,
+    check_sources,
+    model_path,
+)
+from featcal.experiments.zoo.text_tasks import TEXT_TASKS, split_examples, task_examples
+from featcal.experiments.zoo.train import schedule
+from featcal.io.atomic import atomic_write_text
+from featcal.io.report import package_versions, peak_rss_mb
+
+log = logging.getLogger(__name__)
+
+
+def check_text_inputs(sources: str | None = None) -> None:
+    """Every data archive and the base model package are there and readable (before any work)."""
+    check_sources(sources)
+    model_path()
+
+
+def tokenize(tokenizer, texts: list[str], max_length: int) -> dict[str, torch.Tensor]:
+    enc = tokenizer(texts, max_length=max_length, truncation=True, padding="max_length", return_tensors="pt")
+    return {"input_ids": enc["input_ids"].to(torch.int32), "attention_mask": enc["attention_mask"].to(torch.int8)}
+
+
+def as_inputs(stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.long() for k, v in stored.items()}
+
+
+def few_shot_rows(labels: np.ndarray, n_classes: int, shots: int) -> np.ndarray:
+    """The first `shots` training examples of every class (the split is already shuffled by the seed)."""
+    rows = [np.flatnonzero(labels == c)[:shots] for c in range(n_classes)]
+    missing = [c for c, r in enumerate(rows) if len(r) == 0]
+    if missing:
+        raise ValueError(f"classes {missing} have no training example for the head")
+    return np.sort(np.concatenate(rows))
+
+
+def finetune_text(model, head: torch.nn.Module, inputs: Inputs, labels: torch.Tensor, settings, seed: int,
+                  desc: str, progress: bool) -> float:
+    """Fine-tune the whole encoder in place through a FROZEN head (mean pooling); return the last loss."""
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)  # dropout
+    for p in head.parameters():
+        p.requires_grad_(False)
+    params = [p for n, p in model.named_parameters() if not n.startswith("pooler.")]  # unused by mean pooling
+    opt = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule(settings.warmup, settings.steps))
+    model.train()
+    loss = torch.zeros(())
+    n = num_examples(inputs)
+    for _ in tqdm(range(settings.steps), desc=desc, disable=not progress, leave=False):
+        idx = torch.randint(0, n, (settings.batch_size,), generator=g)
+        batch = select(inputs, idx)
+        loss = torch.nn.functional.cross_entropy(head(features(model, batch, "mean")), labels[idx])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+    model.eval()
+    return float(loss.item())
+
+
+def build_text(root: Path, p: TextZooPreset, seed: int, progress: bool, sources: str | None = None) -> None:
+    """Write a complete text zoo into `root` (an empty temporary directory)."""
+    import transformers
+
+    t0 = time.perf_counter()
+    timings: dict[str, float] = {}
+    lines: list[str] = []
+
+    def note(msg: str) -> None:
+        log.info(msg)
+        lines.append(msg)
+
+    check_text_inputs(sources)
+    src = model_path()
+
+    # 1. data: deduplicated, class-capped, seeded disjoint splits, tokenised once
+    t = time.perf_counter()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(src)
+    (root / "data").mkdir()
+    splits: dict[str, dict[str, tuple[dict[str, torch.Tensor], torch.Tensor]]] = {}
+    sizes: dict[str, dict[str, int]] = {}
+    for name in p.tasks:
+        parts = split_examples(task_examples(TEXT_TASKS[name], seed, sources), p.calibration, p.test, p.train, name)
+        tensors = {}
+        splits[name] = {}
+        for split, (texts, labels) in parts.items():
+            enc = tokenize(tokenizer, texts, p.max_length)
+            y = torch.tensor(labels, dtype=torch.long)
+            splits[name][split] = (as_inputs(enc), y)
+            tensors.update({f"{split}_{k}": v for k, v in enc.items()})
+            tensors[f"{split}_labels"] = y
+        sizes[name] = {s: len(parts[s][1]) for s in parts}
+        save_file(tensors, str(root / "data" / f"{name}.safetensors"))
+    timings["data"] = time.perf_counter() - t
+
+    # 2. base: the pretrained encoder as shipped, re-saved with its tokenizer
+    torch.manual_seed(seed)
+    base = transformers.BertModel.from_pretrained(src, dtype=torch.float32).eval()
+    base.save_pretrained(root / "base", safe_serialization=True)
+    tokenizer.save_pretrained(root / "base")
+
+    # 3. heads: class prototypes from a few training examples, frozen before any fine-tuning
+    t = time.perf_counter()
+    (root / "heads").mkdir()
+    heads, base_acc = {}, {}
+    for name in p.tasks:
+        x, y = splits[name]["train"]
+        rows = torch.from_numpy(few_shot_rows(y.numpy(), len(TEXT_TASKS[name].classes), p.head_shots))
+        feats = pooled_features(base, select(x, rows), pooling="mean")
+        heads[name] = CosineHead.from_features(feats, y[rows], len(TEXT_TASKS[name].classes), p.head_scale)
+        heads[name].save(root / "heads" / f"{name}.safetensors")
+        base_acc[name] = accuracy(base, heads[name], *splits[name]["test"], pooling="mean")
+    timings["heads"] = time.perf_counter() - t
+
+    # 4. experts: the whole encoder fine-tuned per task through its frozen head
+    t = time.perf_counter()
+    expert_acc, tv_norm, vectors = {}, {}, {}
+    base_sd = {k: v.clone() for k, v in base.state_dict().items()}
+    base_norm = torch.sqrt(sum(v.float().pow(2).sum() for v in base_sd.values()))
+    for i, name in enumerate(p.tasks):
+        expert = copy.deepcopy(base)
+        te = time.perf_counter()
+        finetune_text(expert, heads[name], *splits[name]["train"], p.finetune, seed * 1000 + i,
+                      desc=f"expert {name}", progress=progress)
+        train_s = time.perf_counter() - te
+        expert.save_pretrained(root / "experts" / name, safe_serialization=True)
+        tokenizer.save_pretrained(root / "experts" / name)
+        expert_acc[name] = accuracy(expert, heads[name], *splits[name]["test"], pooling="mean")
+        vectors[name] = {k: v - base_sd[k] for k, v in expert.state_dict().items()}
+        tv_norm[name] = float(torch.sqrt(sum(v.float().pow(2).sum() for v in vectors[name].values())) / base_norm)
+        note(f"expert {name}: base {base_acc[name]:.3f} -> expert {expert_acc[name]:.3f}, "
+             f"|task vector|/|base| {tv_norm[name]:.4f}, {train_s / p.finetune.steps:.2f}s/step")
+        del expert
+    timings["experts"] = time.perf_counter() - t
+
+    # 5. regime check (own in-memory Task Arithmetic; the bench uses featcal.merge)
+    merged = copy.deepcopy(base)
+    s = p.regime_scaling
+    merged.load_state_dict({k: v + s * sum(vec[k] for vec in vectors.values()) for k, v in base_sd.items()})
+    ta_acc = {name: accuracy(merged, heads[name], *splits[name]["test"], pooling="mean") for name in p.tasks}
+    mean = lambda d: float(np.mean(list(d.values())))  # noqa: E731
+    regime = {"base": mean(base_acc), f"task_arithmetic_{s}": mean(ta_acc), "experts": mean(expert_acc)}
+    ok = regime["base"] < regime[f"task_arithmetic_{s}"] < regime["experts"]
+    note(f"regime: base {regime['base']:.3f} < TA {s} {regime[f'task_arithmetic_{s}']:.3f} < experts "
+         f"{regime['experts']:.3f}: {'yes' if ok else 'NO'}")
+    timings["total"] = time.perf_counter() - t0
+    note(f"build time {timings['total']:.0f}s, peak RSS {peak_rss_mb():.0f} MiB")
+
+    manifest = {
+        "format": "featcal-zoo",
+        "modality": "text",
+        "pooling": "mean",
+        "preset": p.name,
+        "seed": seed,
+        "fingerprint": p.fingerprint(seed),
+        "architecture": "BertModel",
+        "base_source": f"{MODEL_PACKAGE}=={MODEL_VERSION} (all-MiniLM-L6-v2)",
+        "max_length": p.max_length,
+        "head": {"kind": "cosine prototypes", "shots_per_class": p.head_shots, "scale": p.head_scale},
+        "tasks": {n: {"classes": list(TEXT_TASKS[n].classes), "description": TEXT_TASKS[n].description,
+                      "source": SOURCES[TEXT_TASKS[n].source].requirement,
+                      "licence": SOURCES[TEXT_TASKS[n].source].licence, "sizes": sizes[n],
+                      "base_accuracy": base_acc[n], "expert_accuracy": expert_acc[n],
+                      f"task_arithmetic_{s}_accuracy": ta_acc[n], "task_vector_relative_norm": tv_norm[n]}
+                  for n in p.tasks},
+        "regime": {**regime, "ordered": ok},
+        "finetune": p.finetune.__dict__,
+        "timings_s": {k: round(v, 2) for k, v in timings.items()},
+        "threads": torch.get_num_threads(),
+        "versions": package_versions(),
+    }
+    atomic_write_text(root / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+    atomic_write_text(root / "build.log", "\n".join(lines) + "\n")

@@ -1,0 +1,136 @@
+"""Where expert and base parameters come from: an in-memory model, or a checkpoint read lazily.
+
+The engine asks for parameters by the names of the model being calibrated (transformers-5 names).
+A checkpoint saved by transformers 4 may spell them differently (CLIPVisionModel's `vision_model.`
+prefix, ViT's `encoder.layer.N.attention.attention.query`); `checkpoint_key_map` maps them with
+transformers' own checkpoint-conversion rules, so a path expert is read block by block and never
+loaded whole.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+
+import torch
+from torch import nn
+
+from featcal.errors import CheckpointError
+from featcal.io.checkpoint import CheckpointReader
+
+
+def parameter_aliases(model: nn.Module) -> dict[str, list[str]]:
+    """Every parameter name (tied ones included) -> all names of the same tensor, canonical first."""
+    groups: dict[int, list[str]] = defaultdict(list)
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups[id(p)].append(name)
+    return {name: names for names in groups.values() for name in names}
+
+
+def checkpoint_key_map(model: nn.Module, checkpoint_keys: list[str]) -> dict[str, str]:
+    """Model parameter name -> checkpoint tensor name, through transformers' renaming rules."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, rename_source_key
+
+    names = set(parameter_aliases(model))
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    meta = {n: True for n in names}
+    prefix = getattr(model, "base_model_prefix", None) or None
+    out: dict[str, str] = {}
+    for key in checkpoint_keys:
+        if key in names:
+            out.setdefault(key, key)
+            continue
+        renamed, converter = rename_source_key(key, renamings, converters, prefix, meta)
+        if converter is not None:
+            raise CheckpointError(
+                f"checkpoint tensor {key!r} needs a weight conversion ({converter}) that cannot be streamed; "
+                "load this model with featcal.io.models.load_model and pass the model instead of its path"
+            )
+        if renamed in names:
+            out.setdefault(renamed, key)
+    return out
+
+
+class ParamSource:
+    """Parameters of one model, by the calibrated model's parameter names."""
+
+    label: str
+
+    def get(self, name: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        """Shape of `name`, or None when the source does not hold it."""
+        raise NotImplementedError
+
+
+class ModelSource(ParamSource):
+    """An in-memory model: parameters are read straight from it (never modified)."""
+
+    def __init__(self, model: nn.Module, label: str) -> None:
+        self.label = label
+        self._params = dict(model.named_parameters(remove_duplicate=False))
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._params[name].detach()
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        p = self._params.get(name)
+        return None if p is None else tuple(p.shape)
+
+
+class CheckpointSource(ParamSource):
+    """A checkpoint directory or hub id, read one tensor at a time.
+
+    With plain file reads (UnmappedReader), not the memory map: pages read through a map stay in the
+    process's RSS while the reader is open, so T open experts would cost T checkpoints of RSS by the
+    last block although only one block is ever needed.
+    """
+
+    def __init__(self, path: str | os.PathLike, template: nn.Module, label: str, *, allow_pickle: bool = False,
+                 reader: object | None = None) -> None:
+        from featcal.io.sources import UnmappedReader
+
+        self.label = label
+        # `reader`: another CheckpointReader-like view (a LoRA adapter applied to the base, io/lora.py)
+        self.reader: CheckpointReader = reader or UnmappedReader(path, allow_pickle=allow_pickle)
+        self.key_map = checkpoint_key_map(template, self.reader.keys())
+        aliases = parameter_aliases(template)
+        for name, names in aliases.items():  # a tied parameter may be saved under one alias only
+            if name not in self.key_map:
+                found = next((self.key_map[a] for a in names if a in self.key_map), None)
+                if found is not None:
+                    self.key_map[name] = found
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.key_map:
+            raise CheckpointError(f"{self.label} ({self.reader.path}): tensor {name!r} is missing")
+        return self.reader.get(self.key_map[name])
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        key = self.key_map.get(name)
+        return None if key is None else self.reader.meta(key)[0]
+
+
+def validate_source(source: ParamSource, reference: nn.Module, names: list[str]) -> None:
+    """Refuse, before any work, a source missing any of `names` or holding it with another shape."""
+    params = dict(reference.named_parameters(remove_duplicate=False))
+    for name in names:
+        want = tuple(params[name].shape)
+        got = source.shape(name)
+        if got is None:
+            raise CheckpointError(f"{source.label}: parameter {name!r} is missing (the merged model has it, {want})")
+        if tuple(got) != want:
+            raise CheckpointError(f"{source.label}: parameter {name!r} has shape {tuple(got)}, the merged model {want}")
+
+
+@torch.no_grad()
+def load_into(model: nn.Module, names: list[str], source: ParamSource) -> None:
+    """Copy `names` from `source` into `model`'s parameters, in place (dtype/device of the model)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for name in names:
+        p = params[name]
+        p.copy_(source.get(name).to(device=p.device, dtype=p.dtype))

@@ -1,0 +1,111 @@
+"""WUDI merging (Cheng et al., 2025, "Whoever Started the Interference Should End It: Guiding
+Data-Free Model Merging via Task Vectors", arXiv 2503.08099). Data-free.
+
+For every Linear weight, with task vectors τ_t = W_t − W_0 (out × in), find
+    τ_m = argmin Σ_t (1/‖τ_t‖²_F) ‖(τ_m − τ_t) τ_tᵀ‖²_F
+by Adam from τ_m = Σ_t τ_t: the rows of a task vector span (approximately) the inputs that task
+feeds the layer, so the interference of τ_m with task t is measured on them without data.
+As in the published code: Adam (lr 1e-5, no weight decay), 300 iterations, full objective each
+step; every other tensor (biases, norms, embeddings, tied LM heads) takes the mean task vector.
+The result is θ_0 + τ_m.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from featcal.blocks.linear import as_patterns, linear_modules
+from featcal.config import parse
+from featcal.data.inputs import ModelLike, load_family
+from featcal.merging.method_params import WudiParams
+
+
+def wudi_objective(merged_tv: torch.Tensor, task_vectors: torch.Tensor) -> torch.Tensor:
+    """Σ_t ‖(τ_m − τ_t) τ_tᵀ‖²_F / ‖τ_t‖²_F for task_vectors [T, out, in]; a zero τ_t contributes 0."""
+    diff = merged_tv.unsqueeze(0) - task_vectors
+    product = torch.matmul(diff, task_vectors.transpose(1, 2))
+    norms = task_vectors.flatten(1).pow(2).sum(1)
+    weights = torch.where(norms > 0, 1.0 / norms.clamp_min(torch.finfo(norms.dtype).tiny), torch.zeros_like(norms))
+    return (product.pow(2).sum(dim=(1, 2)) * weights).sum()
+
+
+def fast_objective(task_vectors: torch.Tensor):
+    """`wudi_objective` as a closure over precomputed terms, at the cheaper of two equal forms.
+
+    ‖D τ_tᵀ‖² costs out·in·out directly; through the Gram, tr(D (τ_tᵀτ_t) Dᵀ) costs out·in·in.
+    """
+    norms = task_vectors.flatten(1).pow(2).sum(1)
+    weights = torch.where(norms > 0, 1.0 / norms.clamp_min(torch.finfo(norms.dtype).tiny), torch.zeros_like(norms))
+    out_dim, in_dim = task_vectors.shape[1:]
+    if in_dim >= out_dim:
+        return lambda merged: wudi_objective(merged, task_vectors)
+    grams = task_vectors.transpose(1, 2) @ task_vectors  # [T, in, in]
+
+    def objective(merged: torch.Tensor) -> torch.Tensor:
+        diff = merged.unsqueeze(0) - task_vectors
+        return ((diff @ grams) * diff).sum(dim=(1, 2)).mul(weights).sum()
+
+    return objective
+
+
+def wudi_layer(task_vectors: torch.Tensor, steps: int = 300, lr: float = 1e-5) -> torch.Tensor:
+    """The merged task vector of one Linear weight: Adam on `wudi_objective` from Σ_t τ_t."""
+    tvs = task_vectors.detach()
+    merged = torch.nn.Parameter(tvs.sum(0).clone())
+    if steps:
+        objective = fast_objective(tvs)
+        opt = torch.optim.Adam([merged], lr=lr, weight_decay=0.0)
+        for _ in range(steps):
+            loss = objective(merged)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+    return merged.detach()
+
+
+@torch.no_grad()
+def wudi(
+    base: ModelLike,
+    experts: Mapping[str, ModelLike],
+    steps: int = 300,
+    lr: float = 1e-5,
+    seed: int = 0,
+    device: str = "cpu",
+    exclude: str | Iterable[str] = (),
+    progress: bool = True,
+) -> dict[str, torch.Tensor]:
+    """Merged state dict (the base's keys). `exclude`: regexes of Linear module names to average instead.
+
+    Deterministic: the method draws no random numbers (`seed` is accepted for a uniform API).
+    """
+    params = parse(WudiParams, dict(steps=steps, lr=lr, seed=seed, device=device, exclude=as_patterns(exclude)))
+    base_m, experts_m = load_family(base, experts)
+    return wudi_models(base_m, experts_m, params, progress=progress)
+
+
+@torch.no_grad()
+def wudi_models(
+    base: nn.Module, experts: Mapping[str, nn.Module], params: WudiParams, progress: bool = True
+) -> dict[str, torch.Tensor]:
+    """WUDI on models already validated as one family; returns the merged state dict (base's keys)."""
+    linear_weights = {f"{n}.weight" for n in linear_modules(base, params.exclude)}
+    base_sd = base.state_dict()
+    expert_sds = [m.state_dict() for m in experts.values()]
+    merged: dict[str, torch.Tensor] = {}
+    for name, w0 in tqdm(base_sd.items(), desc="wudi", leave=False, disable=not progress):
+        if not w0.is_floating_point():
+            merged[name] = w0.clone()
+            continue
+        tvs = torch.stack([sd[name].to(params.device, torch.float32) - w0.to(params.device, torch.float32)
+                           for sd in expert_sds])
+        if name in linear_weights:
+            with torch.enable_grad():
+                tau = wudi_layer(tvs, params.steps, params.lr)
+        else:
+            tau = tvs.mean(0)
+        merged[name] = (w0.float() + tau.cpu()).to(w0.dtype)
+    return merged
