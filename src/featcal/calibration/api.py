@@ -176,8 +176,8 @@ def adapter_reader(expert: ModelLike, base: ModelLike | None, label: str, allow_
     """A LoRA / PEFT adapter folder read as base + ΔW (io/lora.py), a GGUF file dequantised (io/gguf.py);
     None for any other input (a checkpoint folder, read by CheckpointSource itself)."""
     from featcal.io.gguf import open_gguf
+    from featcal.io.inputs import open_source
     from featcal.io.lora import is_adapter_dir, open_adapter
-    from featcal.io.sources import open_source
 
     gguf = open_gguf(expert, label)
     if gguf is not None:

@@ -118,7 +118,7 @@ def validate_family_inputs(base: ModelLike, experts: Mapping[str, ModelLike]) ->
     Checkpoint paths are checked from their headers and streamed one tensor at a time, so a bad third
     expert is refused before the first one is even loaded.
     """
-    from featcal.io.sources import open_source
+    from featcal.io.inputs import open_source
     from featcal.io.validate import validate_family
 
     if not isinstance(experts, Mapping) or not experts:

@@ -25,9 +25,10 @@ from featcal.io.atomic import (
     refuse_output_over_inputs,
 )
 from featcal.io.checkpoint import CheckpointReader, copy_side_files
+from featcal.io.inputs import open_source
 from featcal.io.layouts import RenamedSource, harmonise
 from featcal.io.report import Timer, build_report, checkpoint_hashes, peak_rss_mb, write_report
-from featcal.io.sources import MergeInput, ModuleSource, open_source
+from featcal.io.sources import MergeInput, ModuleSource
 from featcal.io.validate import check_finite_state, validate_expert_names, validate_family
 from featcal.io.vocab import VocabPlan, grown_vocabulary
 from featcal.merging.calibration_data import (
