@@ -51,12 +51,11 @@ from featcal.calibration.placement import Placement
 from featcal.calibration.resume import Position, ResumeStore, common_position
 from featcal.calibration.statistics import NormalisedSums, TaskSums
 from featcal.config import FeatCalConfig
+from featcal.data.batch import Batch
 from featcal.errors import FeatCalError
 from featcal.io.param_sources import ParamSource, load_into
 
 log = logging.getLogger("featcal.calibration")
-
-Batch = dict[str, torch.Tensor]
 
 
 def _to_device(batch: Batch, device: torch.device) -> Batch:

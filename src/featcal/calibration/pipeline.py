@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from featcal.config import FeatCalConfig
+from featcal.data.batch import Batch
 from featcal.data.calibration import (
     batches_sha256,
     check_calibration_source,
@@ -30,7 +31,6 @@ from featcal.data.calibration import (
 from featcal.data.preprocess import (
     IMAGE_PROCESSOR_FILES,
     TOKENIZER_FILES,
-    Batch,
     has_processor_files,
     model_modality,
 )

@@ -41,13 +41,13 @@ from featcal.blocks.adapters import Adapter, adapter_for
 from featcal.blocks.adapters.base import accepted_inputs
 from featcal.calibration.distributed import current_group
 from featcal.config import FeatCalConfig
+from featcal.data.batch import Batch
 from featcal.errors import CalibrationDataError, ConfigError
 from featcal.io.param_sources import CheckpointSource, ModelSource, ParamSource, load_into
 from featcal.io.report import Timer
 
 log = logging.getLogger("featcal.calibration")
 
-Batch = dict[str, torch.Tensor]
 # a task head: an nn.Module applied to the model's pooled output, or a callable head(model, batch) -> logits
 Head = nn.Module | Callable[[nn.Module, Batch], torch.Tensor]
 

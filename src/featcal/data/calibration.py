@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from featcal.data.preprocess import Batch, make_preprocessor, model_modality
+from featcal.data.batch import Batch, BatchLike
+from featcal.data.preprocess import make_preprocessor, model_modality
 from featcal.data.sources import open_source
 from featcal.errors import CalibrationDataError, ConfigError
 from featcal.io.validate import validate_expert_names
@@ -156,7 +157,7 @@ def check_task_names(experts: Mapping[str, Any], calibration_sources: Mapping[st
     return list(experts)
 
 
-def batches_sha256(batches: list[Batch] | list[torch.Tensor]) -> str:
+def batches_sha256(batches: list[BatchLike]) -> str:
     """A fingerprint of exactly the tensors calibration saw (cheaper and more exact than hashing the source).
 
     Also takes what the merges' in-memory calibration may hold: tensor batches, non-tensor keyword

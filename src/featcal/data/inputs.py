@@ -10,45 +10,24 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Union
+from typing import Union
 
 import torch
 from torch import nn
 
+from featcal.data.batch import BatchLike, as_batches, batch_size
 from featcal.errors import CalibrationDataError, CheckpointError
 
-Batch = Union[torch.Tensor, Mapping[str, Any]]
 ModelLike = Union[nn.Module, str, os.PathLike]
-FeatureFn = Callable[[nn.Module, Batch], torch.Tensor]
+FeatureFn = Callable[[nn.Module, BatchLike], torch.Tensor]
 
-
-def as_batches(data: Batch | Iterable[Batch], task: str) -> list[Batch]:
-    """Normalise one task's calibration data to a list of batches (a lone batch becomes a list of one)."""
-    if isinstance(data, (torch.Tensor, Mapping)):
-        batches = [data]
-    else:
-        try:
-            batches = list(data)
-        except TypeError:
-            raise CalibrationDataError(
-                f"calibration data for task {task!r} must be a tensor, a dict of model inputs, or a list "
-                f"of those, not {type(data).__name__}"
-            ) from None
-    if not batches:
-        raise CalibrationDataError(f"calibration data for task {task!r} is empty")
-    for i, b in enumerate(batches):
-        if not isinstance(b, (torch.Tensor, Mapping)):
-            raise CalibrationDataError(
-                f"batch {i} of task {task!r} is a {type(b).__name__}; expected a tensor or a dict of model inputs"
-            )
-        if batch_size(b) == 0:
-            raise CalibrationDataError(f"batch {i} of task {task!r} holds no examples")
-    return batches
+__all__ = ["BatchLike", "FeatureFn", "ModelLike", "as_batches", "batch_size", "calibration_batches", "call_model",
+           "load", "load_family", "model_device", "pooled_features", "to_device", "validate_family_inputs"]
 
 
 def calibration_batches(
-    calibration: Mapping[str, Batch | Iterable[Batch]] | None, tasks: Iterable[str]
-) -> dict[str, list[Batch]]:
+    calibration: Mapping[str, BatchLike | Iterable[BatchLike]] | None, tasks: Iterable[str]
+) -> dict[str, list[BatchLike]]:
     """Per-task batch lists for exactly `tasks`; a missing task is an error that names it."""
     if calibration is None:
         raise CalibrationDataError("this baseline needs calibration data (task -> batches); none was given")
@@ -66,30 +45,20 @@ def calibration_batches(
     return {t: as_batches(calibration[t], t) for t in tasks}
 
 
-def batch_size(batch: Batch) -> int:
-    """Number of examples in a batch (first dimension of its first tensor)."""
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0]) if batch.dim() else 0
-    for v in batch.values():
-        if isinstance(v, torch.Tensor) and v.dim():
-            return int(v.shape[0])
-    raise CalibrationDataError(f"batch with keys {sorted(batch)} holds no tensor")
-
-
-def to_device(batch: Batch, device: torch.device | str) -> Batch:
+def to_device(batch: BatchLike, device: torch.device | str) -> BatchLike:
     if isinstance(batch, torch.Tensor):
         return batch.to(device)
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
-def call_model(model: nn.Module, batch: Batch):
+def call_model(model: nn.Module, batch: BatchLike):
     """Run `model` on a batch: a dict is spread as keyword arguments, a tensor passed positionally."""
     if isinstance(batch, torch.Tensor):
         return model(batch)
     return model(**batch)
 
 
-def pooled_features(model: nn.Module, batch: Batch) -> torch.Tensor:
+def pooled_features(model: nn.Module, batch: BatchLike) -> torch.Tensor:
     """Default feature function: the model output's `pooler_output` (CLIP/ViT/BERT pooled features)."""
     out = call_model(model, batch)
     pooled = getattr(out, "pooler_output", None)

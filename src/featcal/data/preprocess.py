@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from featcal.data.batch import Batch
 from featcal.data.sources import Modality, TextExample
 from featcal.errors import CalibrationDataError
 from featcal.io.checkpoint import TOKENIZER_FILES
@@ -27,7 +28,6 @@ IMAGE_PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
-Batch = dict[str, torch.Tensor]
 Preprocessor = Callable[[Sequence], Batch]
 
 

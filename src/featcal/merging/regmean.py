@@ -26,8 +26,8 @@ from tqdm.auto import tqdm
 
 from featcal.blocks.linear import as_patterns, linear_modules
 from featcal.config import parse
+from featcal.data.batch import BatchLike
 from featcal.data.inputs import (
-    Batch,
     ModelLike,
     calibration_batches,
     call_model,
@@ -75,7 +75,7 @@ def average_state(models: Iterable[nn.Module]) -> dict[str, torch.Tensor]:
     return acc.mean()
 
 
-def _gram_forward(model: nn.Module, batches: list[Batch], grams: LinearGrams, modules: Mapping[str, nn.Module],
+def _gram_forward(model: nn.Module, batches: list[BatchLike], grams: LinearGrams, modules: Mapping[str, nn.Module],
                   weights: TokenWeights) -> None:
     """Run `model` over `batches`, folding the inputs of `modules` into `grams` with each batch's token weights."""
     device = model_device(model)
@@ -89,7 +89,7 @@ def _gram_forward(model: nn.Module, batches: list[Batch], grams: LinearGrams, mo
 def regmean(
     base: ModelLike,
     experts: Mapping[str, ModelLike],
-    calibration: Mapping[str, Batch | list[Batch]],
+    calibration: Mapping[str, BatchLike | list[BatchLike]],
     alpha: float = 0.9,
     plus_plus: bool = False,
     exclude: str | Iterable[str] = (),
@@ -111,7 +111,7 @@ def regmean(
 def regmean_models(
     base: nn.Module,
     experts: Mapping[str, ExpertLoader],
-    batches: Mapping[str, list[Batch]],
+    batches: Mapping[str, list[BatchLike]],
     params: RegMeanParams,
     progress: bool = True,
 ) -> nn.Module:
@@ -155,7 +155,7 @@ def _regmean_plain(merged, experts, batches, names, alpha, weights, progress) ->
     _load_solved(merged, sums)
 
 
-def _as_dict(batch: Batch, main_input: str) -> dict:
+def _as_dict(batch: BatchLike, main_input: str) -> dict:
     return {main_input: batch} if isinstance(batch, torch.Tensor) else dict(batch)
 
 

@@ -20,7 +20,7 @@ from torch import nn
 
 from featcal.blocks.adapters.base import Adapter, Stack
 from featcal.blocks.grams import GramSums, WeightFn
-from featcal.data.inputs import Batch
+from featcal.data.batch import BatchLike
 from featcal.errors import FeatCalError
 
 log = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ class TokenWeights:
                 return stack, name[len(prefix):].partition(".")[2]
         return None
 
-    def for_batch(self, batch: Batch) -> WeightFn:
+    def for_batch(self, batch: BatchLike) -> WeightFn:
         """(module name, its input x) -> token weights of x (on x's device), or None when all are 1."""
         if not isinstance(batch, Mapping) or self.adapter is None or not self.stacks:
             self._warn_padding(batch)
@@ -98,7 +98,7 @@ class TokenWeights:
 
         return weights
 
-    def _warn_padding(self, batch: Batch) -> None:
+    def _warn_padding(self, batch: BatchLike) -> None:
         mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
         if self._warned or not isinstance(mask, torch.Tensor) or bool(mask.all()):
             return

@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from featcal.config import parse
+from featcal.data.batch import BatchLike
 from featcal.data.inputs import (
-    Batch,
     FeatureFn,
     ModelLike,
     calibration_batches,
@@ -66,7 +66,7 @@ class BaselineResult:
         return self.surgery is not None
 
     @torch.no_grad()
-    def features(self, task: str, batch: Batch) -> torch.Tensor:
+    def features(self, task: str, batch: BatchLike) -> torch.Tensor:
         f = self.feature_fn(self.model, to_device(batch, model_device(self.model)))
         return self.surgery.apply(task, f) if self.surgery is not None else f
 
@@ -86,7 +86,7 @@ def run_baseline(
     merged: ModelLike | None = None,
     base: ModelLike | None = None,
     experts: Mapping[str, ModelLike],
-    calibration: Mapping[str, Batch | list[Batch]] | None = None,
+    calibration: Mapping[str, BatchLike | list[BatchLike]] | None = None,
     feature_fn: FeatureFn | None = None,
     recompute_features: bool = False,
     progress: bool = True,

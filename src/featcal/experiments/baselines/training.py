@@ -17,8 +17,8 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from featcal.data.batch import BatchLike
 from featcal.data.inputs import (
-    Batch,
     FeatureFn,
     ModelLike,
     batch_size,
@@ -99,7 +99,7 @@ def cached_task_data(
     }
 
 
-def _concat(batches: list[Batch], task: str) -> Batch:
+def _concat(batches: list[BatchLike], task: str) -> BatchLike:
     """One batch holding every calibration example of a task (what live sampling slices)."""
     try:
         if isinstance(batches[0], torch.Tensor):
@@ -113,7 +113,7 @@ def _concat(batches: list[Batch], task: str) -> Batch:
         ) from None
 
 
-def _slice(batch: Batch, idx: torch.Tensor) -> Batch:
+def _slice(batch: BatchLike, idx: torch.Tensor) -> BatchLike:
     if isinstance(batch, torch.Tensor):
         return batch[idx]
     return {k: v[idx] if isinstance(v, torch.Tensor) and v.dim() else v for k, v in batch.items()}
@@ -122,7 +122,7 @@ def _slice(batch: Batch, idx: torch.Tensor) -> Batch:
 def live_task_data(
     merged: nn.Module,
     experts: Mapping[str, nn.Module],
-    calibration: Mapping[str, list[Batch]],
+    calibration: Mapping[str, list[BatchLike]],
     feature_fn: FeatureFn,
 ) -> dict[str, TaskData]:
     """Training data recomputed every step by the frozen merged model and expert t, as the authors' code
@@ -210,7 +210,7 @@ def fit_modules(
 def collect_features(
     merged: ModelLike,
     experts: Mapping[str, ModelLike],
-    calibration: Mapping[str, Batch | list[Batch]],
+    calibration: Mapping[str, BatchLike | list[BatchLike]],
     feature_fn: FeatureFn | None = None,
     progress: bool = True,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
