@@ -26,7 +26,6 @@ from featcal.data.calibration import (
     check_calibration_source,
     check_task_names,
     load_calibration_batches,
-    load_model_config,
 )
 from featcal.data.preprocess import (
     IMAGE_PROCESSOR_FILES,
@@ -266,7 +265,7 @@ def check_resume_dir(config: FeatCalConfig, out: Path, inputs: Mapping[str, Path
 
 def processor_dir(merged: Path, base: Path) -> Path:
     """Where the preprocessing files live: the merged checkpoint, else the base (merges often lack them)."""
-    modality = model_modality(load_model_config(merged))
+    modality = model_modality(load_config(merged, error=CalibrationDataError))
     for candidate in (merged, base):
         if has_processor_files(candidate, modality):
             return candidate

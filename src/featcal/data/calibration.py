@@ -7,19 +7,21 @@ so the same source, size and seed always give the same batches.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
-from featcal.data.batch import Batch, BatchLike
+from featcal.data.batch import Batch, BatchLike, batch_size
 from featcal.data.preprocess import make_preprocessor, model_modality
 from featcal.data.sources import open_source
 from featcal.errors import CalibrationDataError, ConfigError
+from featcal.io.models import load_config
 from featcal.io.validate import validate_expert_names
 
 log = logging.getLogger(__name__)
@@ -33,19 +35,6 @@ def sample_indices(count: int, num: int, seed: int) -> list[int]:
     return torch.randperm(count, generator=generator)[:num].tolist()
 
 
-def load_model_config(model_dir: str | Path):
-    """The transformers config saved in `model_dir` (what decides modality and input sizes)."""
-    from transformers import AutoConfig
-
-    path = Path(model_dir)
-    if not (path / "config.json").is_file():
-        raise CalibrationDataError(f"model directory {path} has no config.json: cannot tell how to preprocess data")
-    try:
-        return AutoConfig.from_pretrained(path, trust_remote_code=False)
-    except Exception as exc:
-        raise CalibrationDataError(f"cannot read the model config in {path}: {exc}") from None
-
-
 def check_calibration_source(
     source: str | Path, *, model_dir: str | Path, num_examples: int, allow_fewer: bool = False, config=None,
     text_column: str | None = None, allow_test_split: bool = False,
@@ -57,7 +46,7 @@ def check_calibration_source(
     Returns (source, modality the model takes, number of examples that will be drawn). `config` is
     the model's transformers config when the caller already has it.
     """
-    config = config if config is not None else load_model_config(model_dir)
+    config = config if config is not None else load_config(model_dir, error=CalibrationDataError)
     wanted = model_modality(config)
     if text_column is not None and wanted != "text":  # an option that cannot apply is a mistake, not a no-op
         raise CalibrationDataError(
@@ -112,19 +101,21 @@ def load_calibration_batches(
     text_column: str | None = None,
     allow_test_split: bool = False,
     record: dict | None = None,
+    config=None,
 ) -> list[Batch]:
     """Draw `num_examples` examples from `source` and preprocess them for the model in `model_dir`.
 
     Returns batches of at most `batch_size` examples, each a dict of keyword inputs
     (pixel_values; or input_ids, attention_mask[, decoder_input_ids, ...]). `record`, when given, is
     filled with what a report should say about the source (its kind; the text column read), so a
-    featcal.json shows which column the model was calibrated on.
+    featcal.json shows which column the model was calibrated on. `config`: the model's transformers
+    config when the caller already has it (a run reads it once, not once per task).
     """
     if num_examples < 1 or batch_size < 1 or max_length < 1:
         raise ConfigError(
             f"num_examples, batch_size and max_length must be >= 1 (got {num_examples}, {batch_size}, {max_length})"
         )
-    config = load_model_config(model_dir)
+    config = config if config is not None else load_config(model_dir, error=CalibrationDataError)
     src, wanted, count = check_calibration_source(
         source, model_dir=model_dir, num_examples=num_examples, allow_fewer=allow_fewer, config=config,
         text_column=text_column, allow_test_split=allow_test_split,
@@ -175,3 +166,18 @@ def batches_sha256(batches: list[BatchLike]) -> str:
             h.update(f"{key}:{t.dtype}:{tuple(t.shape)}".encode())
             h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+@contextlib.contextmanager
+def naming_task(task: str) -> Iterator[None]:
+    """A CalibrationDataError raised inside names `task` (which of several sources failed)."""
+    try:
+        yield
+    except CalibrationDataError as exc:
+        raise CalibrationDataError(f"task {task!r}: {exc}") from None
+
+
+def batches_record(batches: list[BatchLike]) -> dict[str, Any]:
+    """What featcal.json says about one task's batches: examples, batches and the tensors' fingerprint."""
+    return {"examples": sum(batch_size(b) for b in batches), "batches": len(batches),
+            "tensors_sha256": batches_sha256(batches)}

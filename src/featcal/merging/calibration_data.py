@@ -15,13 +15,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
 
-import torch
-
 from featcal.config import CALIBRATED_MERGE_METHODS, MergeConfig
+from featcal.data.batch import BatchLike, as_batches
+from featcal.data.calibration import (
+    batches_record,
+    check_calibration_source,
+    check_task_names,
+    load_calibration_batches,
+    naming_task,
+)
 from featcal.errors import CalibrationDataError, ConfigError
+from featcal.io.models import load_config
 
-Batch = Union[torch.Tensor, Mapping[str, Any]]
-CalibrationInput = Union[str, os.PathLike, Batch, Sequence[Batch]]
+CalibrationInput = Union[str, os.PathLike, BatchLike, Sequence[BatchLike]]
 
 
 def _is_path(data: Any) -> bool:
@@ -46,8 +52,6 @@ def check_calibration_request(
         )
     if not isinstance(calibration, Mapping):
         raise ConfigError(f"calibration must map task names to data, not be a {type(calibration).__name__}")
-    from featcal.data.calibration import check_task_names
-
     check_task_names(experts, calibration)
 
 
@@ -62,9 +66,6 @@ def check_calibration_data(
     """Every task's data usable, reading no example: a path exists and holds enough examples of the
     base's modality; in-memory batches are non-empty tensors or dicts. `model_dir`: the base checkpoint
     directory (its config and processor decide how sources are read), None for an in-memory base."""
-    from featcal.data.calibration import check_calibration_source, load_model_config
-    from featcal.data.inputs import as_batches
-
     if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
         raise ConfigError(f"max_length must be an integer of at least 1, got {max_length!r}")
     paths = [t for t, d in calibration.items() if _is_path(d)]
@@ -73,32 +74,24 @@ def check_calibration_data(
             f"calibration data of task(s) {', '.join(map(repr, paths))} is given as a path, which needs the base as "
             "a checkpoint directory (its image processor or tokenizer); pass batches instead, or the base's path"
         )
-    model_config = load_model_config(model_dir) if paths else None
+    model_config = load_config(model_dir, error=CalibrationDataError) if paths else None
     for task, data in calibration.items():
-        try:
+        with naming_task(task):
             if _is_path(data):
                 check_calibration_source(data, model_dir=model_dir, num_examples=config.num_calibration_examples,
                                          allow_fewer=allow_fewer, config=model_config, text_column=config.text_column,
                                          allow_test_split=config.allow_test_split)
             else:
                 as_batches(data, task)
-        except CalibrationDataError as exc:
-            raise CalibrationDataError(f"task {task!r}: {exc}") from None
 
 
 @dataclass
 class LoadedCalibration:
     """Per-task batches, what featcal.json records about them, and the data options that applied."""
 
-    batches: dict[str, list[Batch]]
+    batches: dict[str, list[BatchLike]]
     report: dict[str, dict[str, Any]]
     params: dict[str, Any] = field(default_factory=dict)
-
-
-def _fingerprint(batches: list[Batch]) -> str:
-    from featcal.data.calibration import batches_sha256
-
-    return batches_sha256(batches)
 
 
 def load_calibration(
@@ -110,30 +103,26 @@ def load_calibration(
     allow_fewer: bool = False,
     progress: bool = False,
 ) -> LoadedCalibration:
-    """The batches of every task (checked by `check_calibration_data` first)."""
-    from featcal.data.calibration import load_calibration_batches
-    from featcal.data.inputs import as_batches, batch_size
-
-    batches: dict[str, list[Batch]] = {}
+    """The batches of every task (checked by `check_calibration_data` first); the model's config is read
+    once for all the tasks given as paths."""
+    batches: dict[str, list[BatchLike]] = {}
     report: dict[str, dict[str, Any]] = {}
+    model_config = load_config(model_dir, error=CalibrationDataError) if any(_is_path(d) for d in calibration.values()) else None
     for task, data in calibration.items():
         read_as: dict[str, Any] = {}  # the source's kind and the column its texts came from
         if _is_path(data):
-            try:
+            with naming_task(task):
                 batches[task] = load_calibration_batches(
                     data, model_dir=model_dir, num_examples=config.num_calibration_examples,
                     batch_size=config.calibration_batch_size, seed=config.seed, max_length=max_length,
                     allow_fewer=allow_fewer, progress=progress, text_column=config.text_column,
-                    allow_test_split=config.allow_test_split, record=read_as,
+                    allow_test_split=config.allow_test_split, record=read_as, config=model_config,
                 )
-            except CalibrationDataError as exc:
-                raise CalibrationDataError(f"task {task!r}: {exc}") from None
             source = str(data)
         else:
             batches[task] = as_batches(data, task)
             source = "<in-memory batches>"
-        report[task] = {"source": source, **read_as, "examples": sum(batch_size(b) for b in batches[task]),
-                        "batches": len(batches[task]), "tensors_sha256": _fingerprint(batches[task])}
+        report[task] = {"source": source, **read_as, **batches_record(batches[task])}
     params: dict[str, Any] = {}
     if any(_is_path(d) for d in calibration.values()):  # how the sources were sampled and read
         params = {"num_calibration_examples": config.num_calibration_examples,
