@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from featcal.cli.calibrate_cmd import add_config_flags, config_from_args, parse_pairs
+from featcal.cli.calibrate_args import add_config_flags, config_from_args, parse_pairs
 from featcal.config import MergeConfig
 
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 import argparse
 import os
 
+from featcal.cli.calibrate_args import add_arguments, config_from_args, parse_pairs
 from featcal.config import FeatCalConfig
 
 
 def _plan(args: argparse.Namespace, config: FeatCalConfig, check_device: bool):
     from featcal.calibration.pipeline import check_calibration_inputs
     from featcal.calibration.planner import plan_for_checkpoint
-    from featcal.cli.calibrate_cmd import parse_pairs
 
     experts = parse_pairs(args.expert, "--expert")
     # every check the run makes before its work (task names, options, output, checkpoints' headers, each
@@ -49,15 +49,11 @@ def check_plan(args: argparse.Namespace, config: FeatCalConfig, show: bool, chec
 
 
 def run(args: argparse.Namespace) -> int:
-    from featcal.cli.calibrate_cmd import config_from_args
-
     check_plan(args, config_from_args(args, FeatCalConfig), show=True, check_device=False)
     return 0
 
 
 def register(subparsers) -> None:
-    from featcal.cli.calibrate_cmd import add_arguments
-
     p = subparsers.add_parser(
         "plan", help="estimate the peak memory of a calibration (same arguments as calibrate)",
         description="Print the peak memory per process that `featcal calibrate` with these arguments would "
