@@ -86,6 +86,39 @@ def test_calibration_batches_teacher_force_the_label_text():
     assert dec[:, 1].tolist() == [yes, no]  # labels 0 -> yes, 1 -> no, shifted right by one
 
 
+class _CharTokenizer:
+    """One token per character plus eos (1), pad 0: label words of different lengths, as with T5's tokenizer."""
+
+    pad_token_id = 0
+
+    def __call__(self, texts=None, *, text_target=None, padding=True, truncation=True, max_length=512,
+                 return_tensors="pt"):
+        rows = [[3 + ord(c) % 50 for c in t][: max_length - 1] + [1] for t in (texts if texts is not None else text_target)]
+        width = max(map(len, rows))
+        ids = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+        mask = (torch.arange(width) < torch.tensor([len(r) for r in rows])[:, None]).long()
+        return {"input_ids": ids, "attention_mask": mask}
+
+
+def test_glue_and_calibration_data_teacher_force_alike():
+    """One routine builds both: each row's mask counts exactly its target's tokens (its eos-reading position is
+    masked whatever the row's padding; GLUE used to keep it in every row but the longest)."""
+    from featcal.data.preprocess import TextPreprocessor
+    from featcal.data.sources import TextExample
+
+    tok = _CharTokenizer()
+    data = datasets.Dataset.from_dict({"sentence": ["a b", "c d", "e"], "label": [0, 1, 1], "idx": [0, 1, 2]})
+    (batch,) = calibration_batches("cola", data, [0, 1, 2], tok, batch_size=3, decoder_start_token_id=0)
+    targets = [glue_prompt("cola").target_text(v) for v in data["label"]]  # unacceptable, acceptable, acceptable
+    pre = object.__new__(TextPreprocessor)  # its decoder half only: no checkpoint needed
+    pre.tokenizer, pre.decoder_start, pre.pad_id, pre.max_length, pre.accepted = tok, 0, 0, 32, None
+    want = pre._decoder_inputs([TextExample(t, g) for t, g in zip(data["sentence"], targets, strict=True)])
+    assert torch.equal(batch["decoder_input_ids"], want["decoder_input_ids"])
+    assert torch.equal(batch["decoder_attention_mask"], want["decoder_attention_mask"])
+    assert batch["decoder_attention_mask"].sum(1).tolist() == [len(t) + 1 for t in targets]  # the words + eos
+    assert batch["decoder_input_ids"][1, len("acceptable") + 1].item() == 0  # the eos-reading position is pad
+
+
 class _AnswerModel(torch.nn.Module):
     """generate() answers 'yes' to everything (as token ids, like a seq2seq model)."""
 

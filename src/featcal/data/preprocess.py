@@ -185,19 +185,11 @@ class TextPreprocessor:
         return batch
 
     def _decoder_inputs(self, examples: Sequence[TextExample]) -> Batch:
-        n = len(examples)
-        start = torch.full((n, 1), self.decoder_start, dtype=torch.long)
-        if all(e.target is None for e in examples):
-            ids, mask = start, torch.ones(n, 1, dtype=torch.long)
-        else:
-            lab = self.tokenizer(
-                text_target=[e.target or "" for e in examples], padding=True, truncation=True,
-                max_length=self.max_length, return_tensors="pt",
-            )
-            # teacher forcing: the decoder reads [start] + target shifted right by one; a row keeps as many
-            # positions as its target has tokens (the ones that predict a real target token)
-            mask = lab["attention_mask"]
-            ids = torch.cat([start, lab["input_ids"][:, :-1]], dim=1).masked_fill(mask == 0, self.pad_id)
+        targets = None if all(e.target is None for e in examples) else [e.target or "" for e in examples]
+        ids, mask = teacher_forced_decoder_inputs(
+            self.tokenizer, targets, len(examples), decoder_start_token_id=self.decoder_start, pad_token_id=self.pad_id,
+            max_length=self.max_length,
+        )
         out = {"decoder_input_ids": ids}
         if self.accepted is None or "decoder_attention_mask" in self.accepted:
             out["decoder_attention_mask"] = mask
@@ -212,6 +204,29 @@ class TextPreprocessor:
                     f"the tokenizer in {self.model_dir} produced token id {int(batch[key].max())}, but the model's "
                     f"vocabulary has {self.vocab_size} entries: tokenizer and checkpoint do not match"
                 )
+
+
+def teacher_forced_decoder_inputs(
+    tokenizer, targets: Sequence[str] | None, n: int, *, decoder_start_token_id: int, pad_token_id: int,
+    max_length: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(decoder_input_ids, decoder_attention_mask) that teacher-force `targets` through an encoder-decoder.
+
+    The decoder reads [start] + target shifted right by one. A row keeps exactly as many positions as its
+    target has tokens: the ones that predict a real target token, i.e. those fine-tuning's loss counted
+    (labels = target ids, padding ignored). The position that would read a target's last token (its eos)
+    predicts nothing and is masked, its id set to pad, whatever the row's length. `targets=None` (no example
+    has one): a single position reading the start token for each of the `n` rows. Calibration data
+    (TextPreprocessor) and the GLUE reproduction (evaluation/glue.py) both build decoder inputs here.
+    """
+    start = torch.full((n, 1), decoder_start_token_id, dtype=torch.long)
+    if targets is None:
+        return start, torch.ones(n, 1, dtype=torch.long)
+    lab = tokenizer(text_target=list(targets), padding=True, truncation=True, max_length=max_length,
+                    return_tensors="pt")
+    mask = lab["attention_mask"]
+    ids = torch.cat([start, lab["input_ids"][:, :-1]], dim=1).masked_fill(mask == 0, pad_token_id)
+    return ids, mask
 
 
 def make_preprocessor(model_dir: str | Path, config, max_length: int = 128) -> Preprocessor:

@@ -18,10 +18,12 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from featcal.data.preprocess import teacher_forced_decoder_inputs
 from featcal.errors import CalibrationDataError
 from featcal.experiments.evaluation.templates import glue_prompt
 
 STSB_FALLBACK = 0.0
+_TARGET_MAX_LENGTH = 32  # label words and stsb scores are a few tokens
 _NUMBER = re.compile(r"[-+]?(?:\d+\.\d*|\.\d+|\d+)")
 
 
@@ -113,7 +115,9 @@ def calibration_batches(
     """Encoder inputs plus teacher-forced decoder inputs (the label text, shifted right) per batch.
 
     The decoder needs some input to calibrate; the label text of a TRAIN example is what the expert
-    saw in fine-tuning, so its decoder features are the ones the expert specialised.
+    saw in fine-tuning, so its decoder features are the ones the expert specialised. The decoder inputs
+    and mask are built as for any calibration data (data.preprocess.teacher_forced_decoder_inputs; label
+    texts are truncated at 32 tokens).
     """
     prompt = glue_prompt(task)
     texts, labels = text_pairs(task, dataset, indices)
@@ -122,12 +126,10 @@ def calibration_batches(
         enc = tokenizer(texts[start : start + batch_size], padding=True, truncation=True, max_length=max_length,
                         return_tensors="pt")
         targets = [prompt.target_text(v) for v in labels[start : start + batch_size]]
-        dec = tokenizer(targets, padding=True, truncation=True, max_length=32, return_tensors="pt")
-        shifted = torch.full_like(dec["input_ids"], tokenizer.pad_token_id)
-        shifted[:, 0] = decoder_start_token_id
-        shifted[:, 1:] = dec["input_ids"][:, :-1]
-        dec_mask = torch.ones_like(shifted)
-        dec_mask[:, 1:] = dec["attention_mask"][:, :-1]
+        shifted, dec_mask = teacher_forced_decoder_inputs(
+            tokenizer, targets, len(targets), decoder_start_token_id=decoder_start_token_id,
+            pad_token_id=tokenizer.pad_token_id, max_length=_TARGET_MAX_LENGTH,
+        )
         batches.append({
             "input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"],
             "decoder_input_ids": shifted, "decoder_attention_mask": dec_mask,

@@ -19,7 +19,7 @@ from featcal.experiments.evaluation.templates import glue_prompt
 from featcal.experiments.reproduce.pipeline import Pipeline, calibration_indices, eval_indices, merge_paths
 from featcal.experiments.reproduce.settings import TaskSpec
 from featcal.io.checkpoint import copy_side_files
-from featcal.io.models import load_model
+from featcal.io.models import load_config, load_model
 
 
 class T5GluePipeline(Pipeline):
@@ -72,8 +72,6 @@ class T5GluePipeline(Pipeline):
 
 
 def _decoder_start(model_dir: Path) -> int:
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
+    config = load_config(model_dir)
     start = getattr(config, "decoder_start_token_id", None)
     return int(start if start is not None else config.pad_token_id)
