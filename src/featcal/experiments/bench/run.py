@@ -233,7 +233,16 @@ def _regime_record(rows: list[dict], zoo, base, heads, tests, settings: BenchSet
 
 
 def run_bench(settings: BenchSettings, progress: bool = True) -> dict[str, Any]:
-    """Run the whole benchmark in memory and return its report (see `write_bench` for the files)."""
+    """Run the whole benchmark in memory and return its report (see `write_bench` for the files).
+
+    `progress=False` silences every bar, transformers' loading and saving bars included."""
+    from featcal.io.models import hf_progress_bars
+
+    with hf_progress_bars(progress):
+        return _run_bench(settings, progress)
+
+
+def _run_bench(settings: BenchSettings, progress: bool) -> dict[str, Any]:
     from featcal.calibration.api import calibrate
     from featcal.experiments.zoo.build import build_zoo
     from featcal.experiments.zoo.store import MANIFEST

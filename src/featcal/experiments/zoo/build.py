@@ -25,6 +25,7 @@ from featcal.experiments.zoo.store import MANIFEST, Zoo
 from featcal.experiments.zoo.tasks import TASKS, make_splits
 from featcal.experiments.zoo.train import finetune, pixel_values
 from featcal.io.atomic import atomic_output_dir, atomic_write_text, check_output_dir, check_replaceable
+from featcal.io.models import hf_progress_bars
 from featcal.io.report import package_versions, peak_rss_mb
 
 log = logging.getLogger(__name__)
@@ -52,8 +53,15 @@ def build_zoo(out: str | os.PathLike, preset: str | AnyPreset = "default", seed:
     `base_cache` (vision): a directory of pretrained bases keyed by `preset.pretrain_fingerprint(seed)`;
     the pretraining stage (most of the build) is skipped when the key is there, and stored when not.
     `sources` (text): the folder of downloaded text archives (featcal.experiments.zoo.text_sources).
+    `progress=False` silences every bar, transformers' loading and saving bars included.
     """
-    p = get_preset(preset) if isinstance(preset, str) else preset
+    with hf_progress_bars(progress):
+        return _reuse_or_build(out, get_preset(preset) if isinstance(preset, str) else preset, seed, overwrite,
+                               progress, base_cache, sources)
+
+
+def _reuse_or_build(out: str | os.PathLike, p: AnyPreset, seed: int, overwrite: bool, progress: bool,
+                    base_cache: str | os.PathLike | None, sources: str | os.PathLike | None) -> Zoo:
     hit = cached(out, p, seed)
     if hit is not None:
         log.info("zoo %s: reusing the cached build (preset %s, seed %d)", out, p.name, seed)
