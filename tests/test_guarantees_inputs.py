@@ -283,6 +283,7 @@ BAD_MERGE = {
     "calibration_batch_size": [0, -1],
     "text_column": ["", 3],
     "allow_test_split": ["sometimes"],
+    "method_options": ["x", {"scaling_typo": 1}],  # the built-in methods take none
 }
 
 
@@ -343,7 +344,7 @@ def test_unusable_device_and_spill_dir_are_refused_before_work(clip, tmp_path, c
 
 
 @pytest.mark.parametrize(("section", "mutate", "message"), [
-    ("merge", {"method": "nope"}, "merge.method: Input should be 'average', 'task_arithmetic'"),
+    ("merge", {"method": "nope"}, "merge.method: Value error, unknown merge method 'nope'; valid methods: average, dare_ta"),
     ("merge", {"params": {"densty": 0.2}}, "invalid MergeConfig: densty: Extra inputs are not permitted"),
     ("merge", {"params": {"scaling": -1}}, "invalid MergeConfig: scaling: Input should be greater than 0"),
     ("calibrate", {"config": {"lamda_ratio": 0.1}}, "invalid FeatCalConfig: lamda_ratio: Extra inputs are not permitted"),

@@ -6,27 +6,44 @@ value is rejected with the same message whichever way it arrived, before any wor
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    create_model,
+    field_validator,
+    model_validator,
+)
+from pydantic.fields import FieldInfo
 
 from featcal.errors import ConfigError
 
-MergeMethod = Literal[
-    "average", "task_arithmetic", "ties", "dare_ta", "dare_ties", "regmean", "regmean++", "wudi"
-]
-MERGE_METHODS: tuple[str, ...] = MergeMethod.__args__  # type: ignore[attr-defined]
-# merges that read calibration data (the others are data-free and refuse it)
-CALIBRATED_MERGE_METHODS: tuple[str, ...] = ("regmean", "regmean++")
-# merges computed on whole models (featcal.merging.model_mergers); `featcal bench` runs them as --baselines
-WHOLE_MODEL_MERGE_METHODS: tuple[str, ...] = ("regmean", "regmean++", "wudi")
 # seeds feed torch.Generator.manual_seed (64-bit) and sha256-derived per-tensor seeds
 MAX_SEED = 2**63 - 1
 MAX_LAMBDA_RATIO = 100.0
 MAX_COVARIANCE_EPS = 0.01
 DEFAULT_TUNE_BUDGET = 10.0  # --tune-budget default: at most ~10 calibrations' cost, the refit included
+
+
+def seed_field(description: str) -> Any:
+    """The one declaration of a seed (MergeConfig, FeatCalConfig, WUDI's and the baselines' parameter models)."""
+    return Field(0, ge=0, le=MAX_SEED, description=description)
+
+
+def merge_field(name: str, **changes: Any) -> Any:
+    """MergeConfig's field `name` (default, bounds, description) for another model that has the same parameter,
+    with `changes` (FieldInfo keywords, e.g. description=...) applied."""
+    info = MergeConfig.model_fields[name]
+    return FieldInfo.merge_field_infos(info, **changes) if changes else info
 
 
 class _Strict(BaseModel):
@@ -43,16 +60,100 @@ class _Strict(BaseModel):
         return v
 
 
-class MergeConfig(_Strict):
-    """How to merge: the method and its hyperparameters (unused ones are ignored by the method)."""
+# --- merge methods: the registry ---------------------------------------------------------------------------------
 
-    method: MergeMethod = "task_arithmetic"
+MethodKind = Literal["streaming", "whole_model"]
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """One merge method of the registry (mergekit's explicit method list is the model).
+
+    `kind`: "streaming" (one tensor at a time) or "whole_model" (computed on whole models, then written tensor by
+    tensor); `params`: the pydantic model of the hyperparameters the method reads (built-in methods: a subset of
+    MergeConfig's fields, see `params_model`); `needs_calibration`: reads calibration data (the others refuse it);
+    `implementation`: the featcal.merging.method.Merger subclass, bound by `featcal.merging.register` (the
+    built-in ones when featcal.merging.registry is imported; declared here so that validating a MergeConfig
+    needs neither torch nor the merging package).
+    """
+
+    name: str
+    kind: MethodKind
+    params: type[BaseModel]
+    needs_calibration: bool = False
+    implementation: type | None = None
+
+
+_METHODS: dict[str, MethodSpec] = {}
+
+
+def method_names() -> list[str]:
+    """Every registered merge method, sorted: what MergeConfig.method, `featcal merge --method` and a run file's
+    merge.method accept."""
+    return sorted(_METHODS)
+
+
+def unknown_method_message(method: object) -> str:
+    return f"unknown merge method {method!r}; valid methods: {', '.join(method_names())}"
+
+
+def method_spec(method: str) -> MethodSpec:
+    """The registry entry of `method` (ConfigError listing the registered methods if there is none)."""
+    spec = _METHODS.get(method) if isinstance(method, str) else None
+    if spec is None:
+        raise ConfigError(unknown_method_message(method))
+    return spec
+
+
+def find_method(method: str) -> MethodSpec | None:
+    """The registry entry of `method`, None if there is none."""
+    return _METHODS.get(method)
+
+
+def add_method(spec: MethodSpec) -> MethodSpec:
+    """Add `spec` to the registry, or bind the implementation of a method declared without one. A second
+    implementation of one name, or one of another kind than declared, is a ValueError (used by
+    featcal.merging.register)."""
+    old = _METHODS.get(spec.name)
+    if old is not None:
+        if old.implementation is not None and spec.implementation is not old.implementation:
+            raise ValueError(f"merge method {spec.name!r} is already registered by {old.implementation.__name__}")
+        if (old.kind, old.needs_calibration) != (spec.kind, spec.needs_calibration):
+            raise ValueError(
+                f"merge method {spec.name!r} is declared {old.kind} (needs_calibration={old.needs_calibration}), "
+                f"not {spec.kind} (needs_calibration={spec.needs_calibration})"
+            )
+    _METHODS[spec.name] = spec
+    return spec
+
+
+def _registered(method: str) -> str:
+    if method not in _METHODS:
+        raise ValueError(unknown_method_message(method))
+    return method
+
+
+# a merge method's name, checked against the registry when validated (a method registered later is accepted)
+MethodName = Annotated[str, AfterValidator(_registered)]
+# Deprecated alias (it was a Literal of the built-in names): any registered name, see method_names()
+MergeMethod = MethodName
+
+
+class MergeConfig(_Strict):
+    """How to merge: the method and its hyperparameters (unused ones are ignored by the method).
+
+    The fields are the one declaration of the built-in methods' hyperparameters; each method's own parameter model
+    (MethodSpec.params) takes its fields from here. A method registered with a parameter model of its own may
+    declare further parameters: given here as keywords (or a run file's merge.params), they land in
+    `method_options` and are validated by that model.
+    """
+
+    method: MethodName = Field("task_arithmetic", description="merge method, one of the registry's (method_names())")
     scaling: float = Field(0.3, gt=0.0, le=10.0, description="s in θ0 + s·Σ(θt−θ0) (TA, TIES, DARE)")
     density: float = Field(0.2, gt=0.0, le=1.0, description="TIES: fraction of each task vector kept")
     drop_rate: float = Field(0.5, ge=0.0, lt=1.0, description="DARE: probability p of dropping an entry")
-    seed: int = Field(
-        0, ge=0, le=MAX_SEED,
-        description="DARE: seed of the drop masks; RegMean(++): which calibration examples are drawn; "
+    seed: int = seed_field(
+        "DARE: seed of the drop masks; RegMean(++): which calibration examples are drawn; "
         "WUDI: recorded only (it draws no random numbers)",
     )
     alpha: float = Field(0.9, ge=0.0, le=1.0, description="RegMean(++): scale of the Grams' off-diagonal entries")
@@ -69,6 +170,78 @@ class MergeConfig(_Strict):
         False, description="RegMean(++): accept a saved dataset of test data (its only split 'test', or saved from "
         "a test split) as calibration data"
     )
+    method_options: dict[str, Any] = Field(
+        default_factory=dict, description="parameters of the method's own parameter model that MergeConfig has no "
+        "field for (a registered method's; the built-in methods take none)",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _own_parameters(cls, data: Any) -> Any:
+        """Keywords this schema lacks but the selected method's parameter model declares go to method_options."""
+        if not isinstance(data, Mapping):
+            return data
+        method = data.get("method", "task_arithmetic")
+        spec = _METHODS.get(method) if isinstance(method, str) else None
+        own = [k for k in data if spec is not None and k not in cls.model_fields and k in spec.params.model_fields]
+        if not own:
+            return data
+        data = dict(data)
+        data["method_options"] = {**(data.get("method_options") or {}), **{k: data.pop(k) for k in own}}
+        return data
+
+    @field_validator("method_options")
+    @classmethod
+    def _method_options_valid(cls, v: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        # the selected method's own model validates them, with the fields above (a registered method's own bounds)
+        spec = _METHODS.get(info.data.get("method", ""))
+        if spec is not None:
+            shared = {k: info.data[k] for k in spec.params.model_fields if k in info.data and k != "method_options"}
+            try:
+                spec.params.model_validate({**shared, **v})
+            except ValidationError as exc:
+                raise ValueError("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())) from None
+        return v
+
+    def method_params(self) -> BaseModel:
+        """The selected method's parameter model, validated from this config (ConfigError on a bad value)."""
+        spec = method_spec(self.method)
+        shared = {k: getattr(self, k) for k in spec.params.model_fields if k in type(self).model_fields}
+        return parse(spec.params, {**shared, **self.method_options})
+
+
+class MethodParams(_Strict):
+    """Base of a merge method's parameter model."""
+
+
+def params_model(name: str, *fields: str, base: type[BaseModel] = MethodParams, **changes: Any) -> type[BaseModel]:
+    """A parameter model made of MergeConfig's `fields` (their one declaration: default, bounds, description);
+    `changes` (field -> FieldInfo keywords, e.g. {"description": ...}) adjust a field for this model."""
+    made: dict[str, Any] = {}
+    for f in fields:
+        info = MergeConfig.model_fields[f]
+        if f in changes:
+            info = FieldInfo.merge_field_infos(info, **changes[f])
+        made[f] = (info.annotation, info)
+    return create_model(name, __base__=base, **made)
+
+
+BUILTIN_METHODS: tuple[MethodSpec, ...] = tuple(add_method(s) for s in (
+    MethodSpec("average", "streaming", params_model("AverageParams")),
+    MethodSpec("task_arithmetic", "streaming", params_model("TaskArithmeticParams", "scaling")),
+    MethodSpec("ties", "streaming", params_model("TiesParams", "scaling", "density")),
+    MethodSpec("dare_ta", "streaming", params_model("DareTaskArithmeticParams", "scaling", "drop_rate", "seed")),
+    MethodSpec("dare_ties", "streaming", params_model("DareTiesParams", "scaling", "density", "drop_rate", "seed")),
+    MethodSpec("regmean", "whole_model", params_model("RegMeanMergeParams", "alpha"), needs_calibration=True),
+    MethodSpec("regmean++", "whole_model", params_model("RegMeanPlusPlusMergeParams", "alpha"), needs_calibration=True),
+    MethodSpec("wudi", "whole_model", params_model("WudiMergeParams", "steps", "lr", "seed")),
+))
+# Built-in methods only (the registry, method_names() / method_spec(), also holds methods registered later)
+MERGE_METHODS: tuple[str, ...] = tuple(s.name for s in BUILTIN_METHODS)
+# merges that read calibration data (the others are data-free and refuse it)
+CALIBRATED_MERGE_METHODS: tuple[str, ...] = tuple(s.name for s in BUILTIN_METHODS if s.needs_calibration)
+# merges computed on whole models (featcal.merging.model_mergers); `featcal bench` runs them as --baselines
+WHOLE_MODEL_MERGE_METHODS: tuple[str, ...] = tuple(s.name for s in BUILTIN_METHODS if s.kind == "whole_model")
 
 
 class FeatCalConfig(_Strict):
@@ -92,7 +265,7 @@ class FeatCalConfig(_Strict):
     num_calibration_examples: int = Field(256, ge=1, description="examples per task")
     calibration_batch_size: int = Field(16, ge=1)
     cls_token_weight: float = Field(0.01, ge=0.0, le=1.0, description="weight of non-class tokens, last CLIP/ViT block")
-    seed: int = Field(0, ge=0, le=MAX_SEED, description="which calibration examples are drawn")
+    seed: int = seed_field("which calibration examples are drawn")
     chain_dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="dtype in which block-input chains are stored between blocks"
     )
@@ -151,7 +324,7 @@ class MergeSpec(_Strict):
 
     base: str
     experts: dict[str, str]
-    method: MergeMethod = "task_arithmetic"
+    method: MethodName = "task_arithmetic"
     calibration: dict[str, str] | None = Field(None, description="RegMean(++): task -> calibration data")
     params: dict[str, Any] = Field(default_factory=dict)
 
@@ -180,14 +353,44 @@ class CalibrateSpec(_Strict):
         return parse(FeatCalConfig, self.config)
 
 
-class RunConfig(_Strict):
-    """A whole `featcal run FILE.yaml`: merge, then optionally calibrate, into `out`."""
+class RunOptions(_Strict):
+    """What a run is told besides the methods' parameters: how it reads its inputs and writes its output.
+
+    The same model validates `featcal merge` / `calibrate` / `plan` flags (--overwrite, --allow-pickle,
+    --max-length, --allow-fewer), the keywords of featcal.merge, and a run file's top-level keys. The torch
+    device stays a FeatCalConfig field (`device`), where the calibration reads it.
+    """
+
+    overwrite: bool = Field(False, description="replace a non-empty output directory (one featcal wrote)")
+    allow_pickle: bool = Field(False, description="accept pickled (*.bin) checkpoints (read with weights_only)")
+    max_length: int = Field(128, description="truncate calibration texts to this many tokens")
+    allow_fewer: bool = Field(
+        False, description="use all examples of a task holding fewer than num_calibration_examples (with a warning)"
+    )
+
+    @field_validator("max_length")
+    @classmethod
+    def _at_least_one(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError(f"max_length must be at least 1, got {v}")
+        return v
+
+
+class RunConfig(RunOptions):
+    """A whole `featcal run FILE.yaml`: merge, then optionally calibrate, into `out`; the run options
+    (overwrite, allow_pickle, max_length, allow_fewer) are top-level keys."""
 
     merge: MergeSpec
     calibrate: CalibrateSpec | None = None
     out: str
-    overwrite: bool = False
-    allow_pickle: bool = False
+
+    def run_options(self) -> RunOptions:
+        return RunOptions(**{k: getattr(self, k) for k in RunOptions.model_fields})
+
+
+def run_options(**values: Any) -> RunOptions:
+    """RunOptions from keyword values (CLI flags, featcal.merge's keywords), ConfigError on a bad one."""
+    return parse(RunOptions, values)
 
 
 def parse(model: type[BaseModel], data: dict[str, Any]):
@@ -246,4 +449,5 @@ def load_run_file(path: str | Path) -> RunConfig:
         loader.dispose()
     if not isinstance(data, dict):
         raise ConfigError(f"{p} must hold a mapping at the top level")
+    run_options(**{k: v for k, v in data.items() if k in RunOptions.model_fields})  # the CLI flags' own errors
     return parse(RunConfig, data)

@@ -11,12 +11,13 @@ from __future__ import annotations
 import argparse
 import types
 import typing
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
 
-from featcal.config import FeatCalConfig, parse
+from featcal.config import FeatCalConfig, RunOptions, parse, run_options
 from featcal.errors import ConfigError
 
 _PREFIX = "cfg_"
@@ -42,15 +43,22 @@ def _flag_kwargs(annotation: Any) -> dict[str, Any]:
     return {"type": str}
 
 
-def add_config_flags(parser: argparse.ArgumentParser, model: type[BaseModel], title: str | None = None) -> None:
-    """One --flag per field of `model` (bools get --x / --no-x); unset flags keep the schema default."""
+def add_config_flags(parser: argparse.ArgumentParser, model: type[BaseModel], title: str | None = None,
+                     choices: Mapping[str, Sequence[str]] | None = None) -> None:
+    """One --flag per field of `model` (bools get --x / --no-x); unset flags keep the schema default. `choices`:
+    field -> the values its flag accepts, known when the parser is built (MergeConfig.method: the registry's).
+    Mapping fields (MergeConfig.method_options) have no flag."""
     group = parser.add_argument_group(title or f"{model.__name__} options")
     for name, field in model.model_fields.items():
+        if typing.get_origin(field.annotation) is dict:
+            continue
         default = field.default
         help_text = (field.description or name.replace("_", " ")) + f" (default: {default})"
+        kwargs = _flag_kwargs(field.annotation)
+        if choices and name in choices:
+            kwargs = {"type": str, "choices": list(choices[name])}
         group.add_argument(
-            "--" + name.replace("_", "-"), dest=_PREFIX + name, default=argparse.SUPPRESS, help=help_text,
-            **_flag_kwargs(field.annotation),
+            "--" + name.replace("_", "-"), dest=_PREFIX + name, default=argparse.SUPPRESS, help=help_text, **kwargs,
         )
 
 
@@ -58,6 +66,12 @@ def config_from_args(args: argparse.Namespace, model: type[BaseModel]):
     """The validated config built from the flags that were given (ConfigError on a bad value)."""
     given = {k[len(_PREFIX):]: v for k, v in vars(args).items() if k.startswith(_PREFIX)}
     return parse(model, given)
+
+
+def run_options_from_args(args: argparse.Namespace) -> RunOptions:
+    """The validated RunOptions of --overwrite, --allow-pickle, --max-length, --allow-fewer (as a run file's
+    top-level keys and featcal.merge's keywords are validated)."""
+    return run_options(**{k: getattr(args, k) for k in RunOptions.model_fields if hasattr(args, k)})
 
 
 def parse_pairs(pairs: list[str] | None, flag: str) -> dict[str, str]:

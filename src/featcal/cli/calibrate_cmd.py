@@ -14,6 +14,7 @@ from featcal.cli.calibrate_args import (  # noqa: F401  (add_config_flags, parse
     add_config_flags,
     config_from_args,
     parse_pairs,
+    run_options_from_args,
 )
 from featcal.config import FeatCalConfig
 
@@ -45,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
     from featcal.calibration.pipeline import calibrate_to_dir
 
     config = config_from_args(args, FeatCalConfig)
+    options = run_options_from_args(args)
     if args.dry_run or args.max_memory is not None:
         from featcal.cli.plan_cmd import check_plan
 
@@ -54,8 +56,7 @@ def run(args: argparse.Namespace) -> int:
     report = calibrate_to_dir(
         args.merged, base=args.base, experts=parse_pairs(args.expert, "--expert"),
         calibration_sources=parse_pairs(args.calib, "--calib"), config=config, out=args.out,
-        overwrite=args.overwrite, allow_pickle=args.allow_pickle, progress=not args.no_progress,
-        max_length=args.max_length, allow_fewer=args.allow_fewer,
+        progress=not args.no_progress, **options.model_dump(),
         heads=parse_pairs(args.tune_head, "--tune-head"),
     )
     if not group.is_main:

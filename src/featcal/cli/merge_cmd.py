@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import argparse
 
-from featcal.cli.calibrate_args import add_config_flags, config_from_args, parse_pairs
-from featcal.config import MergeConfig
+from featcal.cli.calibrate_args import add_config_flags, config_from_args, parse_pairs, run_options_from_args
+from featcal.config import MergeConfig, method_names
 
 
 def run(args: argparse.Namespace) -> int:
@@ -21,12 +21,12 @@ def run(args: argparse.Namespace) -> int:
 
     timer = Timer()
     config = config_from_args(args, MergeConfig)
+    options = run_options_from_args(args)
     experts = parse_pairs(args.expert, "--expert")
     calibration = parse_pairs(args.calib, "--calib") or None
     merged = merge(
-        args.base, experts, config=config, out=args.out, overwrite=args.overwrite,
-        allow_pickle=args.allow_pickle, progress=not args.no_progress, calibration=calibration,
-        max_length=args.max_length, allow_fewer=args.allow_fewer,
+        args.base, experts, config=config, out=args.out, progress=not args.no_progress, calibration=calibration,
+        **options.model_dump(),
     )
     print(
         f"merged {len(experts)} experts with {config.method} ({len(merged)} tensors) into {args.out} "
@@ -58,5 +58,5 @@ def register(subparsers) -> None:
                    help="regmean, regmean++: truncate texts to this many tokens")
     p.add_argument("--allow-fewer", action="store_true",
                    help="regmean, regmean++: use all examples of a task holding fewer than --num-calibration-examples")
-    add_config_flags(p, MergeConfig, "merge options")
+    add_config_flags(p, MergeConfig, "merge options", choices={"method": method_names()})
     p.set_defaults(func=run)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from featcal.cli.calibrate_args import add_arguments, config_from_args, parse_pairs
+from featcal.cli.calibrate_args import add_arguments, config_from_args, parse_pairs, run_options_from_args
 from featcal.config import FeatCalConfig
 
 
@@ -18,15 +18,15 @@ def _plan(args: argparse.Namespace, config: FeatCalConfig, check_device: bool):
     from featcal.calibration.planner import plan_for_checkpoint
 
     experts = parse_pairs(args.expert, "--expert")
+    options = run_options_from_args(args)
     # every check the run makes before its work (task names, options, output, checkpoints' headers, each
     # task's data), so a plan that prints is a run that starts; the NaN scan, which reads all weights, is left
     checked = check_calibration_inputs(
         args.merged, base=args.base, experts=experts, calibration_sources=parse_pairs(args.calib, "--calib"),
-        config=config, out=args.out, overwrite=args.overwrite, allow_pickle=args.allow_pickle,
-        max_length=args.max_length, allow_fewer=args.allow_fewer, check_finite=False, check_device=check_device,
+        config=config, out=args.out, **options.model_dump(), check_finite=False, check_device=check_device,
     )
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    return plan_for_checkpoint(checked.merged, tasks=len(experts), config=config, max_length=args.max_length,
+    return plan_for_checkpoint(checked.merged, tasks=len(experts), config=config, max_length=options.max_length,
                                world=world)
 
 

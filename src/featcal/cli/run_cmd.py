@@ -10,7 +10,8 @@
       calibration: {mnist: data/mnist, svhn: data/svhn}
       config: {num_calibration_examples: 64}
     out: runs/ties-featcal
-    overwrite: false
+    overwrite: false                 # run options (RunOptions), as the CLI flags: also allow_pickle,
+    max_length: 128                  # max_length (calibration texts' tokens), allow_fewer
 
 Relative paths are taken relative to the YAML file's directory (so a run file works from any
 working directory); an input that does not exist there is passed on as given (e.g. a hub id).
@@ -76,6 +77,7 @@ def execute(run: RunConfig, *, progress: bool = True) -> Path:
     from featcal.merging.api import merge
 
     merge_config = run.merge.merge_config()
+    options = run.run_options().model_dump()  # overwrite, allow_pickle, max_length, allow_fewer
     calibration = run.merge.calibration  # RegMean(++)'s own data (merge() checks its sources before it works)
     check_calibration_request(merge_config.method, run.merge.experts, calibration)
     out = check_output_dir(run.out, run.overwrite)
@@ -83,8 +85,8 @@ def execute(run: RunConfig, *, progress: bool = True) -> Path:
                                     **{f"calibration data {t!r}": p for t, p in (calibration or {}).items()}})
     check_replaceable(out, run.overwrite)
     if run.calibrate is None:
-        merge(run.merge.base, run.merge.experts, config=merge_config, out=out, overwrite=run.overwrite,
-              allow_pickle=run.allow_pickle, progress=progress, calibration=calibration)
+        merge(run.merge.base, run.merge.experts, config=merge_config, out=out, progress=progress,
+              calibration=calibration, **options)
         return out
 
     from featcal.calibration.pipeline import calibrate_to_dir, check_calibration_inputs
@@ -94,7 +96,7 @@ def execute(run: RunConfig, *, progress: bool = True) -> Path:
     # everything the calibration will check, against the base, BEFORE the merge (the merge scans for NaN)
     check_calibration_inputs(
         None, base=run.merge.base, experts=run.merge.experts, calibration_sources=run.calibrate.calibration,
-        config=featcal_config, out=out, overwrite=run.overwrite, allow_pickle=run.allow_pickle, check_finite=False,
+        config=featcal_config, out=out, **options, check_finite=False,
     )
     load_heads(run.calibrate.heads or {}, run.merge.experts, featcal_config.tune)  # refused before the merge too
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -102,12 +104,12 @@ def execute(run: RunConfig, *, progress: bool = True) -> Path:
     scratch = owned_tempdir(f".featcal-merge-{out.name}-", out.parent)
     try:
         merged_dir = scratch / "merged"
-        merge(run.merge.base, run.merge.experts, config=merge_config, out=merged_dir,
-              allow_pickle=run.allow_pickle, progress=progress, calibration=calibration)
+        merge(run.merge.base, run.merge.experts, config=merge_config, out=merged_dir, progress=progress,
+              calibration=calibration, **{**options, "overwrite": False})
         calibrate_to_dir(
             merged=merged_dir, base=run.merge.base, experts=run.merge.experts,
             calibration_sources=run.calibrate.calibration, config=featcal_config, out=out,
-            overwrite=run.overwrite, allow_pickle=run.allow_pickle, progress=progress, check_finite=False,
+            **options, progress=progress, check_finite=False,
             merge_scaling=merge_config.scaling if featcal_config.tune and merge_config.method in TASK_VECTOR_METHODS
             else None,  # tune may rebuild a task-vector merge at other scalings
             heads=run.calibrate.heads,

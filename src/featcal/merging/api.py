@@ -16,7 +16,7 @@ from typing import Any
 
 from torch import Tensor
 
-from featcal.config import MergeConfig, parse
+from featcal.config import MergeConfig, parse, run_options
 from featcal.errors import ConfigError
 from featcal.io.atomic import (
     atomic_output_dir,
@@ -128,7 +128,8 @@ def merge(
     Returns the merged state dict, keyed like the base checkpoint, in the base's dtypes. With `out`,
     also writes an ordinary HF checkpoint there (model.safetensors, the base's config and
     tokenizer/processor files, featcal.json), atomically; an existing non-empty `out` is refused
-    unless `overwrite`. Hyperparameters (`scaling`, `density`, `drop_rate`, `seed`, `alpha`, `steps`,
+    unless `overwrite` (`overwrite`, `allow_pickle`, `max_length`, `allow_fewer` are validated by RunOptions, as
+    the CLI flags and a run file's keys are). Hyperparameters (`scaling`, `density`, `drop_rate`, `seed`, `alpha`, `steps`,
     `lr`, `num_calibration_examples`, `calibration_batch_size`) come as keywords or in `config`; they
     are validated by MergeConfig, and unknown ones are refused.
 
@@ -139,6 +140,7 @@ def merge(
     """
     total = Timer()
     cfg = resolve_config(method, config, params)
+    run_options(overwrite=overwrite, allow_pickle=allow_pickle, max_length=max_length, allow_fewer=allow_fewer)
     if not isinstance(experts, Mapping):
         raise ConfigError(f"experts must be a mapping of task name -> checkpoint, got {type(experts).__name__}")
     validate_expert_names(experts.keys())

@@ -1,4 +1,5 @@
-"""Calibration data of the merges that read it (RegMean, RegMean++), checked before any work.
+"""Calibration data of the merges that read it (RegMean, RegMean++: needs_calibration in the registry), checked
+before any work.
 
 A task's data is either a source path (image folder, saved dataset, .jsonl, .parquet), loaded exactly
 as `featcal calibrate` loads it (a seeded sample of `num_calibration_examples`, in batches of
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
 
-from featcal.config import CALIBRATED_MERGE_METHODS, MergeConfig
+from featcal.config import MergeConfig, method_names, method_spec
 from featcal.data.batch import BatchLike, as_batches
 from featcal.data.calibration import (
     batches_record,
@@ -38,11 +39,12 @@ def check_calibration_request(
     method: str, experts: Mapping[str, Any], calibration: Mapping[str, CalibrationInput] | None
 ) -> None:
     """RegMean(++) needs data for exactly the experts' tasks; data-free methods take none. No I/O."""
-    if method not in CALIBRATED_MERGE_METHODS:
+    if not method_spec(method).needs_calibration:
         if calibration:
+            readers = [m for m in method_names() if method_spec(m).needs_calibration]
             raise ConfigError(
                 f"merge method {method!r} is data-free and takes no calibration data; drop --calib "
-                f"(calibration=) or choose {' or '.join(CALIBRATED_MERGE_METHODS)}"
+                f"(calibration=) or choose {' or '.join(readers)}"
             )
         return
     if not calibration:

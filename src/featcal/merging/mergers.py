@@ -13,8 +13,8 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from featcal.merging.family import Family
+from featcal.merging.method import Merger, register
 from featcal.merging.methods import DisjointMean, dare, derive_seed, keep_count, task_vector
-from featcal.merging.registry import Merger, register
 from featcal.merging.selection import StreamingKthLargest
 
 
@@ -49,8 +49,6 @@ class _TaskVectorMerger(Merger):
 class TaskArithmetic(_TaskVectorMerger):
     """θ0 + s · Σt τt."""
 
-    uses = ("scaling",)
-
     def merge_tensor(self, name: str, base: Tensor, experts: Iterator[tuple[str, Tensor]]) -> Tensor:
         total = torch.zeros(base.shape, dtype=base.dtype)
         for expert, theta in experts:
@@ -63,15 +61,12 @@ class TaskArithmetic(_TaskVectorMerger):
 class DareTaskArithmetic(TaskArithmetic):
     """θ0 + s · Σt dare(τt), masks seeded per (seed, expert, tensor)."""
 
-    uses = ("scaling", "drop_rate", "seed")
     drop = True
 
 
 @register("ties")
 class Ties(_TaskVectorMerger):
     """TIES: trim each task vector at its global top-`density` magnitude, elect signs, disjoint mean."""
-
-    uses = ("scaling", "density")
 
     def __init__(self, config) -> None:
         super().__init__(config)
@@ -122,5 +117,4 @@ class Ties(_TaskVectorMerger):
 class DareTies(Ties):
     """TIES on DARE-sparsified task vectors (the same seeded masks in the threshold and merge passes)."""
 
-    uses = ("scaling", "density", "drop_rate", "seed")
     drop = True

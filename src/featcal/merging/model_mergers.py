@@ -19,12 +19,12 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
-from featcal.config import MergeConfig
+from featcal.config import MergeConfig, MethodKind
 from featcal.errors import CheckpointError, ConfigError
 from featcal.io.sources import ModuleSource, checkpoint_state_dict
 from featcal.merging.calibration_data import LoadedCalibration
 from featcal.merging.family import Family
-from featcal.merging.registry import Merger, register
+from featcal.merging.method import Merger, register
 
 
 def _model(source, label: str, allow_pickle: bool) -> nn.Module:
@@ -49,6 +49,7 @@ def _model(source, label: str, allow_pickle: bool) -> nn.Module:
 class ModelMerger(Merger):
     """A merge computed on whole models in `prepare`, then written tensor by tensor."""
 
+    kind: ClassVar[MethodKind] = "whole_model"
     needs_calibration: ClassVar[bool] = False
 
     def __init__(self, config: MergeConfig, *, calibration: LoadedCalibration | None = None,
@@ -97,7 +98,6 @@ class ModelMerger(Merger):
 
 class _RegMean(ModelMerger):
     needs_calibration = True
-    uses = ("alpha",)
     plus_plus: ClassVar[bool] = False
 
     def merge_models(self, base, experts, progress):
@@ -123,8 +123,6 @@ class RegMeanPlusPlus(_RegMean):
 @register("wudi")
 class Wudi(ModelMerger):
     """WUDI (Cheng et al., 2025): data-free, per-Linear Adam on the task vectors' interference."""
-
-    uses = ("steps", "lr", "seed")
 
     def merge_models(self, base, experts, progress):
         from featcal.merging.method_params import WudiParams

@@ -10,7 +10,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from featcal.merging.family import Family
-from featcal.merging.registry import Merger
+from featcal.merging.method import Merger
 
 
 def merge_family(merger: Merger, family: Family, *, progress: bool = True) -> dict[str, Tensor]:

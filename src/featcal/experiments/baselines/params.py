@@ -1,12 +1,14 @@
 """Validated hyperparameters of each baseline, with the published defaults (see docs/baselines.md).
 
-One schema per method, so a bad value or an unknown option is refused with the same ConfigError
+One schema per method (a seed is declared once, featcal.config.seed_field), so a bad value or an unknown option is refused with the same ConfigError
 whether it came from Python, the CLI or a YAML file, before any model is loaded.
 """
 
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from featcal.config import seed_field
 
 
 class _Strict(BaseModel):
@@ -20,7 +22,7 @@ class SurgeryParams(_Strict):
     lr: float = Field(1e-3, gt=0.0, description="Adam learning rate (betas 0.9, 0.999; no weight decay)")
     steps: int = Field(500, ge=1, description="Adam steps per task (authors: 5 rounds x 100 batches)")
     batch_size: int = Field(16, ge=1, description="calibration examples per step")
-    seed: int = Field(0, ge=0, description="initialisation, batch order")
+    seed: int = seed_field("initialisation, batch order")
 
 
 class ProbSurgeryParams(_Strict):
@@ -31,4 +33,4 @@ class ProbSurgeryParams(_Strict):
     steps: int = Field(500, ge=1, description="Adam steps per task (authors: 5 rounds x 100 batches)")
     batch_size: int = Field(16, ge=1, description="calibration examples per step")
     kl_weight: float = Field(1e-4, ge=0.0, description="weight of the KL term next to the L1 distance")
-    seed: int = Field(0, ge=0, description="initialisation, batch order, reparameterisation noise")
+    seed: int = seed_field("initialisation, batch order, reparameterisation noise")
