@@ -91,12 +91,13 @@ def main() -> None:
     for label, cfg, kwargs in runs:
         seen_accuracy.clear()
         clock = Timer()
-        out = calibrate(merged, base=base, experts=experts, calibration=calibration, config=cfg, progress=False,
-                        **kwargs)
+        result = calibrate(merged, base=base, experts=experts, calibration=calibration, config=cfg, progress=False,
+                           return_result=True, **kwargs)
+        out = result.model
         seconds = clock.seconds
         acc = loaded.mean_accuracy(out)
         rec = {"setting": label, "accuracy": acc, "gap_closed": gap_closed(acc, ta, ex), "seconds": round(seconds, 1)}
-        tuning = getattr(out, "featcal_tuning", None)
+        tuning = result.tuning
         if tuning is not None:
             rec["chosen"] = tuning["chosen"]
             rec["candidates"] = tuning["candidates"]

@@ -87,8 +87,9 @@ def test_t5_without_decoder_inputs_starts_from_decoder_start_token():
     torch.manual_seed(0)
     base, experts, merged = _family(T.T5Model(tiny.tiny_config("t5")))
     data = {t: [_ids(seed=i)] for i, t in enumerate(experts)}
-    out = calibrate(merged, base=base, experts=experts, calibration=data, progress=False)
-    assert [d["stack"] for d in out.featcal_drift] == ["encoder", "encoder", "decoder", "decoder"]
+    result = calibrate(merged, base=base, experts=experts, calibration=data, progress=False, return_result=True)
+    out = result.model
+    assert [d["stack"] for d in result.drift] == ["encoder", "encoder", "decoder", "decoder"]
     assert any(k.startswith("decoder.block.1.layer.1.EncDecAttention") for k in _changed(out, merged))
     assert max_abs_diff(out, reference_calibrate(merged, base, experts, data, FeatCalConfig()))[0] < 1e-5
 
@@ -97,7 +98,8 @@ def test_t5_decoder_cross_attention_sees_calibrated_encoder():
     """Decoder block 0's drift "before" is measured with the merged decoder reading the CALIBRATED encoder."""
     base, experts, merged = _family(tiny.tiny_model("t5"))
     data = {t: [tiny.sample_inputs("t5", seed=i)] for i, t in enumerate(experts)}
-    out = calibrate(merged, base=base, experts=experts, calibration=data, progress=False)
+    result = calibrate(merged, base=base, experts=experts, calibration=data, progress=False, return_result=True)
+    out = result.model
     hybrid = copy.deepcopy(merged)  # calibrated encoder, decoder as merged
     hybrid.encoder.load_state_dict(out.encoder.state_dict())
     per_task = []
@@ -107,7 +109,7 @@ def test_t5_decoder_cross_attention_sees_calibrated_encoder():
             hm = hybrid(**batch, output_hidden_states=True).decoder_hidden_states[1]
             he = e(**batch, output_hidden_states=True).decoder_hidden_states[1]
             per_task.append(float(((hm - he).pow(2).sum(-1) / he.pow(2).sum(-1)).mean()))
-    decoder0 = next(d for d in out.featcal_drift if d["stack"] == "decoder" and d["layer"] == 0)
+    decoder0 = next(d for d in result.drift if d["stack"] == "decoder" and d["layer"] == 0)
     assert decoder0["before"] == pytest.approx(sum(per_task) / len(per_task), rel=1e-4)
 
 
@@ -234,3 +236,32 @@ def test_context_replay_check_catches_per_block_masks():
         mod, kw = adapter.stack_call(uniform, stack, _ids(seq=8), None)
         h, ctx = capture_block_input(mod, stack.blocks(uniform)[0], kw)
         check_context_replay(adapter, stack, uniform, mod, kw, h, ctx)
+
+
+def test_adapters_answer_what_calibration_and_the_planner_ask():
+    """Architecture questions go to the adapter: the token limit, a batch's checks, the planner's sizes."""
+    from featcal.blocks.adapters.base import Stack
+    from featcal.errors import CalibrationDataError
+
+    bert, t5, llama, clip = (tiny.tiny_model(k) for k in ("bert", "t5", "llama", "clip"))
+    a_bert, a_t5, a_llama, a_clip = (adapter_for(m) for m in (bert, t5, llama, clip))
+    # absolute position tables limit the tokens; T5's relative buckets do not
+    assert a_bert.max_tokens(bert.config) == bert.config.max_position_embeddings
+    assert a_t5.max_tokens(t5.config) is None
+    long_ids = {"input_ids": torch.zeros(1, bert.config.max_position_embeddings + 1, dtype=torch.long)}
+    with pytest.raises(CalibrationDataError, match="the model takes at most"):
+        a_bert.check_batch(bert.config, long_ids, "input_ids", "here")
+    a_t5.check_batch(t5.config, long_ids, "input_ids", "here")  # no limit to pass
+    with pytest.raises(CalibrationDataError, match="here: no 'pixel_values'"):
+        a_clip.check_batch(clip.config, long_ids, "pixel_values", "here")
+    size = clip.config.image_size
+    a_clip.check_batch(clip.config, {"pixel_values": torch.zeros(1, 3, size, size)}, "pixel_values", "here")
+    with pytest.raises(CalibrationDataError, match="pixels, the model takes"):
+        a_clip.check_batch(clip.config, {"pixel_values": torch.zeros(1, 3, size + 1, size)}, "pixel_values", "here")
+    # the planner's per-example sizes: T5 holds decoder inputs and a position bias, Llama rotary tables
+    assert (a_bert.token_tensors, a_t5.token_tensors, a_llama.token_tensors) == (2, 4, 2)
+    enc, dec = a_t5.stacks(t5)
+    assert a_t5.context_bytes(enc, 8, 32, 4) == 4 * 8 * 8 * 4
+    assert a_t5.context_bytes(dec, 8, 32, 4) == 2 * 4 * 8 * 8 * 4
+    assert a_llama.context_bytes(a_llama.stacks(llama)[0], 8, 32, 4) == 2 * 8 * 8 * 4
+    assert a_bert.context_bytes(Stack("encoder", "", ""), 8, 32, 4) == 0

@@ -155,10 +155,10 @@ def test_the_calibrated_model_is_checked_before_writing(clip, tmp_path, capsys, 
     real = calibration_api.calibrate
 
     def overflowing(*args, **kwargs):
-        model = real(*args, **kwargs)
+        result = real(*args, **kwargs)  # featcal calibrate asks for the CalibrationResult
         with torch.no_grad():
-            model.embeddings.patch_embedding.weight[0, 0, 0, 0] = float("inf")
-        return model
+            result.model.embeddings.patch_embedding.weight[0, 0, 0, 0] = float("inf")
+        return result
 
     monkeypatch.setattr(calibration_api, "calibrate", overflowing)
     out = tmp_path / "out"

@@ -181,8 +181,9 @@ def test_lora_expert_calibrates(family, tmp_path):
 
     model = T.LlamaForCausalLM.from_pretrained(merged_dir)
     calibrated = calibrate(model, base=str(base), experts={t: str(d) for t, d in experts.items()},
-                           calibration=data, config=FeatCalConfig(), progress=False)
-    assert calibrated.featcal_drift
+                           calibration=data, config=FeatCalConfig(), progress=False, return_result=True)
+    assert calibrated.drift
+    calibrated = calibrated.model
     assert not torch.equal(calibrated.model.layers[0].self_attn.q_proj.weight, model.model.layers[0].self_attn.q_proj.weight)
     # the adapter expert is read as the hand-computed weights: the same calibration from full checkpoints agrees
     full_dirs = {}

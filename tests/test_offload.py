@@ -79,7 +79,8 @@ def test_offload_is_bit_identical_and_holds_one_block_per_model(kind, chain_dtyp
     base, experts, merged = noisy_family(kind)
     data = family_data(kind, experts)
     cfg = FeatCalConfig(chain_dtype=chain_dtype, spill_dir=tmp_path / "spill" if spill else None)
-    whole = calibrate(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False)
+    whole = calibrate(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False,
+                      return_result=True)
 
     spy = DeviceSpy()
     monkeypatch.setattr(Placement, "_place", spy.wrap(Placement._place))
@@ -95,13 +96,13 @@ def test_offload_is_bit_identical_and_holds_one_block_per_model(kind, chain_dtyp
                 h.remove()
     monkeypatch.setattr(FeatCalEngine, "run", run)
     offloaded = calibrate(merged, base=base, experts=experts, calibration=data,
-                          config=cfg.model_copy(update={"offload_blocks": True}), progress=False)
+                          config=cfg.model_copy(update={"offload_blocks": True}), progress=False, return_result=True)
 
-    assert max_abs_diff(offloaded, whole)[0] == 0.0
-    assert offloaded.featcal_drift == whole.featcal_drift
+    assert max_abs_diff(offloaded.model, whole.model)[0] == 0.0
+    assert offloaded.drift == whole.drift
     assert spy.problems == [], spy.problems
     assert spy.peak == {"merged": 1, "template": 1}
-    n_blocks = len(whole.featcal_drift)
+    n_blocks = len(whole.drift)
     ran = {k for k in spy.forwards if not k.endswith("stem")}
     assert len([k for k in ran if k.startswith("merged")]) == n_blocks  # every block ran, each on the device
     assert any(k.endswith("stem") for k in spy.forwards)

@@ -83,7 +83,7 @@ def test_interrupted_api_run_resumes_bit_identical(kind, kill_after, chain_dtype
     cfg = FeatCalConfig(chain_dtype=chain_dtype, resume_dir=tmp_path / "state",
                         spill_dir=tmp_path / "spill" if spill else None)
     straight = calibrate(merged, base=base, experts=experts, calibration=data, config=cfg.model_copy(
-        update={"resume_dir": None}), progress=False)
+        update={"resume_dir": None}), progress=False, return_result=True)
 
     def crash(block: int) -> None:
         if block == kill_after:
@@ -99,9 +99,10 @@ def test_interrupted_api_run_resumes_bit_identical(kind, kill_after, chain_dtype
         calibrate(merged, base=base, experts=experts, calibration=other, config=cfg, progress=False)
 
     monkeypatch.setattr(resume, "_maybe_kill", lambda block: None)
-    resumed = calibrate(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False)
-    assert max_abs_diff(resumed, straight)[0] == 0.0
-    assert resumed.featcal_drift == straight.featcal_drift
+    resumed = calibrate(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False,
+                        return_result=True)
+    assert max_abs_diff(resumed.model, straight.model)[0] == 0.0
+    assert resumed.drift == straight.drift
     assert not (tmp_path / "state").exists()
 
 
@@ -164,7 +165,7 @@ def test_checkpoint_every_n_resumes_from_the_last_checkpoint(kind, every, kill_a
     data = family_data(kind, experts)
     cfg = FeatCalConfig(resume_dir=tmp_path / "state", checkpoint_every=every, offload_blocks=offload)
     straight = calibrate(merged, base=base, experts=experts, calibration=data,
-                         config=FeatCalConfig(), progress=False)
+                         config=FeatCalConfig(), progress=False, return_result=True)
 
     commits = _record_commits(monkeypatch)
 
@@ -182,13 +183,14 @@ def test_checkpoint_every_n_resumes_from_the_last_checkpoint(kind, every, kill_a
     commits.clear()
     monkeypatch.setattr(resume, "_maybe_kill", lambda block: None)
     with caplog.at_level(logging.INFO, logger="featcal"):
-        resumed = calibrate(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False)
+        resumed = calibrate(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False,
+                            return_result=True)
     assert ("already calibrated" in caplog.text) == bool(first)
     if first:
         assert f"{done} block(s) already calibrated, continuing at block {done}" in caplog.text
     assert commits == then
-    assert max_abs_diff(resumed, straight)[0] == 0.0
-    assert resumed.featcal_drift == straight.featcal_drift
+    assert max_abs_diff(resumed.model, straight.model)[0] == 0.0
+    assert resumed.drift == straight.drift
     assert not (tmp_path / "state").exists()
 
 

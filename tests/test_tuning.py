@@ -12,7 +12,7 @@ import transformers as T
 import yaml
 
 from featcal import FeatCalConfig, calibrate
-from featcal.calibration import api, tuning
+from featcal.calibration import core, tuning
 from featcal.cli.main import main
 from featcal.errors import CalibrationDataError, ConfigError
 from reference_featcal import family_data, max_abs_diff, noisy_family
@@ -76,12 +76,13 @@ def test_split_refuses_a_task_it_cannot_split():
 # --- selection sees calibration data only, and the refit sees all of it ---------------------------------
 def test_selection_sees_only_calibration_data_and_refit_uses_all(family, monkeypatch):
     base, experts, merged, data = family
-    original = api.calibrate
+    original = calibrate
+    one_setting = core.calibrate_setting  # what the search calls for each candidate and for the refit
     calls: list[dict] = []
 
     def recording(*args, **kwargs):
         calls.append({"data": kwargs["calibration"], "config": kwargs["config"]})
-        return original(*args, **kwargs)
+        return one_setting(*args, **kwargs)
 
     seen_by_head: list[torch.Tensor] = []
 
@@ -89,11 +90,11 @@ def test_selection_sees_only_calibration_data_and_refit_uses_all(family, monkeyp
         seen_by_head.extend(batch["pixel_values"])
         return model(**batch).pooler_output[:, :3]
 
-    monkeypatch.setattr(api, "calibrate", recording)
+    monkeypatch.setattr(core, "calibrate_setting", recording)
     cfg = FeatCalConfig(tune=True, tune_budget=5.0, tune_holdout=0.34)
-    out = original(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False,
-                   heads={"task0": head, "task1": head})
-    rec = out.featcal_tuning
+    result = original(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False,
+                      heads={"task0": head, "task1": head}, return_result=True)
+    out, rec = result.model, result.tuning
     *search, refit = calls
     assert len(search) == len(rec["candidates"]) >= 2 and not refit["config"].tune
     for t, batches in data.items():
@@ -124,21 +125,24 @@ def test_selection_sees_only_calibration_data_and_refit_uses_all(family, monkeyp
 def test_candidates_and_choice_are_deterministic_for_a_seed(family):
     base, experts, merged, data = family
     cfg = FeatCalConfig(tune=True, tune_budget=4.0)
-    a = calibrate(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False, merge_scaling=0.05)
-    b = calibrate(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False, merge_scaling=0.05)
-    assert _strip(a.featcal_tuning["candidates"]) == _strip(b.featcal_tuning["candidates"])
-    assert a.featcal_tuning["chosen"] == b.featcal_tuning["chosen"]
-    assert max_abs_diff(a, b)[0] == 0.0
+    a = calibrate(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False, merge_scaling=0.05,
+                  return_result=True)
+    b = calibrate(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False, merge_scaling=0.05,
+                  return_result=True)
+    assert _strip(a.tuning["candidates"]) == _strip(b.tuning["candidates"])
+    assert a.tuning["chosen"] == b.tuning["chosen"]
+    assert max_abs_diff(a.model, b.model)[0] == 0.0
     c = calibrate(merged, base=base, experts=experts, calibration=data, config=cfg.model_copy(update={"seed": 7}),
-                  progress=False, merge_scaling=0.05)
-    assert c.featcal_tuning["split"] != a.featcal_tuning["split"]
+                  progress=False, merge_scaling=0.05, return_result=True)
+    assert c.tuning["split"] != a.tuning["split"]
 
 
 def test_tune_beats_the_defaults_where_they_are_poor_and_respects_the_budget(family):
     base, experts, merged, data = family
     cfg = FeatCalConfig(tune=True)
-    out = calibrate(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False, merge_scaling=0.05)
-    rec = out.featcal_tuning
+    result = calibrate(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False,
+                       merge_scaling=0.05, return_result=True)
+    out, rec = result.model, result.tuning
     first, chosen = rec["candidates"][0], rec["chosen"]
     assert {k: first[k] for k in ("anchor_blend_rho", "lambda_ratio", "teacher_interp_alpha", "merge_scaling")} == {
         "anchor_blend_rho": 2.2, "lambda_ratio": 0.05, "teacher_interp_alpha": 0.25, "merge_scaling": 0.05}
@@ -153,8 +157,8 @@ def test_tune_beats_the_defaults_where_they_are_poor_and_respects_the_budget(fam
     assert tuning.score(out, tuning.adapter_for(out), fresh, ref, {}).drift < tuning.score(
         default, tuning.adapter_for(out), fresh, ref, {}).drift
     small = calibrate(merged, base=base, experts=experts, calibration=data, progress=False, merge_scaling=0.05,
-                      config=cfg.model_copy(update={"tune_budget": 3.0}))
-    assert len(small.featcal_tuning["candidates"]) == tuning.max_candidates(3.0, 0.25) == 2
+                      config=cfg.model_copy(update={"tune_budget": 3.0}), return_result=True)
+    assert len(small.tuning["candidates"]) == tuning.max_candidates(3.0, 0.25) == 2
 
 
 def test_budget_arithmetic():
@@ -196,8 +200,8 @@ def test_module_head_scores_agreement_on_the_pooled_output(family):
     torch.manual_seed(0)
     heads = {t: torch.nn.Linear(32, 4) for t in experts}  # a linear head on CLIP's pooler_output
     out = calibrate(merged, base=base, experts=experts, calibration=data, progress=False, heads=heads,
-                    config=FeatCalConfig(tune=True, tune_budget=4.0))
-    rec = out.featcal_tuning
+                    config=FeatCalConfig(tune=True, tune_budget=4.0), return_result=True)
+    rec = out.tuning
     for c in rec["candidates"]:
         agreement = [c["per_task"][t]["agreement"] for t in experts]
         assert c["disagreement"] == pytest.approx(1.0 - sum(agreement) / len(agreement))
@@ -397,23 +401,25 @@ def test_tune_reads_lora_experts_as_calibrate_does(tmp_path, tmp_path_factory):
     cfg = FeatCalConfig(tune=True, tune_budget=4.0)
     model = T.LlamaForCausalLM.from_pretrained(merged_dir)
     a = calibrate(model, base=str(base), experts={t: str(d) for t, d in experts.items()}, calibration=data,
-                  config=cfg, progress=False, merge_scaling=0.3)
+                  config=cfg, progress=False, merge_scaling=0.3, return_result=True)
     b = calibrate(model, base=str(base), experts=full_dirs, calibration=data, config=cfg, progress=False,
-                  merge_scaling=0.3)
-    ra, rb = a.featcal_tuning, b.featcal_tuning
+                  merge_scaling=0.3, return_result=True)
+    ra, rb = a.tuning, b.tuning
     assert [c["merge_scaling"] for c in ra["candidates"]] == [c["merge_scaling"] for c in rb["candidates"]]
     assert all(c["drift"] == pytest.approx(d["drift"], rel=1e-4) for c, d in zip(ra["candidates"], rb["candidates"],
                                                                                  strict=True))
-    assert max_abs_diff(a, b)[0] < 1e-4
+    assert max_abs_diff(a.model, b.model)[0] < 1e-4
 
 
 def test_the_callers_merge_is_left_as_given_unless_inplace(family):
     base, experts, merged, data = family
     before = {k: v.clone() for k, v in merged.state_dict().items()}
     cfg = FeatCalConfig(tune=True, tune_budget=3.0)
-    out = calibrate(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False, merge_scaling=0.05)
+    result = calibrate(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False,
+                       merge_scaling=0.05, return_result=True)
+    out = result.model
     assert out is not merged and all(torch.equal(before[k], v) for k, v in merged.state_dict().items())
-    assert out.featcal_tuning["chosen"]["merge_scaling"] != 0.05  # a rebuilt merge was calibrated, on a copy
+    assert result.tuning["chosen"]["merge_scaling"] != 0.05  # a rebuilt merge was calibrated, on a copy
     own = copy.deepcopy(merged)
     again = calibrate(own, base=base, experts=experts, calibration=data, config=cfg, progress=False,
                       merge_scaling=0.05, inplace=True)

@@ -3,6 +3,8 @@
 Public API:
     merge(base, experts, method=..., out=None, **params)        -> state dict / checkpoint
     calibrate(merged, base=..., experts=..., calibration=..., config=FeatCalConfig())
+                                                                 -> calibrated model
+    calibrate(..., return_result=True)                           -> CalibrationResult (model, drift, ...)
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ __all__ = [
     "OutputExistsError",
     "merge",
     "calibrate",
+    "CalibrationResult",
 ]
 
 
@@ -41,4 +44,8 @@ def __getattr__(name: str):
         from featcal.calibration.api import calibrate
 
         return calibrate
+    if name == "CalibrationResult":
+        from featcal.calibration.result import CalibrationResult
+
+        return CalibrationResult
     raise AttributeError(f"module 'featcal' has no attribute {name!r}")

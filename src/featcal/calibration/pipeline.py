@@ -19,6 +19,12 @@ from typing import Any
 
 import torch
 
+from featcal.calibration import api
+from featcal.calibration.distributed import RankGroup, current_group
+from featcal.calibration.inputs import resolve_device
+from featcal.calibration.result import CalibrationResult
+from featcal.calibration.resume import default_resume_dir, discard_on_error
+from featcal.calibration.tuning import load_heads, merge_scaling_from_report
 from featcal.config import FeatCalConfig
 from featcal.data.batch import Batch
 from featcal.data.calibration import (
@@ -156,8 +162,6 @@ def check_options(config: FeatCalConfig, max_length: int, check_device: bool = T
     """Options whose problems would otherwise surface only after data and models are loaded.
 
     `check_device=False` (featcal plan): the device need not exist here, a GPU run may be planned anywhere."""
-    from featcal.calibration.api import resolve_device
-
     if not isinstance(config, FeatCalConfig):
         raise ConfigError(f"config must be a FeatCalConfig, not {type(config).__name__}")
     if max_length < 1:
@@ -368,109 +372,174 @@ def _calibrate_to_dir(
             overwrite=overwrite, allow_pickle=allow_pickle, max_length=max_length, allow_fewer=allow_fewer,
             check_finite=check_finite, progress=progress,
         )
-        tasks, out_path, data_dir = checked.tasks, checked.out, checked.data_dir
-        from featcal.calibration.tuning import load_heads
-
-        head_layers = load_heads(heads or {}, tasks, config.tune)  # refused here, before any work
-        if config.resume and config.resume_dir is None:  # killed runs resume from beside the output
-            from featcal.calibration.resume import default_resume_dir
-
-            config = config.model_copy(update={"resume_dir": default_resume_dir(out_path)})
-        merged_dir, base_dir, expert_dirs = Path(checked.merged or merged), checked.base, checked.experts
+        head_layers = load_heads(heads or {}, checked.tasks, config.tune)  # refused here, before any work
+        config = _with_resume_dir(config, checked.out)
+        merged_dir = Path(checked.merged or merged)
 
         load = Timer()
-        calibration: dict[str, list[Batch]] = {}
-        read_as: dict[str, dict] = {t: {} for t in tasks}  # which column each task's data was read from
-        for t in tasks:
-            try:
-                calibration[t] = load_calibration_batches(
-                    calibration_sources[t], model_dir=data_dir, num_examples=config.num_calibration_examples,
-                    batch_size=config.calibration_batch_size, seed=config.seed, max_length=max_length,
-                    allow_fewer=allow_fewer, progress=progress, text_column=config.text_column,
-                    allow_test_split=config.allow_test_split, record=read_as[t],
-                )
-            except CalibrationDataError as exc:
-                raise CalibrationDataError(f"task {t!r}: {exc}") from None
+        calibration, read_as = _load_calibration(checked, calibration_sources, config, max_length, allow_fewer,
+                                                 progress)
         data_seconds = load.seconds
         out_dtype = stored_float_dtype(merged_dir, allow_pickle)  # loaded (and computed) in float32
         merged_model = load_model(merged_dir, allow_pickle=allow_pickle)
         load_seconds = load.seconds
 
-        from featcal.calibration.api import calibrate
-
-        tune: dict[str, Any] = {}  # --tune: where the search may rebuild the merge at other scalings
-        scaling_from = "given by the caller" if merge_scaling is not None else None
-        if config.tune and merge_scaling is None:
-            from featcal.calibration.tuning import merge_scaling_from_report
-
-            merge_scaling, scaling_from = merge_scaling_from_report(merged_dir, base_dir, expert_dirs)
-        if config.tune:
-            tune = {"merge_scaling": merge_scaling, "heads": head_layers or None}
+        tune, scaling_from = _tune_arguments(config, merge_scaling, merged_dir, checked, head_layers)
         work = Timer()
-        with torch.no_grad():
-            calibrated = calibrate(
-                merged_model, base=str(base_dir), experts={t: str(d) for t, d in expert_dirs.items()},
-                calibration=calibration, config=config, progress=progress, inplace=True, allow_pickle=allow_pickle,
-                keep_resume_state=True, check_finite=False,  # the checkpoints were scanned above
-                **tune,
-            )
+        result = _calibrate_loaded(merged_model, checked, calibration, config, progress, allow_pickle, tune)
         calibrate_seconds = work.seconds
-        from featcal.calibration.resume import discard_on_error
-
-        if out_dtype is not None:  # written as the merged checkpoint is stored (fp16 / bf16 stay 16-bit)
-            calibrated.to(out_dtype)
-        with discard_on_error(getattr(calibrated, "featcal_resume_store", None)):  # NaN: resuming cannot help
-            check_finite_state("the calibrated model", calibrated.state_dict())  # after the cast: fp16 overflow too
+        _cast_and_check(result, out_dtype)
 
     hashing = Timer()
-    inputs_report = {
+    inputs_report = _inputs_report(merged_dir, checked, calibration_sources, calibration, read_as)
+    hash_seconds = hashing.seconds
+
+    group = current_group()
+    if not group.is_main:  # under torchrun only rank 0 writes; the others wait for it, then tidy up
+        return _leave_writing_to_rank_0(group, result)
+    seconds = {"load": load_seconds, "load_data": data_seconds, "calibrate": calibrate_seconds,
+               "hash_inputs": hash_seconds}
+    report = _write_calibrated(
+        result, checked, merged_dir, overwrite,
+        params={**config.model_dump(mode="json"), "max_length": max_length, "allow_fewer": allow_fewer},
+        inputs_report=inputs_report, warnings=warnings.messages, seconds=seconds, total=total,
+        tuning=_tuning_report(result, scaling_from, heads),
+    )
+    group.barrier()
+    if result.resume_store is not None:  # the checkpoint is safely in place: the resume state has served
+        result.resume_store.delete()
+    log.info("calibrated checkpoint written to %s (%.1f s)", checked.out, total.seconds)
+    return report
+
+
+# --- the stages of _calibrate_to_dir, in the order they run ----------------------------------------
+def _with_resume_dir(config: FeatCalConfig, out_path: Path) -> FeatCalConfig:
+    """`resume` without a `resume_dir`: killed runs resume from beside the output."""
+    if config.resume and config.resume_dir is None:
+        return config.model_copy(update={"resume_dir": default_resume_dir(out_path)})
+    return config
+
+
+def _load_calibration(
+    checked: CheckedInputs, calibration_sources: Mapping[str, str | Path], config: FeatCalConfig,
+    max_length: int, allow_fewer: bool, progress: bool,
+) -> tuple[dict[str, list[Batch]], dict[str, dict]]:
+    """Each task's calibration batches, and which column each task's data was read from."""
+    calibration: dict[str, list[Batch]] = {}
+    read_as: dict[str, dict] = {t: {} for t in checked.tasks}
+    for t in checked.tasks:
+        try:
+            calibration[t] = load_calibration_batches(
+                calibration_sources[t], model_dir=checked.data_dir, num_examples=config.num_calibration_examples,
+                batch_size=config.calibration_batch_size, seed=config.seed, max_length=max_length,
+                allow_fewer=allow_fewer, progress=progress, text_column=config.text_column,
+                allow_test_split=config.allow_test_split, record=read_as[t],
+            )
+        except CalibrationDataError as exc:
+            raise CalibrationDataError(f"task {t!r}: {exc}") from None
+    return calibration, read_as
+
+
+def _tune_arguments(
+    config: FeatCalConfig, merge_scaling: float | None, merged_dir: Path, checked: CheckedInputs,
+    head_layers: Mapping[str, Any],
+) -> tuple[dict[str, Any], str | None]:
+    """With --tune, what lets the search rebuild the merge at other scalings (and score with heads), and
+    where the merge's scaling came from; ({}, None or the caller) without."""
+    scaling_from = "given by the caller" if merge_scaling is not None else None
+    if not config.tune:
+        return {}, scaling_from
+    if merge_scaling is None:
+        merge_scaling, scaling_from = merge_scaling_from_report(merged_dir, checked.base, checked.experts)
+    return {"merge_scaling": merge_scaling, "heads": head_layers or None}, scaling_from
+
+
+def _calibrate_loaded(
+    merged_model: torch.nn.Module, checked: CheckedInputs, calibration: dict[str, list[Batch]],
+    config: FeatCalConfig, progress: bool, allow_pickle: bool, tune: dict[str, Any],
+) -> CalibrationResult:
+    """featcal.calibrate on the loaded merge, in place; base and experts streamed from their files."""
+    with torch.no_grad():
+        return api.calibrate(
+            merged_model, base=str(checked.base), experts={t: str(d) for t, d in checked.experts.items()},
+            calibration=calibration, config=config, progress=progress, inplace=True, allow_pickle=allow_pickle,
+            keep_resume_state=True, check_finite=False,  # the checkpoints were scanned before
+            return_result=True, **tune,
+        )
+
+
+def _cast_and_check(result: CalibrationResult, out_dtype: torch.dtype | None) -> None:
+    """Cast back to the merge's stored dtype (fp16 / bf16 stay 16-bit), then refuse NaN/Inf (fp16 overflow
+    too); resuming cannot help a non-finite result, so its resume state goes."""
+    if out_dtype is not None:
+        result.model.to(out_dtype)
+    with discard_on_error(result.resume_store):
+        check_finite_state("the calibrated model", result.model.state_dict())
+
+
+def _inputs_report(
+    merged_dir: Path, checked: CheckedInputs, calibration_sources: Mapping[str, str | Path],
+    calibration: Mapping[str, list[Batch]], read_as: Mapping[str, dict],
+) -> dict[str, Any]:
+    """featcal.json's `inputs`: every checkpoint's hashes, every task's data and its tensors' hash."""
+    base_dir = checked.base
+    return {
         "merged": {"path": str(merged_dir), "sha256": checkpoint_hashes(merged_dir)},
         "base": {"path": str(base_dir), "sha256": checkpoint_hashes(base_dir), **_input_kind(base_dir)},
-        "experts": {t: {"path": str(d), "sha256": checkpoint_hashes(d), **_input_kind(d)} for t, d in expert_dirs.items()},
+        "experts": {t: {"path": str(d), "sha256": checkpoint_hashes(d), **_input_kind(d)}
+                    for t, d in checked.experts.items()},
         "calibration": {
             t: {"source": str(calibration_sources[t]), **read_as[t], "examples": _count(b), "batches": len(b),
                 "tensors_sha256": batches_sha256(b)}
             for t, b in calibration.items()
         },
-        "processor_dir": str(data_dir),
+        "processor_dir": str(checked.data_dir),
     }
-    hash_seconds = hashing.seconds
 
-    from featcal.calibration.distributed import current_group
 
-    group, store = current_group(), getattr(calibrated, "featcal_resume_store", None)
-    if not group.is_main:  # under torchrun only rank 0 writes; the others wait for it, then tidy up
-        group.barrier()
-        if store is not None:
-            store.delete()
-        return {"command": "calibrate", "drift": getattr(calibrated, "featcal_drift", None), "rank": group.rank}
+def _leave_writing_to_rank_0(group: RankGroup, result: CalibrationResult) -> dict[str, Any]:
+    """A rank other than 0 waits for rank 0 to write, then deletes its own resume state."""
+    group.barrier()
+    if result.resume_store is not None:
+        result.resume_store.delete()
+    return {"command": "calibrate", "drift": result.drift, "rank": group.rank}
+
+
+def _tuning_report(result: CalibrationResult, scaling_from: str | None,
+                   heads: Mapping[str, str | Path] | None) -> dict[str, Any] | None:
+    """featcal.json's `tuning` (with --tune): the search's record, where the scaling came from, the heads."""
+    if result.tuning is None:
+        return None
+    return {**result.tuning, "merge_scaling_from": scaling_from,
+            "head_files": {t: str(p) for t, p in (heads or {}).items()}}
+
+
+def _write_calibrated(
+    result: CalibrationResult, checked: CheckedInputs, merged_dir: Path, overwrite: bool, *,
+    params: dict[str, Any], inputs_report: dict[str, Any], warnings: list[str], seconds: dict[str, float],
+    total: Timer, tuning: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """The calibrated checkpoint, its preprocessing files and featcal.json, through a temporary directory
+    renamed into place; the report written."""
+    calibrated, out_path, data_dir = result.model, checked.out, checked.data_dir
     save = Timer()
-    with discard_on_error(store), atomic_output_dir(out_path, overwrite) as tmp:
+    with discard_on_error(result.resume_store), atomic_output_dir(out_path, overwrite) as tmp:
         copy_side_files(merged_dir, tmp)  # tokenizer / processor files first: save_pretrained's config wins
         if data_dir != merged_dir:
             _copy_processor_files(data_dir, tmp)  # the output preprocesses like the data it was calibrated on
         calibrated.save_pretrained(tmp)
         report = build_report(
-            "calibrate",
-            {**config.model_dump(mode="json"), "max_length": max_length, "allow_fewer": allow_fewer},
-            inputs=inputs_report,
-            drift=getattr(calibrated, "featcal_drift", None),
-            end_to_end_drift=getattr(calibrated, "featcal_end_to_end", None),
-            warnings=warnings.messages,
+            "calibrate", params, inputs=inputs_report, drift=result.drift, end_to_end_drift=result.end_to_end,
+            warnings=warnings,
             output={"path": str(out_path), "sha256": checkpoint_hashes(tmp),
                     "dtype": str(next(calibrated.parameters()).dtype).removeprefix("torch.")},
         )
         report["seconds"] = {  # load includes load_data; save excludes the final fsync and rename
-            "load": round(load_seconds, 3), "load_data": round(data_seconds, 3), "calibrate": round(calibrate_seconds, 3),
-            "hash_inputs": round(hash_seconds, 3), "save": round(save.seconds, 3), "total": round(total.seconds, 3),
+            **{k: round(v, 3) for k, v in seconds.items()}, "save": round(save.seconds, 3),
+            "total": round(total.seconds, 3),
         }
         report["peak_rss_mb"] = round(peak_rss_mb(), 1)
-        if getattr(calibrated, "featcal_tuning", None) is not None:
-            report["tuning"] = {**calibrated.featcal_tuning, "merge_scaling_from": scaling_from,
-                                "head_files": {t: str(p) for t, p in (heads or {}).items()}}
+        if tuning is not None:
+            report["tuning"] = tuning
         write_report(tmp, report)
-    group.barrier()
-    if store is not None:  # the checkpoint is safely in place: the resume state has served
-        store.delete()
-    log.info("calibrated checkpoint written to %s (%.1f s)", out_path, total.seconds)
     return report

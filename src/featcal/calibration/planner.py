@@ -122,7 +122,7 @@ def model_shape(config, max_length: int) -> ModelShape:
         input_bytes = int(getattr(vcfg, "num_channels", 3)) * int(vcfg.image_size) ** 2 * 4
     else:
         tokens = int(max_length)
-        input_bytes = tokens * 8 * 2 * (2 if config.model_type in ("t5", "mt5") else 1)  # ids + mask (+ decoder)
+        input_bytes = tokens * 8 * adapter.token_tensors  # int64 ids + mask (+ the decoder's)
     for st in adapter.stacks(model):
         blocks = st.blocks(model)
         shapes = tuple(_block_shape(b, adapter) for b in blocks)
@@ -131,10 +131,7 @@ def model_shape(config, max_length: int) -> ModelShape:
         ctx = 0
         if not vision:
             ctx = tokens * tokens  # boolean (B, 1, S, S) mask
-            if config.model_type in ("t5", "mt5"):
-                ctx += heads * tokens * tokens * 4 * (2 if st.name == "decoder" else 1)  # position bias (+ cross)
-            if adapter.name == "llama":
-                ctx += 2 * tokens * (hidden // max(heads, 1)) * 4  # rotary cos, sin
+            ctx += adapter.context_bytes(st, tokens, hidden, heads)  # T5's position bias, Llama's rotary tables
         stacks.append(StackShape(st.name, shapes, hidden, heads, tokens, ctx))
     count = sum(t.numel() for t in model.state_dict().values())
     return ModelShape(count, tuple(stacks), input_bytes, _stem_count(model, adapter.stacks(model)))

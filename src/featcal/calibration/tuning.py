@@ -39,12 +39,24 @@ from torch import nn
 
 from featcal.blocks.adapters import Adapter, adapter_for
 from featcal.blocks.adapters.base import accepted_inputs
+from featcal.blocks.heads import load_head
+from featcal.calibration import core
 from featcal.calibration.distributed import current_group
+from featcal.calibration.inputs import (
+    adapter_reader,
+    as_model,
+    check_base_for_rho,
+    check_tasks,
+    normalise_batches,
+    resolve_device,
+)
+from featcal.calibration.result import CalibrationResult
 from featcal.config import FeatCalConfig
 from featcal.data.batch import Batch
-from featcal.errors import CalibrationDataError, ConfigError
+from featcal.errors import CalibrationDataError, CheckpointError, ConfigError
 from featcal.io.param_sources import CheckpointSource, ModelSource, ParamSource, load_into
 from featcal.io.report import Timer
+from featcal.io.validate import validate_expert_names
 
 log = logging.getLogger("featcal.calibration")
 
@@ -368,9 +380,6 @@ def merge_scaling_from_report(merged_dir: str | os.PathLike, base_dir: str | os.
 def load_heads(paths: Mapping[str, str | os.PathLike], tasks: Iterable[str], tune: bool) -> dict[str, nn.Module]:
     """Heads saved by featcal (LinearHead / CosineHead safetensors) for `featcal calibrate --tune-head` and
     a run file's `calibrate.heads`; refused in one line before any work (unknown task, no tune, bad file)."""
-    from featcal.blocks.heads import load_head
-    from featcal.errors import CheckpointError
-
     if not paths:
         return {}
     if not tune:
@@ -391,8 +400,6 @@ def load_heads(paths: Mapping[str, str | os.PathLike], tasks: Iterable[str], tun
 
 
 def _base_source(base: nn.Module | str | os.PathLike, model: nn.Module, allow_pickle: bool) -> ParamSource:
-    from featcal.calibration.api import adapter_reader
-
     if isinstance(base, nn.Module):
         return ModelSource(base, "base")
     return CheckpointSource(base, model, "base", allow_pickle=allow_pickle,
@@ -402,8 +409,6 @@ def _base_source(base: nn.Module | str | os.PathLike, model: nn.Module, allow_pi
 def _expert_model(task: str, expert: Any, base: Any, template: nn.Module, allow_pickle: bool) -> nn.Module:
     """Expert t as a whole model for its held-out forwards (a path, LoRA adapter or GGUF file is read as
     calibrate reads it, into a copy of the merged model)."""
-    from featcal.calibration.api import adapter_reader
-
     if isinstance(expert, nn.Module):
         return expert.eval()
     model = copy.deepcopy(template)
@@ -460,26 +465,21 @@ def calibrate_tuned(
     config: FeatCalConfig, heads: Mapping[str, Head] | None = None, merge_scaling: float | None = None,
     progress: bool = True, inplace: bool = False, allow_pickle: bool = False, keep_resume_state: bool = False,
     check_finite: bool = True,
-) -> nn.Module:
+) -> CalibrationResult:
     """Search, score on the held-out part, refit the choice on all data; see the module docstring.
 
-    The returned model is the refit's (as `calibrate` returns it) with `featcal_tuning`: the split, every
-    candidate's setting and score, the choice, and the seconds spent.
+    The result is the refit's (core.calibrate_setting) with `tuning`: the split, every candidate's setting
+    and score, the choice, and the seconds spent.
     """
-    from featcal.calibration import api
-
     check_request(config, base, experts, heads, merge_scaling)
     heads = dict(heads or {})
-    api.validate_expert_names(experts.keys())
-    api._check_tasks(experts, calibration)
-    if base is None and config.anchor_blend_rho != 1.0:
-        raise ConfigError(
-            f"anchor_blend_rho={config.anchor_blend_rho} extrapolates from the base model: pass base=, or set rho to 1"
-        )
-    model = api._as_model(merged, "merged model", allow_pickle)
+    validate_expert_names(experts.keys())
+    check_tasks(experts, calibration)
+    check_base_for_rho(config, base)
+    model = as_model(merged, "merged model", allow_pickle)
     adapter = adapter_for(model)
     main = adapter.main_input(model, adapter.stacks(model)[0])
-    data = {t: api._normalise_batches(t, calibration[t], main) for t in experts}
+    data = {t: normalise_batches(t, calibration[t], main) for t in experts}
     split = split_calibration(data, config.tune_holdout, config.seed)
     limit = max_candidates(config.tune_budget, config.tune_holdout)
     start = Setting(config.anchor_blend_rho, config.lambda_ratio, config.teacher_interp_alpha,
@@ -489,7 +489,7 @@ def calibrate_tuned(
     base_src = _base_source(base, model, allow_pickle) if start.merge_scaling is not None else None
     template = model  # the search never modifies it: candidates calibrate copies
     # held-out forwards run where calibration runs (calibrate hands its result back where the merge was)
-    where = torch.device("cpu") if config.offload_blocks else api.resolve_device(config.device)
+    where = torch.device("cpu") if config.offload_blocks else resolve_device(config.device)
     search_cfg = config.model_copy(update={"tune": False, "resume": False})
 
     def start_model(s: Setting, target: nn.Module | None = None) -> nn.Module:
@@ -514,8 +514,9 @@ def calibrate_tuned(
         cfg = search_cfg.model_copy(update={k: v for k, v in s.as_dict().items() if k != "merge_scaling"})
         first = not scores
         m = start_model(s)
-        out = api.calibrate(m, base=base, experts=experts, calibration=split.fit, config=cfg, progress=False,
-                            inplace=m is not template, allow_pickle=allow_pickle, check_finite=check_finite and first)
+        out = core.calibrate_setting(m, base=base, experts=experts, calibration=split.fit, config=cfg, progress=False,
+                                     inplace=m is not template, allow_pickle=allow_pickle,
+                                     check_finite=check_finite and first).model
         if first:  # the first calibration validated every input: now the experts' references, once
             for t in experts:
                 expert = _expert_model(t, experts[t], base, template, allow_pickle)
@@ -561,12 +562,13 @@ def calibrate_tuned(
         m, in_place = model, may_modify
     else:
         m, in_place = start_model(best, model if may_modify else copy.deepcopy(model)), True
-    out = api.calibrate(m, base=base, experts=experts, calibration=data, config=final_cfg, progress=progress,
-                        inplace=in_place, allow_pickle=allow_pickle, keep_resume_state=keep_resume_state,
-                        check_finite=False)  # every input was scanned by the first candidate
+    result = core.calibrate_setting(m, base=base, experts=experts, calibration=data, config=final_cfg,
+                                    progress=progress, inplace=in_place, allow_pickle=allow_pickle,
+                                    keep_resume_state=keep_resume_state,
+                                    check_finite=False)  # every input was scanned by the first candidate
     refit_seconds = refit.seconds
     chosen = next(r["index"] for r in records if Setting(**{k: r[k] for k in best.as_dict()}) == best)
-    out.featcal_tuning = {
+    record = {
         "criterion": CRITERION,
         "heads": sorted(heads),
         "holdout": config.tune_holdout,
@@ -584,7 +586,7 @@ def calibrate_tuned(
     }
     log.info("featcal tune: chose candidate %d of %d %s (held-out drift %.6g, start %.6g); refit on all data",
              chosen, len(records), best.as_dict(), best_score.drift, records[0]["drift"])
-    return out
+    return result.with_tuning(record)
 
 
 def summary_line(record: Mapping[str, Any]) -> str:

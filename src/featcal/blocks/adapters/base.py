@@ -56,6 +56,8 @@ class Adapter(ABC):
     rms_classes: tuple[str, ...] = ()
     kv_names: tuple[str, ...] = ("k_proj", "v_proj", "key", "value", "k", "v")
     capture_kwargs: dict[str, Any] = {}
+    # int64 tensors per token a text calibration batch holds: input_ids and attention_mask
+    token_tensors: int = 2
 
     @abstractmethod
     def stacks(self, model: nn.Module) -> list[Stack]:
@@ -65,6 +67,30 @@ class Adapter(ABC):
     def main_input(self, model: nn.Module, stack: Stack) -> str:
         entry = get_path(model, stack.entry_path)
         return getattr(entry, "main_input_name", None) or getattr(model, "main_input_name", "input_ids")
+
+    def max_tokens(self, config: Any) -> int | None:
+        """The most tokens per example the model takes (its absolute position table); None: no limit."""
+        return getattr(config, "max_position_embeddings", None)
+
+    def check_batch(self, config: Any, batch: dict[str, torch.Tensor], main_input: str, where: str) -> None:
+        """Cheap checks that one calibration batch fits the model (its `config`), so a bad one fails before
+        any work and not deep in a forward; CalibrationDataError naming `where` (task and batch)."""
+        if main_input not in batch and "inputs_embeds" not in batch:
+            raise CalibrationDataError(f"{where}: no {main_input!r} (keys: {sorted(batch)})")
+        x = batch.get(main_input)
+        if x is None:
+            return
+        if x.numel() == 0:
+            raise CalibrationDataError(f"{where}: {main_input!r} is empty")
+        if main_input == "input_ids":
+            _check_token_ids(config, batch, x, where, self.max_tokens(config))
+        elif main_input == "pixel_values":
+            _check_pixels(config, x, where)
+
+    def context_bytes(self, stack: Stack, tokens: int, hidden: int, heads: int) -> int:
+        """Bytes per example a text block's context holds beyond its attention mask (planner.py): none here;
+        T5's position bias, Llama's rotary tables."""
+        return 0
 
     def stack_call(
         self, model: nn.Module, stack: Stack, batch: dict[str, torch.Tensor], upstream: torch.Tensor | None
@@ -122,6 +148,37 @@ class Adapter(ABC):
 
     def is_rms(self, module: nn.Module) -> bool:
         return type(module).__name__ in self.rms_classes
+
+
+def _check_token_ids(config: Any, batch: dict[str, torch.Tensor], x: torch.Tensor, where: str,
+                     limit: int | None) -> None:
+    vocab = getattr(config, "vocab_size", None)
+    if x.is_floating_point() or x.dim() != 2:
+        raise CalibrationDataError(f"{where}: input_ids must be integer (batch, tokens), got {x.dtype} {tuple(x.shape)}")
+    if vocab is not None and (int(x.max()) >= vocab or int(x.min()) < 0):
+        raise CalibrationDataError(f"{where}: input_ids outside the vocabulary [0, {vocab})")
+    mask = batch.get("attention_mask")
+    if mask is not None and tuple(mask.shape) != tuple(x.shape):
+        raise CalibrationDataError(
+            f"{where}: attention_mask {tuple(mask.shape)} does not match input_ids {tuple(x.shape)}"
+        )
+    if limit is not None and x.shape[1] > limit:
+        raise CalibrationDataError(f"{where}: {x.shape[1]} tokens, the model takes at most {limit}")
+
+
+def _check_pixels(config: Any, x: torch.Tensor, where: str) -> None:
+    if x.dim() != 4:
+        raise CalibrationDataError(
+            f"{where}: pixel_values must be (batch, channels, height, width), got {tuple(x.shape)}"
+        )
+    vision = getattr(config, "vision_config", config)
+    channels, size = getattr(vision, "num_channels", None), getattr(vision, "image_size", None)
+    if channels is not None and x.shape[1] != channels:
+        raise CalibrationDataError(f"{where}: pixel_values have {x.shape[1]} channels, the model takes {channels}")
+    if isinstance(size, int) and tuple(x.shape[2:]) != (size, size):
+        raise CalibrationDataError(
+            f"{where}: pixel_values are {tuple(x.shape[2:])} pixels, the model takes ({size}, {size})"
+        )
 
 
 def accepted_inputs(module: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -18,6 +18,10 @@ class LlamaAdapter(Adapter):
     rms_classes = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")
     capture_kwargs = {"use_cache": False}
 
+    def context_bytes(self, stack: Stack, tokens: int, hidden: int, heads: int) -> int:
+        """The float32 rotary cos and sin tables, (S, head_dim) each."""
+        return 2 * tokens * (hidden // max(heads, 1)) * 4
+
     def stacks(self, model: nn.Module) -> list[Stack]:
         layer_types = getattr(model.config, "layer_types", None) or []
         if len(set(layer_types)) > 1:  # e.g. Qwen2 with sliding-window layers: one mask per layer type

@@ -25,6 +25,7 @@ class T5Adapter(Adapter):
     rms_classes = ("T5LayerNorm", "MT5LayerNorm")
     kv_names = ("k", "v")
     capture_kwargs = {"use_cache": False}
+    token_tensors = 4  # input_ids, attention_mask, decoder_input_ids, decoder_attention_mask
 
     def stacks(self, model: nn.Module) -> list[Stack]:
         out = [Stack("encoder", "encoder.block", "encoder")]
@@ -39,6 +40,13 @@ class T5Adapter(Adapter):
 
     def main_input(self, model: nn.Module, stack: Stack) -> str:
         return "input_ids"
+
+    def max_tokens(self, config: Any) -> int | None:
+        return None  # relative position buckets: no position table to run past
+
+    def context_bytes(self, stack: Stack, tokens: int, hidden: int, heads: int) -> int:
+        """The float32 relative position bias (heads, S, S); the decoder holds the cross-attention's too."""
+        return heads * tokens * tokens * 4 * (2 if stack.name == "decoder" else 1)
 
     def stack_call(self, model, stack, batch, upstream):
         if stack.name == "encoder":

@@ -320,11 +320,12 @@ def _run_bench(settings: BenchSettings, progress: bool) -> dict[str, Any]:
             floor = forward_floor_seconds(merged, experts, calibration)
             with PeakRSS() as rss:
                 timer = Timer()
-                calibrated = calibrate(merged, base=zoo.base_dir, experts=experts, calibration=calibration,
-                                       config=cfg, progress=progress)
+                result = calibrate(merged, base=zoo.base_dir, experts=experts, calibration=calibration,
+                                   config=cfg, progress=progress, return_result=True)
+                calibrated = result.model
                 calib_seconds = timer.seconds
             per_task = _evaluate(calibrated, heads, tests, bs, pooling)
-            engine_drift = [_json_record(d) for d in getattr(calibrated, "featcal_drift", [])]
+            engine_drift = [_json_record(d) for d in result.drift]
             calibrated_drift = feature_drift(calibrated, experts, drift_probe)
             if n == max(settings.calib_sizes):
                 drift_curves[method] = [{"block": i, "before": b, "after": a}

@@ -180,16 +180,16 @@ class Pipeline(ABC):
         merged_model = self.load_stage(merged_dir)
         config = self.opts.featcal_config()
         timer = Timer()
-        calibrated = calibrate(
+        result = calibrate(
             merged_model, base=self.calibration_base(), experts=self.calibration_experts(),
-            calibration=calibration, config=config,
+            calibration=calibration, config=config, return_result=True,
         )
         seconds = timer.seconds
-        self.save_stage(calibrated, tmp)
+        self.save_stage(result.model, tmp)
         write_report(tmp, build_report("reproduce:featcal", {
             "setting": self.setting.name, **config.model_dump(mode="json"),
         }, seconds={"calibration_data": round(data_seconds, 3), "calibrate": round(seconds, 3)},
-            drift=getattr(calibrated, "featcal_drift", None)))
+            drift=result.drift))
 
     def evaluate(self, stages: dict[str, Path]) -> dict[str, dict[str, dict[str, Any]]]:
         """Every stage on every task; each result is stored, and reused by a rerun with the same key."""

@@ -1,0 +1,191 @@
+"""One calibration at one setting (no hyperparameter search): check everything, then run the block engine.
+
+`featcal.calibrate` (api.py) dispatches here, or to the search (tuning.py), which calls this for every
+candidate and for the final refit. Each stage below is one step of the run, in the order it happens.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from featcal.blocks.adapters import Adapter, Stack, adapter_for
+from featcal.calibration import resume as resume_mod
+from featcal.calibration.distributed import RankGroup, current_group
+from featcal.calibration.engine import FeatCalEngine, needed_param_names
+from featcal.calibration.inputs import (
+    ModelLike,
+    adapter_reader,
+    as_model,
+    check_base_for_rho,
+    check_batches,
+    check_tasks,
+    identity,
+    normalise_batches,
+    refuse_non_finite,
+    resolve_device,
+)
+from featcal.calibration.placement import Placement
+from featcal.calibration.result import CalibrationResult
+from featcal.config import FeatCalConfig
+from featcal.data.batch import Batch
+from featcal.io.param_sources import CheckpointSource, ModelSource, ParamSource, validate_source
+from featcal.io.validate import validate_expert_names
+from featcal.io.vocab import pad_param_sources
+
+log = logging.getLogger("featcal.calibration")
+
+
+def resume_store(
+    config: FeatCalConfig, model: nn.Module, base: ModelLike | None, experts: Mapping[str, ModelLike],
+    data: Mapping[str, list[Batch]], group: RankGroup,
+) -> resume_mod.ResumeStore | None:
+    """The per-block checkpoint store for this run, when `config.resume` and a `resume_dir` are set."""
+    if not config.resume or config.resume_dir is None:
+        return None
+    fingerprint = {
+        "config": resume_mod.config_digest(config),
+        "merged": resume_mod.module_digest(model),
+        "base": "none" if base is None else identity(base),
+        "tasks": ",".join(experts),
+        "ranks": str(group.world),
+        **{f"expert {t}": identity(e) for t, e in experts.items()},
+        **{f"data {t}": resume_mod.batches_digest(b) for t, b in data.items()},
+    }
+    return resume_mod.ResumeStore(config.resume_dir, fingerprint, rank=group.rank, world=group.world,
+                                  barrier=group.barrier)
+
+
+# --- the stages --------------------------------------------------------------------------------------
+def _check_request(config: FeatCalConfig, base: ModelLike | None, experts: Mapping[str, ModelLike],
+                   calibration: Mapping[str, Any]) -> torch.device:
+    """Expert names, tasks, device and ρ, refused before anything is loaded; the device to calibrate on."""
+    validate_expert_names(experts.keys())
+    check_tasks(experts, calibration)
+    device = resolve_device(config.device, offload=config.offload_blocks)
+    check_base_for_rho(config, base)
+    return device
+
+
+def _model_to_calibrate(merged: ModelLike, inplace: bool, allow_pickle: bool) -> nn.Module:
+    """The merged model, loaded when given as a path; a copy of a model passed in unless `inplace`."""
+    model = as_model(merged, "merged model", allow_pickle)
+    if isinstance(merged, nn.Module) and not inplace:
+        model = copy.deepcopy(model)
+    return model
+
+
+def _calibration_data(model: nn.Module, adapter: Adapter, main: str, experts: Mapping[str, ModelLike],
+                      calibration: Mapping[str, Iterable[Any]], group: RankGroup) -> dict[str, list[Batch]]:
+    """Each task's batches as dicts of tensors, checked against the model and against the ranks' shares."""
+    data = {t: normalise_batches(t, calibration[t], main) for t in experts}
+    for t, batches in data.items():
+        check_batches(t, batches, main, getattr(model, "config", None), adapter)
+    for t, batches in data.items():
+        group.shard(len(batches), t)  # enough batches for every rank, checked before any work
+    return data
+
+
+def _open_resume_store(config: FeatCalConfig, model: nn.Module, base: ModelLike | None,
+                       experts: Mapping[str, ModelLike], data: Mapping[str, list[Batch]],
+                       group: RankGroup) -> resume_mod.ResumeStore | None:
+    store = resume_store(config, model, base, experts, data, group)
+    if store is not None:
+        store.available()  # refuses, before any work, a state left by a run with other inputs
+    return store
+
+
+def _param_sources(template: nn.Module, base: ModelLike | None, experts: Mapping[str, ModelLike],
+                   allow_pickle: bool) -> tuple[dict[str, ParamSource], ParamSource | None]:
+    """Where each expert's and the base's parameters are read from: the model given, or its files read
+    block by block into `template` (a LoRA adapter applied to the base, a GGUF file dequantised)."""
+    sources: dict[str, ParamSource] = {}
+    for t, e in experts.items():
+        if isinstance(e, nn.Module):
+            sources[t] = ModelSource(e, f"expert {t!r}")
+        else:
+            sources[t] = CheckpointSource(e, template, f"expert {t!r}", allow_pickle=allow_pickle,
+                                          reader=adapter_reader(e, base, f"expert {t!r}", allow_pickle))
+    base_src: ParamSource | None = None
+    if base is not None:
+        base_src = ModelSource(base, "base") if isinstance(base, nn.Module) else CheckpointSource(
+            base, template, "base", allow_pickle=allow_pickle, reader=adapter_reader(base, None, "base", allow_pickle)
+        )
+    return sources, base_src
+
+
+def _checked_sources(model: nn.Module, stacks: list[Stack], sources: dict[str, ParamSource],
+                     base_src: ParamSource | None, check_finite: bool) -> dict[str, ParamSource]:
+    """The experts' sources completed to a grown vocabulary, every parameter the run reads checked
+    against the merged model (and, with `check_finite`, for NaN/Inf)."""
+    sources = pad_param_sources(sources, model)  # fewer vocabulary rows than a grown merge: its rows complete them
+    stem_names, block_names = needed_param_names(model, stacks)
+    for src in sources.values():
+        validate_source(src, model, stem_names + block_names)
+    if base_src is not None:
+        validate_source(base_src, model, block_names)
+    if check_finite:
+        refuse_non_finite(model, sources, base_src, stem_names, block_names)
+    return sources
+
+
+def _run_engine(
+    model: nn.Module, template: nn.Module, adapter: Adapter, sources: dict[str, ParamSource],
+    base_src: ParamSource | None, data: dict[str, list[Batch]], config: FeatCalConfig, device: torch.device,
+    progress: bool, group: RankGroup, store: resume_mod.ResumeStore | None, keep_resume_state: bool,
+) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """Calibrate block by block on `device`; the model goes back where it was. (drift, end-to-end drift)."""
+    origin = next(model.parameters()).device
+    placement = Placement(device, config.offload_blocks)
+    placement.setup(model, template)  # both on the device, or (offload_blocks) both on the host
+    model.eval()
+    template.eval()
+    engine = FeatCalEngine(model, template, adapter, sources, base_src, data, config, device, progress,
+                           group=group, resume=store, placement=placement)
+    log.info(
+        "featcal: %s (%s adapter), %d task(s), %d batch(es), device %s",
+        type(model).__name__, adapter.name, len(data), sum(len(v) for v in data.values()), device,
+    )
+    with resume_mod.discard_on_error(store):
+        drift = engine.run()
+    if store is not None and not keep_resume_state:
+        store.delete()
+    model.to(origin)
+    return drift, engine.end_to_end
+
+
+def calibrate_setting(
+    merged: ModelLike,
+    *,
+    base: ModelLike | None = None,
+    experts: Mapping[str, ModelLike],
+    calibration: Mapping[str, Iterable[Any]],
+    config: FeatCalConfig,
+    progress: bool = True,
+    inplace: bool = False,
+    allow_pickle: bool = False,
+    keep_resume_state: bool = False,
+    check_finite: bool = True,
+) -> CalibrationResult:
+    """Calibrate `merged` toward its experts at `config`'s setting (its `tune` is not looked at); see
+    `featcal.calibrate` for the arguments. Every input is checked before any work."""
+    device = _check_request(config, base, experts, calibration)
+    model = _model_to_calibrate(merged, inplace, allow_pickle)
+    adapter = adapter_for(model)  # unsupported architectures fail here, before any work
+    stacks = adapter.stacks(model)
+    group = current_group()
+    data = _calibration_data(model, adapter, adapter.main_input(model, stacks[0]), experts, calibration, group)
+    store = _open_resume_store(config, model, base, experts, data, group)
+    template = copy.deepcopy(model)  # expert t's weights are loaded into this, block by block
+    sources, base_src = _param_sources(template, base, experts, allow_pickle)
+    sources = _checked_sources(model, stacks, sources, base_src, check_finite)
+    drift, end_to_end = _run_engine(model, template, adapter, sources, base_src, data, config, device, progress,
+                                    group, store, keep_resume_state)
+    del template
+    return CalibrationResult(model=model, drift=drift, end_to_end=end_to_end,
+                             resume_store=store if keep_resume_state else None)  # the caller deletes it after writing
