@@ -21,11 +21,20 @@ from featcal.errors import OutputExistsError
 from featcal.experiments.evaluation.classification import accuracy, fit_linear_probe, pooled_features
 from featcal.experiments.zoo.presets import AnyPreset, TextZooPreset, ZooPreset, get_preset
 from featcal.experiments.zoo.pretrain import pretrain
+from featcal.experiments.zoo.stages import (
+    BuildLog,
+    l2_norm,
+    regime_check,
+    state_copy,
+    task_vector,
+    write_manifest,
+)
 from featcal.experiments.zoo.store import MANIFEST, Zoo
 from featcal.experiments.zoo.tasks import TASKS, make_splits
+from featcal.experiments.zoo.text_build import build_text, check_text_inputs
 from featcal.experiments.zoo.train import finetune, pixel_values
-from featcal.io.atomic import atomic_output_dir, atomic_write_text, check_output_dir, check_replaceable
-from featcal.io.models import hf_progress_bars
+from featcal.io.atomic import atomic_output_dir, check_output_dir, check_replaceable
+from featcal.io.models import hf_progress_bars, load_model
 from featcal.io.report import package_versions, peak_rss_mb
 
 log = logging.getLogger(__name__)
@@ -73,8 +82,6 @@ def _reuse_or_build(out: str | os.PathLike, p: AnyPreset, seed: int, overwrite: 
     check_output_dir(out, overwrite)
     check_replaceable(out, overwrite, marker=MANIFEST)  # --overwrite replaces a zoo, never a user's folder
     if isinstance(p, TextZooPreset):
-        from featcal.experiments.zoo.text_build import build_text, check_text_inputs
-
         check_text_inputs(sources)  # a missing source is named before the output directory is touched
         with atomic_output_dir(out, overwrite) as tmp:
             build_text(tmp, p, seed, progress, sources)
@@ -103,8 +110,6 @@ def _pretrained_base(p: ZooPreset, seed: int, progress: bool, cache: Path | None
     """The pretrained base (from the cache when it holds this key), its metrics, and whether cached."""
     import transformers
 
-    from featcal.io.models import load_model
-
     key = cache / f"base-{p.pretrain_fingerprint(seed)}" if cache else None
     if key is not None and (key / "pretrain.json").exists():
         return load_model(key), json.loads((key / "pretrain.json").read_text()), True
@@ -119,86 +124,39 @@ def _pretrained_base(p: ZooPreset, seed: int, progress: bool, cache: Path | None
 
 
 def _build(root: Path, p: ZooPreset, seed: int, progress: bool, base_cache: Path | None = None) -> None:
+    """Write a complete vision zoo into `root` (an empty temporary directory), stage by stage."""
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
-    lines: list[str] = []
+    notes = BuildLog(log)
+    _check_tasks(p)
 
-    def note(msg: str) -> None:
-        log.info(msg)
-        lines.append(msg)
-
-    unknown = [t for t in p.tasks if t not in TASKS]
-    if unknown:
-        raise ValueError(f"preset {p.name}: unknown tasks {unknown}")
-
-    # 1. data, fixed splits per task
     t = time.perf_counter()
-    (root / "data").mkdir()
-    data: dict[str, dict[str, tuple[np.ndarray, np.ndarray]]] = {}
-    sizes: dict[str, dict[str, int]] = {}
-    for name in p.tasks:
-        task = TASKS[name]
-        train = p.train
-        if task.pool is not None:
-            train = min(train, len(task.pool()[1]) - p.calibration - p.test)
-        sz = {"train": train, "calibration": p.calibration, "test": p.test}
-        data[name] = make_splits(task, sz, seed)
-        sizes[name] = sz
-        save_file({f"{s}_{k}": torch.from_numpy(np.ascontiguousarray(v)) for s, (x, y) in data[name].items()
-                   for k, v in (("images", x), ("labels", y))}, str(root / "data" / f"{name}.safetensors"))
+    data, sizes = _write_splits(root, p, seed)
     timings["data"] = time.perf_counter() - t
 
-    # 2. base: pretrained on distinct procedural categories
     t = time.perf_counter()
     base, pre, reused = _pretrained_base(p, seed, progress, base_cache)
     _save(base, root / "base")
     timings["pretrain"] = time.perf_counter() - t
     where = f"reused from {base_cache}" if reused else f"{timings['pretrain']:.0f}s"
-    note(f"pretrain: {p.pretrain.steps} steps, final loss {pre['final_loss']:.3f}, "
-         f"train accuracy {pre['final_train_accuracy']:.3f} ({where})")
+    notes.note(f"pretrain: {p.pretrain.steps} steps, final loss {pre['final_loss']:.3f}, "
+               f"train accuracy {pre['final_train_accuracy']:.3f} ({where})")
 
-    # 3. heads: linear probes on the base's pooled features (few-shot when the preset says so), then frozen
     t = time.perf_counter()
-    (root / "heads").mkdir()
-    heads, tests, base_acc = {}, {}, {}
-    for name in p.tasks:
-        x, y = few_shot(*data[name]["train"], p.probe_shots)
-        heads[name] = fit_linear_probe(pooled_features(base, pixel_values(x)), y, len(TASKS[name].classes), c=p.probe_c)
-        heads[name].save(root / "heads" / f"{name}.safetensors")
-        tests[name] = (pixel_values(data[name]["test"][0]), torch.from_numpy(data[name]["test"][1]))
-        base_acc[name] = accuracy(base, heads[name], *tests[name])
+    heads, tests, base_acc = _fit_heads(root, p, base, data)
     timings["probes"] = time.perf_counter() - t
 
-    # 4. experts: the full encoder fine-tuned per task through its frozen head
     t = time.perf_counter()
-    expert_acc, tv_norm = {}, {}
-    base_sd = {k: v.clone() for k, v in base.state_dict().items()}
-    base_norm = torch.sqrt(sum(v.float().pow(2).sum() for v in base_sd.values()))
-    vectors = {}
-    for i, name in enumerate(p.tasks):
-        expert = copy.deepcopy(base)
-        x, y = data[name]["train"]
-        finetune(expert, heads[name], x, y, p.finetune, seed * 1000 + i, desc=f"expert {name}", progress=progress)
-        _save(expert, root / "experts" / name)
-        expert_acc[name] = accuracy(expert, heads[name], *tests[name])
-        vectors[name] = {k: v - base_sd[k] for k, v in expert.state_dict().items()}
-        tv_norm[name] = float(torch.sqrt(sum(v.float().pow(2).sum() for v in vectors[name].values())) / base_norm)
-        note(f"expert {name}: base {base_acc[name]:.3f} -> expert {expert_acc[name]:.3f}, "
-             f"|task vector|/|base| {tv_norm[name]:.4f}")
+    base_sd = state_copy(base)
+    expert_acc, tv_norm, vectors = _finetune_experts(root, p, seed, progress, base, base_sd, heads, data, tests,
+                                                   base_acc, notes)
     timings["experts"] = time.perf_counter() - t
 
-    # 5. regime check (own in-memory Task Arithmetic; the bench uses featcal.merge)
-    merged = copy.deepcopy(base)
     s = p.regime_scaling
-    merged.load_state_dict({k: v + s * sum(vec[k] for vec in vectors.values()) for k, v in base_sd.items()})
-    ta_acc = {name: accuracy(merged, heads[name], *tests[name]) for name in p.tasks}
-    mean = lambda d: float(np.mean(list(d.values())))  # noqa: E731
-    regime = {"base": mean(base_acc), f"task_arithmetic_{s}": mean(ta_acc), "experts": mean(expert_acc)}
-    ok = regime["base"] < regime[f"task_arithmetic_{s}"] < regime["experts"]
-    note(f"regime: base {regime['base']:.3f} < TA {s} {regime[f'task_arithmetic_{s}']:.3f} < experts "
-         f"{regime['experts']:.3f}: {'yes' if ok else 'NO'}")
+    ta_acc, regime, ok = regime_check(base, base_sd, vectors, s, lambda m, n: accuracy(m, heads[n], *tests[n]),
+                                      base_acc, expert_acc, notes)
     timings["total"] = time.perf_counter() - t0
-    note(f"build time {timings['total']:.0f}s, peak RSS {peak_rss_mb():.0f} MiB")
+    notes.note(f"build time {timings['total']:.0f}s, peak RSS {peak_rss_mb():.0f} MiB")
 
     manifest = {
         "format": "featcal-zoo",
@@ -217,5 +175,59 @@ def _build(root: Path, p: ZooPreset, seed: int, progress: bool, base_cache: Path
         "threads": torch.get_num_threads(),
         "versions": package_versions(),
     }
-    atomic_write_text(root / MANIFEST, json.dumps(manifest, indent=2) + "\n")
-    atomic_write_text(root / "build.log", "\n".join(lines) + "\n")
+    write_manifest(root, manifest, notes)
+
+
+def _check_tasks(p: ZooPreset) -> None:
+    unknown = [t for t in p.tasks if t not in TASKS]
+    if unknown:
+        raise ValueError(f"preset {p.name}: unknown tasks {unknown}")
+
+
+def _write_splits(root: Path, p: ZooPreset, seed: int) -> tuple[dict, dict[str, dict[str, int]]]:
+    """Fixed splits per task, written as uint8 images and labels under data/."""
+    (root / "data").mkdir()
+    data: dict[str, dict[str, tuple[np.ndarray, np.ndarray]]] = {}
+    sizes: dict[str, dict[str, int]] = {}
+    for name in p.tasks:
+        task = TASKS[name]
+        train = p.train
+        if task.pool is not None:
+            train = min(train, len(task.pool()[1]) - p.calibration - p.test)
+        sz = {"train": train, "calibration": p.calibration, "test": p.test}
+        data[name] = make_splits(task, sz, seed)
+        sizes[name] = sz
+        save_file({f"{s}_{k}": torch.from_numpy(np.ascontiguousarray(v)) for s, (x, y) in data[name].items()
+                   for k, v in (("images", x), ("labels", y))}, str(root / "data" / f"{name}.safetensors"))
+    return data, sizes
+
+
+def _fit_heads(root: Path, p: ZooPreset, base, data: dict) -> tuple[dict, dict, dict[str, float]]:
+    """Linear probes on the base's pooled features (few-shot when the preset says so), then frozen."""
+    (root / "heads").mkdir()
+    heads, tests, base_acc = {}, {}, {}
+    for name in p.tasks:
+        x, y = few_shot(*data[name]["train"], p.probe_shots)
+        heads[name] = fit_linear_probe(pooled_features(base, pixel_values(x)), y, len(TASKS[name].classes), c=p.probe_c)
+        heads[name].save(root / "heads" / f"{name}.safetensors")
+        tests[name] = (pixel_values(data[name]["test"][0]), torch.from_numpy(data[name]["test"][1]))
+        base_acc[name] = accuracy(base, heads[name], *tests[name])
+    return heads, tests, base_acc
+
+
+def _finetune_experts(root: Path, p: ZooPreset, seed: int, progress: bool, base, base_sd: dict, heads: dict,
+                      data: dict, tests: dict, base_acc: dict[str, float], notes: BuildLog):
+    """The full encoder fine-tuned per task through its frozen head; (accuracies, |task vector|s, vectors)."""
+    expert_acc, tv_norm, vectors = {}, {}, {}
+    base_norm = l2_norm(base_sd.values())
+    for i, name in enumerate(p.tasks):
+        expert = copy.deepcopy(base)
+        x, y = data[name]["train"]
+        finetune(expert, heads[name], x, y, p.finetune, seed * 1000 + i, desc=f"expert {name}", progress=progress)
+        _save(expert, root / "experts" / name)
+        expert_acc[name] = accuracy(expert, heads[name], *tests[name])
+        vectors[name] = task_vector(expert, base_sd)
+        tv_norm[name] = float(l2_norm(vectors[name].values()) / base_norm)
+        notes.note(f"expert {name}: base {base_acc[name]:.3f} -> expert {expert_acc[name]:.3f}, "
+                   f"|task vector|/|base| {tv_norm[name]:.4f}")
+    return expert_acc, tv_norm, vectors

@@ -21,7 +21,7 @@ import torch
 from PIL import ImageDraw
 from tqdm import tqdm
 
-from featcal.experiments.zoo import draw as D
+import featcal.experiments.zoo.draw as D
 from featcal.experiments.zoo.train import pixel_values, schedule
 
 

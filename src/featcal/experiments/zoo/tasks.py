@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image, ImageDraw
 
-from featcal.experiments.zoo import draw as D
+import featcal.experiments.zoo.draw as D
 
 Generator = Callable[[np.random.Generator, np.ndarray], np.ndarray]
 

@@ -11,7 +11,6 @@ Deterministic for a (preset, seed): splits, head shots, batch order and dropout 
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import time
 from pathlib import Path
@@ -25,7 +24,14 @@ from featcal.blocks.heads import CosineHead
 from featcal.experiments.evaluation.classification import accuracy, pooled_features
 from featcal.experiments.evaluation.features import Inputs, features, num_examples, select
 from featcal.experiments.zoo.presets import TextZooPreset
-from featcal.experiments.zoo.store import MANIFEST
+from featcal.experiments.zoo.stages import (
+    BuildLog,
+    l2_norm,
+    regime_check,
+    state_copy,
+    task_vector,
+    write_manifest,
+)
 from featcal.experiments.zoo.text_sources import (
     MODEL_PACKAGE,
     MODEL_VERSION,
@@ -35,7 +41,6 @@ from featcal.experiments.zoo.text_sources import (
 )
 from featcal.experiments.zoo.text_tasks import TEXT_TASKS, split_examples, task_examples
 from featcal.experiments.zoo.train import schedule
-from featcal.io.atomic import atomic_write_text
 from featcal.io.report import package_versions, peak_rss_mb
 
 log = logging.getLogger(__name__)
@@ -97,12 +102,7 @@ def build_text(root: Path, p: TextZooPreset, seed: int, progress: bool, sources:
 
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
-    lines: list[str] = []
-
-    def note(msg: str) -> None:
-        log.info(msg)
-        lines.append(msg)
-
+    notes = BuildLog(log)
     check_text_inputs(sources)
     src = model_path()
 
@@ -148,8 +148,8 @@ def build_text(root: Path, p: TextZooPreset, seed: int, progress: bool, sources:
     # 4. experts: the whole encoder fine-tuned per task through its frozen head
     t = time.perf_counter()
     expert_acc, tv_norm, vectors = {}, {}, {}
-    base_sd = {k: v.clone() for k, v in base.state_dict().items()}
-    base_norm = torch.sqrt(sum(v.float().pow(2).sum() for v in base_sd.values()))
+    base_sd = state_copy(base)
+    base_norm = l2_norm(base_sd.values())
     for i, name in enumerate(p.tasks):
         expert = copy.deepcopy(base)
         te = time.perf_counter()
@@ -159,25 +159,21 @@ def build_text(root: Path, p: TextZooPreset, seed: int, progress: bool, sources:
         expert.save_pretrained(root / "experts" / name, safe_serialization=True)
         tokenizer.save_pretrained(root / "experts" / name)
         expert_acc[name] = accuracy(expert, heads[name], *splits[name]["test"], pooling="mean")
-        vectors[name] = {k: v - base_sd[k] for k, v in expert.state_dict().items()}
-        tv_norm[name] = float(torch.sqrt(sum(v.float().pow(2).sum() for v in vectors[name].values())) / base_norm)
-        note(f"expert {name}: base {base_acc[name]:.3f} -> expert {expert_acc[name]:.3f}, "
-             f"|task vector|/|base| {tv_norm[name]:.4f}, {train_s / p.finetune.steps:.2f}s/step")
+        vectors[name] = task_vector(expert, base_sd)
+        tv_norm[name] = float(l2_norm(vectors[name].values()) / base_norm)
+        notes.note(f"expert {name}: base {base_acc[name]:.3f} -> expert {expert_acc[name]:.3f}, "
+                   f"|task vector|/|base| {tv_norm[name]:.4f}, {train_s / p.finetune.steps:.2f}s/step")
         del expert
     timings["experts"] = time.perf_counter() - t
 
     # 5. regime check (own in-memory Task Arithmetic; the bench uses featcal.merge)
-    merged = copy.deepcopy(base)
     s = p.regime_scaling
-    merged.load_state_dict({k: v + s * sum(vec[k] for vec in vectors.values()) for k, v in base_sd.items()})
-    ta_acc = {name: accuracy(merged, heads[name], *splits[name]["test"], pooling="mean") for name in p.tasks}
-    mean = lambda d: float(np.mean(list(d.values())))  # noqa: E731
-    regime = {"base": mean(base_acc), f"task_arithmetic_{s}": mean(ta_acc), "experts": mean(expert_acc)}
-    ok = regime["base"] < regime[f"task_arithmetic_{s}"] < regime["experts"]
-    note(f"regime: base {regime['base']:.3f} < TA {s} {regime[f'task_arithmetic_{s}']:.3f} < experts "
-         f"{regime['experts']:.3f}: {'yes' if ok else 'NO'}")
+    ta_acc, regime, ok = regime_check(
+        base, base_sd, vectors, s, lambda m, n: accuracy(m, heads[n], *splits[n]["test"], pooling="mean"),
+        base_acc, expert_acc, notes,
+    )
     timings["total"] = time.perf_counter() - t0
-    note(f"build time {timings['total']:.0f}s, peak RSS {peak_rss_mb():.0f} MiB")
+    notes.note(f"build time {timings['total']:.0f}s, peak RSS {peak_rss_mb():.0f} MiB")
 
     manifest = {
         "format": "featcal-zoo",
@@ -202,5 +198,4 @@ def build_text(root: Path, p: TextZooPreset, seed: int, progress: bool, sources:
         "threads": torch.get_num_threads(),
         "versions": package_versions(),
     }
-    atomic_write_text(root / MANIFEST, json.dumps(manifest, indent=2) + "\n")
-    atomic_write_text(root / "build.log", "\n".join(lines) + "\n")
+    write_manifest(root, manifest, notes)
