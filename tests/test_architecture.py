@@ -1,0 +1,188 @@
+"""The house's floors, checked from the code's own imports (issue #18).
+
+Every `featcal` import counts, those inside functions included (a lazy import is still a
+dependency). Packages sit on floors; a module may import its own package or a package on a lower
+floor, never one above it or one beside it on the same floor (merging and calibration stand side by
+side and neither imports the other). And no file-level import circle exists anywhere.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Mapping
+from pathlib import Path
+
+import featcal
+
+# floor of each top-level part of featcal (README, "Layout")
+FLOORS: dict[str, int] = {
+    "errors": 0,
+    "config": 1, "io": 1,
+    "blocks": 2, "data": 2,
+    "merging": 3, "calibration": 3,
+    "experiments": 4,
+    "": 5,  # featcal/__init__.py: the public Python API
+    "cli": 6,
+    "__main__": 7,
+}
+# inside experiments/: evaluation below the baselines, both below the zoo, the zoo below bench / reproduce
+EXPERIMENT_FLOORS: dict[str, int] = {"": 0, "evaluation": 1, "baselines": 2, "zoo": 3, "bench": 4, "reproduce": 4}
+
+
+def module_files(package_dir: Path, package: str) -> dict[str, Path]:
+    """Dotted module name -> file, for every .py under `package_dir`."""
+    out = {}
+    for path in sorted(package_dir.rglob("*.py")):
+        parts = [package, *path.relative_to(package_dir).with_suffix("").parts]
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def import_graph(package_dir: Path, package: str) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports (at any depth of its code)."""
+    modules = module_files(package_dir, package)
+
+    def known(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for module, path in modules.items():
+        here = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = here.split(".")[: len(here.split(".")) - node.level + 1]
+                    source = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    source = node.module or ""
+                # `from pkg import sub` depends on pkg.sub, not on pkg's __init__
+                targets = [f"{source}.{a.name}" if f"{source}.{a.name}" in modules else source for a in node.names]
+            for target in targets:
+                if target == package or target.startswith(package + "."):
+                    resolved = known(target)
+                    if resolved and resolved != module:
+                        graph[module].add(resolved)
+    return graph
+
+
+def _part(module: str, package: str, depth: int) -> str:
+    parts = module.split(".")[1:]
+    return ".".join(parts[:depth])
+
+
+def floor_violations(graph: Mapping[str, set[str]], package: str, floors: Mapping[str, int],
+                     sub: str | None = None) -> list[str]:
+    """'a -> b' for each import that runs up or sideways between parts (top-level parts, or those of `sub`)."""
+    depth = 1 if sub is None else 2
+    bad = []
+    for a, targets in graph.items():
+        for b in targets:
+            if sub is not None and not (_part(a, package, 1) == sub == _part(b, package, 1)):
+                continue
+            pa, pb = _part(a, package, depth), _part(b, package, depth)
+            if sub is not None:
+                pa, pb = pa.partition(".")[2], pb.partition(".")[2]
+            if pa == pb:
+                continue
+            if pa not in floors or pb not in floors:
+                bad.append(f"{a} -> {b}: part {pa or pb!r} has no floor")
+            elif floors[pb] >= floors[pa]:
+                bad.append(f"{a} -> {b}: floor {floors[pa]} imports floor {floors[pb]}")
+    return sorted(bad)
+
+
+def circles(graph: Mapping[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    counter = 0
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+PACKAGE_DIR = Path(featcal.__file__).parent
+
+
+def test_no_package_imports_upward_or_sideways():
+    graph = import_graph(PACKAGE_DIR, "featcal")
+    assert floor_violations(graph, "featcal", FLOORS) == []
+
+
+def test_experiments_keep_their_own_floors():
+    graph = import_graph(PACKAGE_DIR, "featcal")
+    assert floor_violations(graph, "featcal", EXPERIMENT_FLOORS, sub="experiments") == []
+
+
+def test_no_import_circle():
+    assert circles(import_graph(PACKAGE_DIR, "featcal")) == []
+
+
+def test_every_part_has_a_floor():
+    parts = {_part(m, "featcal", 1) for m in module_files(PACKAGE_DIR, "featcal")}
+    assert parts <= set(FLOORS), sorted(parts - set(FLOORS))
+
+
+def test_the_checker_sees_upward_sideways_lazy_and_circular_imports(tmp_path):
+    """The checks above would pass on an empty graph; show they catch what they are for."""
+    pkg = tmp_path / "pkg"
+    for folder in ("io", "merging", "calibration"):
+        (pkg / folder).mkdir(parents=True)
+        (pkg / folder / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "io" / "reader.py").write_text("def f():\n    from pkg.merging import api  # lazy, still upward\n")
+    (pkg / "merging" / "api.py").write_text("from pkg.calibration.engine import run\nfrom pkg.io import reader\n")
+    (pkg / "calibration" / "engine.py").write_text("from . import helpers\nrun = 1\n")
+    (pkg / "calibration" / "helpers.py").write_text("from .engine import run\n")
+    graph = import_graph(pkg, "pkg")
+    floors = {"": 9, "io": 1, "merging": 3, "calibration": 3}
+    assert floor_violations(graph, "pkg", floors) == [
+        "pkg.io.reader -> pkg.merging.api: floor 1 imports floor 3",
+        "pkg.merging.api -> pkg.calibration.engine: floor 3 imports floor 3",
+    ]
+    assert sorted(circles(graph)) == [
+        ["pkg.calibration.engine", "pkg.calibration.helpers"],
+        ["pkg.io.reader", "pkg.merging.api"],
+    ]
