@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from featcal.data.batch import Batch
+
 Inputs = torch.Tensor | Mapping[str, torch.Tensor]
 POOLINGS = ("pooler", "mean")
 
@@ -25,12 +27,12 @@ def num_examples(inputs: Inputs) -> int:
     return len(inputs)
 
 
-def batch_of(inputs: Inputs, start: int, stop: int) -> dict[str, torch.Tensor]:
+def batch_of(inputs: Inputs, start: int, stop: int) -> Batch:
     """Rows [start, stop) as model keyword inputs; text batches trimmed to their longest row."""
     return select(inputs, slice(start, stop))
 
 
-def select(inputs: Inputs, rows: slice | torch.Tensor, trim: bool = True) -> dict[str, torch.Tensor]:
+def select(inputs: Inputs, rows: slice | torch.Tensor, trim: bool = True) -> Batch:
     """The chosen rows (a slice or an index tensor) as model keyword inputs, text trimmed of padding
     (`trim=False` keeps every batch as wide as the stored texts, for code that concatenates batches)."""
     if not isinstance(inputs, Mapping):
@@ -43,7 +45,7 @@ def select(inputs: Inputs, rows: slice | torch.Tensor, trim: bool = True) -> dic
     return batch
 
 
-def batches(inputs: Inputs, size: int, trim: bool = True) -> list[dict[str, torch.Tensor]]:
+def batches(inputs: Inputs, size: int, trim: bool = True) -> list[Batch]:
     n = num_examples(inputs)
     return [select(inputs, slice(i, min(i + size, n)), trim) for i in range(0, n, size)]
 

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from featcal.data.batch import Batch
 from featcal.data.preprocess import teacher_forced_decoder_inputs
 from featcal.errors import CalibrationDataError
 from featcal.experiments.evaluation.templates import glue_prompt
@@ -111,7 +112,7 @@ def calibration_batches(
     batch_size: int,
     decoder_start_token_id: int,
     max_length: int = 512,
-) -> list[dict[str, torch.Tensor]]:
+) -> list[Batch]:
     """Encoder inputs plus teacher-forced decoder inputs (the label text, shifted right) per batch.
 
     The decoder needs some input to calibrate; the label text of a TRAIN example is what the expert
