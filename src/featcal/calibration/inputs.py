@@ -18,6 +18,10 @@ from featcal.blocks.adapters import Adapter
 from featcal.calibration import resume as resume_mod
 from featcal.config import FeatCalConfig
 from featcal.errors import CalibrationDataError, CheckpointError, ConfigError
+from featcal.io import models as io_models  # looked up at call time (tests watch load_model)
+from featcal.io.gguf import open_gguf
+from featcal.io.inputs import open_source
+from featcal.io.lora import is_adapter_dir, open_adapter
 from featcal.io.param_sources import ParamSource
 from featcal.io.validate import first_non_finite
 
@@ -43,10 +47,8 @@ def resolve_device(name: str, *, offload: bool = False) -> torch.device:
 def as_model(m: ModelLike, what: str, allow_pickle: bool) -> nn.Module:
     if isinstance(m, nn.Module):
         return m
-    from featcal.io.models import load_model
-
     log.info("loading %s from %s", what, m)
-    return load_model(m, allow_pickle=allow_pickle)
+    return io_models.load_model(m, allow_pickle=allow_pickle)
 
 
 def normalise_batches(task: str, batches: Iterable[Any], main_input: str) -> list[dict[str, torch.Tensor]]:
@@ -121,10 +123,6 @@ def identity(source: ModelLike) -> str:
 def adapter_reader(expert: ModelLike, base: ModelLike | None, label: str, allow_pickle: bool):
     """A LoRA / PEFT adapter folder read as base + ΔW (io/lora.py), a GGUF file dequantised (io/gguf.py);
     None for any other input (a checkpoint folder, read by CheckpointSource itself)."""
-    from featcal.io.gguf import open_gguf
-    from featcal.io.inputs import open_source
-    from featcal.io.lora import is_adapter_dir, open_adapter
-
     gguf = open_gguf(expert, label)
     if gguf is not None:
         return gguf

@@ -47,6 +47,9 @@ from featcal.io.atomic import (
     refuse_output_over_inputs,
 )
 from featcal.io.checkpoint import CheckpointReader, copy_side_files, read_json, resolve_checkpoint
+from featcal.io.gguf import gguf_config, gguf_file, open_gguf
+from featcal.io.layouts import harmonise
+from featcal.io.lora import is_adapter_dir, open_adapter
 from featcal.io.models import hf_progress_bars, load_config, load_model
 from featcal.io.report import Timer, build_report, checkpoint_hashes, peak_rss_mb, write_report
 from featcal.io.sources import UnmappedReader
@@ -56,15 +59,13 @@ from featcal.io.validate import (
     check_same_tensors,
     scan_finite,
 )
+from featcal.io.vocab import vocab_rows_view
 
 log = logging.getLogger(__name__)
 
 
 def _checkpoint(label: str, path_or_id: str | Path, allow_pickle: bool) -> Path:
     """Resolve and validate one input checkpoint (headers only), naming it in any error."""
-    from featcal.io.gguf import gguf_config, gguf_file
-    from featcal.io.lora import is_adapter_dir
-
     if is_adapter_dir(path_or_id):  # a LoRA adapter: checked against the base in _check_same_tensors
         if not label.startswith("expert"):
             raise CheckpointError(f"{label}: {path_or_id} is a LoRA/PEFT adapter, not a model; only experts may be adapters")
@@ -87,8 +88,6 @@ def _checkpoint(label: str, path_or_id: str | Path, allow_pickle: bool) -> Path:
 
 
 def _model_type(label: str, path: Path) -> str | None:
-    from featcal.io.gguf import gguf_config, gguf_file
-
     gguf = gguf_file(path)
     if gguf is not None:
         return gguf_config(gguf, label).model_type
@@ -102,8 +101,6 @@ def _model_type(label: str, path: Path) -> str | None:
 
 
 def _check_same_architecture(inputs: Mapping[str, Path], reference: str = "merged") -> None:
-    from featcal.io.lora import is_adapter_dir
-
     types = {label: _model_type(label, p) for label, p in inputs.items() if not is_adapter_dir(p)}  # adapters: the base's
     if set(types.values()) == {"clip", "clip_vision_model"}:
         return  # a CLIPModel base with vision-tower experts: read as vision towers (io/layouts.py)
@@ -118,9 +115,6 @@ def _check_same_architecture(inputs: Mapping[str, Path], reference: str = "merge
 def _reader(label: str, path: Path, inputs: Mapping[str, Path], allow_pickle: bool, cls: type):
     """A reader of one input: a LoRA adapter folder applied to the base (io/lora.py), a GGUF file
     dequantised (io/gguf.py), else `cls` (CheckpointReader, UnmappedReader) over the folder."""
-    from featcal.io.gguf import open_gguf
-    from featcal.io.lora import is_adapter_dir, open_adapter
-
     if is_adapter_dir(path):
         base = _reader("base model", inputs["base"], inputs, allow_pickle, cls)
         return open_adapter(path, base, label, allow_pickle=allow_pickle)
@@ -130,9 +124,6 @@ def _reader(label: str, path: Path, inputs: Mapping[str, Path], allow_pickle: bo
 
 def _input_kind(path: Path) -> dict[str, bool]:
     """What featcal.json says of an input that is no plain checkpoint (a GGUF file, a LoRA adapter)."""
-    from featcal.io.gguf import gguf_file
-    from featcal.io.lora import is_adapter_dir
-
     if is_adapter_dir(path):
         return {"lora_adapter": True}
     return {"dequantised_from_gguf": True} if gguf_file(path) is not None else {}
@@ -143,9 +134,6 @@ def _check_same_tensors(inputs: Mapping[str, Path], reference: str, allow_pickle
 
     One reader besides the reference is open at a time (an allowed pickle is held whole while open).
     """
-    from featcal.io.layouts import harmonise
-    from featcal.io.vocab import vocab_rows_view
-
     ref = _reader(reference, inputs[reference], inputs, allow_pickle, CheckpointReader)
     for label, path in inputs.items():
         if label != reference:

@@ -33,9 +33,13 @@ import torch
 from torch import nn
 
 from featcal.blocks.adapters import adapter_for
+from featcal.blocks.discovery import calibrated_modules
 from featcal.calibration.chains import DTYPES
+from featcal.calibration.placement import stem_parts
 from featcal.config import FeatCalConfig
 from featcal.errors import ConfigError
+from featcal.io.models import load_config, model_class_for
+from featcal.io.report import peak_rss_mb
 
 _OUTPUT_PROJECTIONS = {"out_proj", "o_proj", "o", "wo"}  # read the attention output, not the block input
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
@@ -64,8 +68,6 @@ def current_rss() -> int:
         pages = int(Path("/proc/self/statm").read_text().split()[1])
         return pages * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):  # pragma: no cover - non-Linux
-        from featcal.io.report import peak_rss_mb
-
         return int(peak_rss_mb() * 2**20)
 
 
@@ -96,8 +98,6 @@ class ModelShape:
 
 
 def _block_shape(block: nn.Module, adapter) -> BlockShape:
-    from featcal.blocks.discovery import calibrated_modules
-
     linears, norms = [], []
     for c in calibrated_modules(block, adapter):
         if c.kind == "linear":
@@ -109,8 +109,6 @@ def _block_shape(block: nn.Module, adapter) -> BlockShape:
 
 def model_shape(config, max_length: int) -> ModelShape:
     """The shapes that drive memory, from a transformers config (the model is built on the meta device)."""
-    from featcal.io.models import model_class_for
-
     with torch.device("meta"):
         model = model_class_for(config)(config)
     adapter = adapter_for(model)
@@ -139,8 +137,6 @@ def model_shape(config, max_length: int) -> ModelShape:
 
 def _stem_count(model: nn.Module, stacks) -> int:
     """What offloading moves to the device for the capture step, counted as placement.stem_parts moves it."""
-    from featcal.calibration.placement import stem_parts
-
     seen: dict[int, int] = {}
     for mod, recurse in stem_parts(model, stacks):
         for t in (*mod.parameters(recurse=recurse), *mod.buffers(recurse=recurse)):
@@ -357,8 +353,6 @@ def render(plan: MemoryPlan, options: list[tuple[str, MemoryPlan]], max_memory: 
 def plan_for_checkpoint(merged: str | os.PathLike, *, tasks: int, config: FeatCalConfig, max_length: int = 128,
                         baseline_bytes: int | None = None, world: int = 1) -> tuple[MemoryPlan, list]:
     """Plan a calibration of the checkpoint at `merged` (reads its config.json only)."""
-    from featcal.io.models import load_config
-
     shape = model_shape(load_config(merged), max_length)
     base = current_rss() if baseline_bytes is None else baseline_bytes
     kw = dict(tasks=tasks, config=config, baseline_bytes=base, world=world)

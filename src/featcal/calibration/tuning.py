@@ -32,6 +32,7 @@ import math
 import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -54,8 +55,9 @@ from featcal.calibration.result import CalibrationResult
 from featcal.config import FeatCalConfig
 from featcal.data.batch import Batch
 from featcal.errors import CalibrationDataError, CheckpointError, ConfigError
+from featcal.io.checkpoint import read_json
 from featcal.io.param_sources import CheckpointSource, ModelSource, ParamSource, load_into
-from featcal.io.report import Timer
+from featcal.io.report import REPORT_NAME, Timer, checkpoint_hashes
 from featcal.io.validate import validate_expert_names
 
 log = logging.getLogger("featcal.calibration")
@@ -349,11 +351,6 @@ def merge_scaling_from_report(merged_dir: str | os.PathLike, base_dir: str | os.
     featcal.json says it, and the checkpoints' hashes tie it to the inputs, so the merge can be rebuilt
     at other scalings. Otherwise (None, the reason) and the scaling is not searched.
     """
-    from pathlib import Path
-
-    from featcal.io.checkpoint import read_json
-    from featcal.io.report import REPORT_NAME, checkpoint_hashes
-
     path = Path(merged_dir) / REPORT_NAME
     if not path.is_file():
         return None, f"no {REPORT_NAME} in the merged checkpoint"
