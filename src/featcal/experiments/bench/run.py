@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from featcal.config import MERGE_METHODS, FeatCalConfig
+from featcal.data.batch import Batch
 from featcal.errors import ConfigError, OutputExistsError
 from featcal.experiments.bench.baselines import merge_baseline_rows, parse_baselines, surgery_rows
 from featcal.experiments.bench.cost import arithmetic_cost_ratio
@@ -111,6 +112,14 @@ def validate(settings: BenchSettings) -> None:
 
         if cached(settings.resolved_zoo_dir(), preset, settings.seed) is None:  # the zoo will be built
             check_text_inputs(settings.sources)
+    from featcal.experiments.zoo.vision_presets import VisionRealPreset
+
+    if isinstance(preset, VisionRealPreset):
+        from featcal.experiments.zoo.build import cached
+        from featcal.experiments.zoo.vision_build import check_vision_inputs
+
+        if cached(settings.resolved_zoo_dir(), preset, settings.seed) is None:  # the zoo will be built
+            check_vision_inputs(preset, settings.sources)
 
 
 def _validate_baseline_params(settings: BenchSettings) -> None:
@@ -131,7 +140,7 @@ def _evaluate(model, heads: Mapping[str, Any], tests: Mapping[str, tuple], batch
     return {t: accuracy(model, heads[t], x, y, batch, pooling) for t, (x, y) in tests.items()}
 
 
-def _batches(x: Inputs, size: int, trim: bool = True) -> list[dict[str, torch.Tensor]]:
+def _batches(x: Inputs, size: int, trim: bool = True) -> list[Batch]:
     return batches(x, size, trim)
 
 
@@ -242,115 +251,196 @@ def run_bench(settings: BenchSettings, progress: bool = True) -> dict[str, Any]:
         return _run_bench(settings, progress)
 
 
-def _run_bench(settings: BenchSettings, progress: bool) -> dict[str, Any]:
-    from featcal.calibration.api import calibrate
-    from featcal.experiments.zoo.build import build_zoo
-    from featcal.experiments.zoo.store import MANIFEST
-    from featcal.io.models import load_model
+@dataclass
+class _Run:
+    """What every stage of one bench run reads: its settings, the zoo with its frozen heads and test splits,
+    and (once loaded) the experts and the base."""
 
+    settings: BenchSettings
+    progress: bool
+    zoo: Any
+    heads: dict[str, Any] = field(default_factory=dict)
+    tests: dict[str, tuple] = field(default_factory=dict)
+    experts: dict[str, Any] = field(default_factory=dict)
+    base: Any = None
+    expert_acc: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def tasks(self) -> list[str]:
+        return self.zoo.tasks
+
+    @property
+    def pooling(self) -> str:
+        return self.zoo.pooling
+
+    @property
+    def experts_average(self) -> float:
+        return mean(self.expert_acc)
+
+    def evaluate(self, model) -> dict[str, float]:
+        return _evaluate(model, self.heads, self.tests, self.settings.eval_batch_size, self.pooling)
+
+
+@dataclass
+class _CalibrationSets:
+    """The calibration split's batches every merge shares, each a fixed prefix of the split."""
+
+    largest: dict[str, list[Batch]]  # FeatCal's and the data merges', at the largest size
+    largest_untrimmed: dict[str, list[Batch]]  # the trained baselines concatenate batches: one width (same examples)
+    drift_probe: dict[str, list[Batch]]  # a fixed slice for the drift curves
+
+
+def _run_bench(settings: BenchSettings, progress: bool) -> dict[str, Any]:
     validate(settings)
-    methods = settings.resolved_methods()
     load_before = os.getloadavg()
     total = Timer()
     zoo_timer = Timer()
+    run = _Run(settings, progress, _ready_zoo(settings, progress))
+    zoo_seconds = zoo_timer.seconds
+    run.heads, run.tests = run.zoo.heads(), run.zoo.test_splits()
+    rows = _expert_rows(run)
+    rows.append(_base_row(run))
+    pools = {t: run.zoo.split(t, "calibration")[0] for t in run.tasks}
+    _warm_up(run.zoo, run.base, run.experts, pools, progress)
+    sets = _calibration_sets(settings, pools)
+    drift_curves: dict[str, list[dict]] = {}
+    for method in settings.resolved_methods():
+        rows += _method_rows(run, method, pools, sets, drift_curves)
+    rows += merge_baseline_rows(settings.baselines, base=run.base, experts=run.experts, calibration=sets.largest,
+                                heads=run.heads, tests=run.tests, expert_acc=run.expert_acc,
+                                params=settings.baseline_params, batch=settings.eval_batch_size, progress=progress,
+                                pooling=run.pooling)
+    base_row = next(r for r in rows if r["method"] == "base")
+    base_row["normalised_accuracy"] = normalised_accuracy(base_row["per_task"], run.expert_acc)
+    regime_record = _regime_record(rows, run.zoo, run.base, run.heads, run.tests, settings, sets.largest,
+                                   run.pooling, progress)
+    log.info("%s", regime_record["line"])
+    return _report(run, rows, regime_record, drift_curves, pools, zoo_seconds=zoo_seconds,
+                   load_before=load_before, total=total)
+
+
+def _ready_zoo(settings: BenchSettings, progress: bool):
+    """The zoo the bench runs on: reused when cached, else built (--rebuild-zoo replaces a stale one)."""
+    from featcal.experiments.zoo.build import build_zoo
+    from featcal.experiments.zoo.store import MANIFEST
+
     # --rebuild-zoo replaces a stale zoo, never a directory that is not a zoo at all
     rebuild = settings.rebuild_zoo and (settings.resolved_zoo_dir() / MANIFEST).is_file()
     try:
-        zoo = build_zoo(settings.resolved_zoo_dir(), settings.preset, settings.seed, progress=progress,
-                        base_cache=settings.base_cache, overwrite=rebuild, sources=settings.sources)
+        return build_zoo(settings.resolved_zoo_dir(), settings.preset, settings.seed, progress=progress,
+                         base_cache=settings.base_cache, overwrite=rebuild, sources=settings.sources)
     except OutputExistsError as e:  # build_zoo's advice names `featcal zoo build`'s flag, not the bench's
         raise OutputExistsError(
             f"{settings.resolved_zoo_dir()} holds a zoo built from another preset, seed or zoo version (an older "
             "featcal, say); pass --rebuild-zoo to rebuild it there, or --zoo-dir to build one elsewhere"
         ) from e
-    zoo_seconds = zoo_timer.seconds
-    tasks = zoo.tasks
-    heads = zoo.heads()
-    tests = zoo.test_splits()
-    pooling = zoo.pooling
-    bs = settings.eval_batch_size
-    rows: list[dict] = []
 
-    experts = {}
-    for t in tasks:
+
+def _expert_rows(run: _Run) -> list[dict]:
+    """Load every expert (kept in `run`) and score it on its own task."""
+    from featcal.io.models import load_model
+
+    rows = []
+    for t in run.tasks:
         with PeakRSS() as rss:
             timer = Timer()
-            experts[t] = load_model(zoo.expert_dir(t))
-            acc = accuracy(experts[t], heads[t], *tests[t], bs, pooling)
+            run.experts[t] = load_model(run.zoo.expert_dir(t))
+            acc = accuracy(run.experts[t], run.heads[t], *run.tests[t], run.settings.eval_batch_size, run.pooling)
         rows.append(_row("expert", False, {t: acc}, timer.seconds, rss.mb, task=t))
         log.info("expert %s: %.4f", t, acc)
-    expert_acc = {r["task"]: r["average_accuracy"] for r in rows}
-    experts_average = mean(expert_acc)
+    run.expert_acc = {r["task"]: r["average_accuracy"] for r in rows}
+    return rows
+
+
+def _base_row(run: _Run) -> dict:
+    """Load the base (kept in `run`) and score it on every task."""
+    from featcal.io.models import load_model
 
     with PeakRSS() as rss:
         timer = Timer()
-        base = load_model(zoo.base_dir)
-        per_task = _evaluate(base, heads, tests, bs, pooling)
-    rows.append(_row("base", False, per_task, timer.seconds, rss.mb))
+        run.base = load_model(run.zoo.base_dir)
+        per_task = run.evaluate(run.base)
     log.info("base: %.4f", mean(per_task))
+    return _row("base", False, per_task, timer.seconds, rss.mb)
 
-    pools = {t: zoo.split(t, "calibration")[0] for t in tasks}
-    _warm_up(zoo, base, experts, pools, progress)
-    drift_curves: dict[str, list[dict]] = {}
+
+def _calibration_sets(settings: BenchSettings, pools: Mapping[str, Inputs]) -> _CalibrationSets:
     n_max = max(settings.calib_sizes)
     batch_size = settings.featcal.calibration_batch_size
-    largest = {t: _batches(head_rows(pools[t], n_max), batch_size) for t in tasks}  # FeatCal's, at the largest size
-    # the trained baselines concatenate batches, so theirs keep one width (same examples, same order)
-    largest_untrimmed = {t: _batches(head_rows(pools[t], n_max), batch_size, trim=False) for t in tasks}
-    drift_probe = {t: _batches(head_rows(pools[t], 64), 64) for t in tasks}  # a fixed slice for the drift curves
-    for method in methods:
-        params = settings.merge_params(method)
-        with PeakRSS() as rss:
-            timer = Timer()
-            state = _merge(zoo, method, params, largest, progress)
-            merged = copy.deepcopy(base)
-            merged.load_state_dict(state)
-            merge_seconds = timer.seconds
-            per_task = _evaluate(merged, heads, tests, bs, pooling)
-        merge_avg = mean(per_task)
-        merged_drift = feature_drift(merged, experts, drift_probe)
-        extra = {"calibration_examples_of_merge": n_max} if method in DATA_MERGES else {}
-        rows.append(_row(method, False, per_task, merge_seconds, rss.mb, params=params, feature_drift=merged_drift,
-                         normalised_accuracy=normalised_accuracy(per_task, expert_acc),
-                         gap_closed=0.0, **extra))
-        log.info("%s: %.4f (%.1fs)", method, merge_avg, merge_seconds)
-        for n in settings.calib_sizes:
-            cfg = settings.featcal.model_copy(update={"num_calibration_examples": n})
-            calibration = {t: _batches(head_rows(pools[t], n), cfg.calibration_batch_size) for t in tasks}
-            floor = forward_floor_seconds(merged, experts, calibration)
-            with PeakRSS() as rss:
-                timer = Timer()
-                result = calibrate(merged, base=zoo.base_dir, experts=experts, calibration=calibration,
-                                   config=cfg, progress=progress, return_result=True)
-                calibrated = result.model
-                calib_seconds = timer.seconds
-            per_task = _evaluate(calibrated, heads, tests, bs, pooling)
-            engine_drift = [_json_record(d) for d in result.drift]
-            calibrated_drift = feature_drift(calibrated, experts, drift_probe)
-            if n == max(settings.calib_sizes):
-                drift_curves[method] = [{"block": i, "before": b, "after": a}
-                                        for i, (b, a) in enumerate(zip(merged_drift, calibrated_drift, strict=True))]
-            avg = mean(per_task)
-            rows.append(_row(method, True, per_task, merge_seconds + calib_seconds, rss.mb, params=params,
-                             calibration_examples=n, calibration_seconds=round(calib_seconds, 4),
-                             forward_floor_seconds=round(floor, 4), cost_ratio=calib_seconds / floor,
-                             normalised_accuracy=normalised_accuracy(per_task, expert_acc),
-                             gap_closed=gap_closed(avg, merge_avg, experts_average),
-                             feature_drift=calibrated_drift, engine_drift=engine_drift))
-            log.info("%s + FeatCal (%d/task): %.4f (%.1fs, floor %.1fs)", method, n, avg, calib_seconds, floor)
-            del calibrated
-        rows += surgery_rows(settings.baselines, merge=method, merged=merged, merge_average=merge_avg,
-                             experts=experts, calibration=largest_untrimmed, heads=heads, tests=tests,
-                             expert_acc=expert_acc, params=settings.baseline_params, batch=bs, progress=progress,
-                             pooling=pooling)
-    rows += merge_baseline_rows(settings.baselines, base=base, experts=experts, calibration=largest, heads=heads,
-                                tests=tests, expert_acc=expert_acc, params=settings.baseline_params, batch=bs,
-                                progress=progress, pooling=pooling)
+    return _CalibrationSets(
+        largest={t: _batches(head_rows(p, n_max), batch_size) for t, p in pools.items()},
+        largest_untrimmed={t: _batches(head_rows(p, n_max), batch_size, trim=False) for t, p in pools.items()},
+        drift_probe={t: _batches(head_rows(p, 64), 64) for t, p in pools.items()},
+    )
 
-    base_row = next(r for r in rows if r["method"] == "base")
-    base_row["normalised_accuracy"] = normalised_accuracy(base_row["per_task"], expert_acc)
-    regime_record = _regime_record(rows, zoo, base, heads, tests, settings, largest, pooling, progress)
-    log.info("%s", regime_record["line"])
+
+def _method_rows(run: _Run, method: str, pools: Mapping[str, Inputs], sets: _CalibrationSets,
+                 drift_curves: dict[str, list[dict]]) -> list[dict]:
+    """One merge's rows: the merge alone, + FeatCal at every calibration size (the largest size's drift
+    curve goes into `drift_curves`), then the Surgery baselines on top of it."""
+    settings = run.settings
+    params = settings.merge_params(method)
+    with PeakRSS() as rss:
+        timer = Timer()
+        state = _merge(run.zoo, method, params, sets.largest, run.progress)
+        merged = copy.deepcopy(run.base)
+        merged.load_state_dict(state)
+        merge_seconds = timer.seconds
+        per_task = run.evaluate(merged)
+    merge_avg = mean(per_task)
+    merged_drift = feature_drift(merged, run.experts, sets.drift_probe)
+    extra = {"calibration_examples_of_merge": max(settings.calib_sizes)} if method in DATA_MERGES else {}
+    rows = [_row(method, False, per_task, merge_seconds, rss.mb, params=params, feature_drift=merged_drift,
+                 normalised_accuracy=normalised_accuracy(per_task, run.expert_acc), gap_closed=0.0, **extra)]
+    log.info("%s: %.4f (%.1fs)", method, merge_avg, merge_seconds)
+    for n in settings.calib_sizes:
+        row, calibrated_drift = _featcal_row(run, method, params, merged, n, pools, sets.drift_probe,
+                                             merge_seconds=merge_seconds, merge_avg=merge_avg)
+        rows.append(row)
+        if n == max(settings.calib_sizes):
+            drift_curves[method] = [{"block": i, "before": b, "after": a}
+                                    for i, (b, a) in enumerate(zip(merged_drift, calibrated_drift, strict=True))]
+    rows += surgery_rows(settings.baselines, merge=method, merged=merged, merge_average=merge_avg,
+                         experts=run.experts, calibration=sets.largest_untrimmed, heads=run.heads, tests=run.tests,
+                         expert_acc=run.expert_acc, params=settings.baseline_params, batch=settings.eval_batch_size,
+                         progress=run.progress, pooling=run.pooling)
+    return rows
+
+
+def _featcal_row(run: _Run, method: str, params: dict[str, Any], merged, n: int, pools: Mapping[str, Inputs],
+                 drift_probe: Mapping[str, list], *, merge_seconds: float, merge_avg: float) -> tuple[dict, list[float]]:
+    """The merge + FeatCal on `n` calibration examples per task, timed against its forward floor;
+    (its row, its feature drift per block)."""
+    from featcal.calibration.api import calibrate
+
+    cfg = run.settings.featcal.model_copy(update={"num_calibration_examples": n})
+    calibration = {t: _batches(head_rows(pools[t], n), cfg.calibration_batch_size) for t in run.tasks}
+    floor = forward_floor_seconds(merged, run.experts, calibration)
+    with PeakRSS() as rss:
+        timer = Timer()
+        result = calibrate(merged, base=run.zoo.base_dir, experts=run.experts, calibration=calibration,
+                           config=cfg, progress=run.progress, return_result=True)
+        calibrated = result.model
+        calib_seconds = timer.seconds
+    per_task = run.evaluate(calibrated)
+    engine_drift = [_json_record(d) for d in result.drift]
+    calibrated_drift = feature_drift(calibrated, run.experts, drift_probe)
+    avg = mean(per_task)
+    row = _row(method, True, per_task, merge_seconds + calib_seconds, rss.mb, params=params,
+               calibration_examples=n, calibration_seconds=round(calib_seconds, 4),
+               forward_floor_seconds=round(floor, 4), cost_ratio=calib_seconds / floor,
+               normalised_accuracy=normalised_accuracy(per_task, run.expert_acc),
+               gap_closed=gap_closed(avg, merge_avg, run.experts_average),
+               feature_drift=calibrated_drift, engine_drift=engine_drift)
+    log.info("%s + FeatCal (%d/task): %.4f (%.1fs, floor %.1fs)", method, n, avg, calib_seconds, floor)
+    return row, calibrated_drift
+
+
+def _report(run: _Run, rows: list[dict], regime_record: dict[str, Any], drift_curves: dict[str, list[dict]],
+            pools: Mapping[str, Inputs], *, zoo_seconds: float, load_before: tuple[float, ...],
+            total: Timer) -> dict[str, Any]:
+    settings, zoo = run.settings, run.zoo
+    methods = settings.resolved_methods()
     return build_report(
         "bench",
         {"preset": settings.preset, "seed": settings.seed, "calib_sizes": list(settings.calib_sizes),
@@ -359,14 +449,16 @@ def _run_bench(settings: BenchSettings, progress: bool) -> dict[str, Any]:
          "featcal": settings.featcal.model_dump(mode="json"), "zoo_dir": str(settings.resolved_zoo_dir())},
         command_line=shlex.join(["featcal", *sys.argv[1:]]) if Path(sys.argv[0]).name == "featcal" else shlex.join(sys.argv),
         seed=settings.seed,
-        tasks=tasks,
-        experts_average=experts_average,
+        tasks=run.tasks,
+        experts_average=run.experts_average,
         rows=rows,
-        summary=summarise(rows, experts_average, settings, arithmetic_cost_ratio(base.config, _tokens(pools))),
+        summary=summarise(rows, run.experts_average, settings,
+                          arithmetic_cost_ratio(run.base.config, _tokens(pools))),
         regime=regime_record,
         drift=drift_curves,
         zoo={"root": str(zoo.root), "fingerprint": zoo.manifest["fingerprint"], "modality": zoo.modality,
-             "pooling": pooling, "regime_at_build": zoo.manifest["regime"], "seconds_to_ready": round(zoo_seconds, 2)},
+             "pooling": run.pooling, "regime_at_build": zoo.manifest["regime"],
+             "seconds_to_ready": round(zoo_seconds, 2)},
         load_average={"start": load_before, "end": os.getloadavg()},
         threads=torch.get_num_threads(),
         total_seconds=round(total.seconds, 2),
