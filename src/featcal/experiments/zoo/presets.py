@@ -1,7 +1,8 @@
 """Zoo presets: model, split sizes and training budgets.
 
 Vision (`tiny` for tests, `default`): a CLIPVisionModel pretrained here on procedural images. Text
-(`text-tiny` for tests, `text`, the demo): the real all-MiniLM-L6-v2 on 8 real text tasks.
+(`text-tiny` for tests, `text`, the demo): the real all-MiniLM-L6-v2 on 8 real text tasks. Vision on real
+weights (`vision-real-tiny`, `vision-real`): the real DINOv2-small on 8 real image tasks (vision_presets.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from featcal.errors import ConfigError
 from featcal.experiments.zoo.pretrain import PretrainSettings
 from featcal.experiments.zoo.tasks import TASKS
 from featcal.experiments.zoo.train import FinetuneSettings
+from featcal.experiments.zoo.vision_presets import VISION_REAL_PRESETS, VisionRealPreset
 
 ZOO_FORMAT = 3  # bump when the build changes what a preset produces, so stale caches are rebuilt
 PRETRAIN_FORMAT = 1  # bump when pretraining changes (keys the cache of pretrained bases)
@@ -112,7 +114,7 @@ class TextZooPreset:
 TEXT_ZOO_FORMAT = 1  # bump when the text build changes what a preset produces
 BENCH_ONLY = ("bench_methods", "wudi_steps", "notes")  # settings of the bench, not of the zoo it builds
 
-AnyPreset = ZooPreset | TextZooPreset
+AnyPreset = ZooPreset | TextZooPreset | VisionRealPreset
 
 PRESETS: dict[str, AnyPreset] = {
     "tiny": ZooPreset(
@@ -156,6 +158,8 @@ PRESETS: dict[str, AnyPreset] = {
         bench_methods=("task_arithmetic",), wudi_steps=5,
     ),
 }
+
+PRESETS.update(VISION_REAL_PRESETS)  # the real DINOv2-small on 8 real image tasks (vision_presets.py)
 
 
 def get_preset(name: str) -> AnyPreset:

@@ -119,7 +119,16 @@ class Zoo:
         if limit is not None:
             y = y[:limit]
             x = {k: v[:limit] for k, v in x.items()} if isinstance(x, dict) else x[:limit]
-        return (x, y) if isinstance(x, dict) else (pixel_values(x), y)
+        return (x, y) if isinstance(x, dict) else (self.pixels(x), y)
+
+    def pixels(self, images: torch.Tensor) -> torch.Tensor:
+        """Stored uint8 images as model inputs: [-1, 1] (the project's CLIP zoos) or, where the manifest
+        says `pixel_normalisation: imagenet` (the DINOv2 zoo), ImageNet's mean and std."""
+        if self.manifest.get("pixel_normalisation") == "imagenet":
+            from featcal.experiments.zoo.vision_tasks import imagenet_pixels
+
+            return imagenet_pixels(images)
+        return pixel_values(images)
 
     def load(self, experts: bool = True) -> LoadedZoo:
         """Base, experts (unless `experts=False`), heads and test splits, loaded."""

