@@ -28,10 +28,11 @@ from featcal.calibration.tuning import load_heads, merge_scaling_from_report
 from featcal.config import FeatCalConfig
 from featcal.data.batch import Batch
 from featcal.data.calibration import (
-    batches_sha256,
+    batches_record,
     check_calibration_source,
     check_task_names,
     load_calibration_batches,
+    naming_task,
 )
 from featcal.data.preprocess import (
     IMAGE_PROCESSOR_FILES,
@@ -224,16 +225,14 @@ def check_calibration_inputs(
     for t in tasks:
         if not Path(calibration_sources[t]).expanduser().exists():
             raise CalibrationDataError(f"calibration data for task {t!r}: {calibration_sources[t]} does not exist")
-    data_dir = processor_dir(inputs[reference], base_dir)
+    data_dir = processor_dir(inputs[reference], base_dir, model_config)
     for t in tasks:
-        try:
+        with naming_task(t):
             check_calibration_source(
                 calibration_sources[t], model_dir=data_dir, num_examples=config.num_calibration_examples,
                 allow_fewer=allow_fewer, config=model_config, text_column=config.text_column,
                 allow_test_split=config.allow_test_split,
             )
-        except CalibrationDataError as exc:
-            raise CalibrationDataError(f"task {t!r}: {exc}") from None
     if check_finite:  # the costliest check, last: reads every checkpoint once, one tensor at a time
         for label, d in inputs.items():
             name = label if label.startswith("expert") else f"{label} model"
@@ -255,9 +254,10 @@ def check_resume_dir(config: FeatCalConfig, out: Path, inputs: Mapping[str, Path
                               "choose another --resume-dir")
 
 
-def processor_dir(merged: Path, base: Path) -> Path:
-    """Where the preprocessing files live: the merged checkpoint, else the base (merges often lack them)."""
-    modality = model_modality(load_config(merged, error=CalibrationDataError))
+def processor_dir(merged: Path, base: Path, config=None) -> Path:
+    """Where the preprocessing files live: the merged checkpoint, else the base (merges often lack them).
+    `config`: the merged checkpoint's config when the caller already read it."""
+    modality = model_modality(config if config is not None else load_config(merged, error=CalibrationDataError))
     for candidate in (merged, base):
         if has_processor_files(candidate, modality):
             return candidate
@@ -283,10 +283,6 @@ def _copy_processor_files(src: Path, dst: Path) -> None:
     for name in IMAGE_PROCESSOR_FILES + TOKENIZER_FILES + ("special_tokens_map.json", "merges.txt"):
         if (src / name).is_file() and not (dst / name).exists():
             shutil.copy2(src / name, dst / name)
-
-
-def _count(batches: list[Batch]) -> int:
-    return sum(int(next(iter(b.values())).shape[0]) for b in batches)
 
 
 class _WarningLog(logging.Handler):
@@ -412,19 +408,19 @@ def _load_calibration(
     checked: CheckedInputs, calibration_sources: Mapping[str, str | Path], config: FeatCalConfig,
     max_length: int, allow_fewer: bool, progress: bool,
 ) -> tuple[dict[str, list[Batch]], dict[str, dict]]:
-    """Each task's calibration batches, and which column each task's data was read from."""
+    """Each task's calibration batches, and which column each task's data was read from (the model's config
+    is read once for all the tasks)."""
     calibration: dict[str, list[Batch]] = {}
     read_as: dict[str, dict] = {t: {} for t in checked.tasks}
+    model_config = load_config(checked.data_dir, error=CalibrationDataError)
     for t in checked.tasks:
-        try:
+        with naming_task(t):
             calibration[t] = load_calibration_batches(
                 calibration_sources[t], model_dir=checked.data_dir, num_examples=config.num_calibration_examples,
                 batch_size=config.calibration_batch_size, seed=config.seed, max_length=max_length,
                 allow_fewer=allow_fewer, progress=progress, text_column=config.text_column,
-                allow_test_split=config.allow_test_split, record=read_as[t],
+                allow_test_split=config.allow_test_split, record=read_as[t], config=model_config,
             )
-        except CalibrationDataError as exc:
-            raise CalibrationDataError(f"task {t!r}: {exc}") from None
     return calibration, read_as
 
 
@@ -477,8 +473,7 @@ def _inputs_report(
         "experts": {t: {"path": str(d), "sha256": checkpoint_hashes(d), **_input_kind(d)}
                     for t, d in checked.experts.items()},
         "calibration": {
-            t: {"source": str(calibration_sources[t]), **read_as[t], "examples": _count(b), "batches": len(b),
-                "tensors_sha256": batches_sha256(b)}
+            t: {"source": str(calibration_sources[t]), **read_as[t], **batches_record(b)}
             for t, b in calibration.items()
         },
         "processor_dir": str(checked.data_dir),
