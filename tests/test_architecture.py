@@ -22,6 +22,7 @@ FLOORS: dict[str, int] = {
     "merging": 3, "calibration": 3,
     "experiments": 4,
     "": 5,  # featcal/__init__.py: the public Python API
+    "baselines": 5,  # the deprecated alias of experiments.baselines (0.1 import path)
     "cli": 6,
     "__main__": 7,
 }
@@ -163,6 +164,20 @@ def test_no_import_circle():
 def test_every_part_has_a_floor():
     parts = {_part(m, "featcal", 1) for m in module_files(PACKAGE_DIR, "featcal")}
     assert parts <= set(FLOORS), sorted(parts - set(FLOORS))
+
+
+def test_the_old_baselines_path_still_works_with_a_deprecation_warning():
+    import importlib
+    import sys
+
+    import pytest
+
+    from featcal.experiments.baselines import run_baseline
+
+    sys.modules.pop("featcal.baselines", None)
+    with pytest.warns(DeprecationWarning, match="featcal.experiments.baselines"):
+        old = importlib.import_module("featcal.baselines")
+    assert old.run_baseline is run_baseline
 
 
 def test_the_checker_sees_upward_sideways_lazy_and_circular_imports(tmp_path):
