@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -128,6 +129,44 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
+def _peak_device_mb(device: str) -> float | None:
+    """Peak memory torch allocated on a CUDA device in this process (None on the CPU)."""
+    if not device.startswith("cuda"):
+        return None
+    return torch.cuda.max_memory_allocated(torch.device(device)) / 2**20
+
+
+def _measured(seconds: float, rss_loaded: float, device: str) -> dict:
+    return {"seconds": seconds, "peak_rss_mb": _peak_rss_mb(), "rss_after_load_mb": rss_loaded,
+            "peak_device_mb": _peak_device_mb(device)}
+
+
+@contextmanager
+def one_process_group(backend: str, device: str = "cpu"):
+    """A default process group of one rank (`backend`: gloo or nccl) in which featcal runs its collectives.
+
+    featcal skips its collectives in a world of one (`RankGroup.active` is False), so a bare one-rank
+    group would test only its start; here `active` is forced on, so every all-reduce, all-gather and
+    broadcast of a calibration goes through the backend (sums over one rank: the result is unchanged).
+    Restored, and the group destroyed, on exit.
+    """
+    import torch.distributed as dist
+
+    from featcal.calibration import distributed
+
+    if backend == "nccl":
+        torch.cuda.set_device(torch.device(device).index or 0)
+    saved = distributed.RankGroup.active
+    with tempfile.TemporaryDirectory(prefix="featcal-pg-") as tmp:
+        dist.init_process_group(backend, init_method=f"file://{tmp}/store", rank=0, world_size=1)
+        distributed.RankGroup.active = property(lambda self: dist.is_initialized())
+        try:
+            yield dist.get_backend()
+        finally:
+            distributed.RankGroup.active = saved
+            dist.destroy_process_group()
+
+
 def _to(batch: dict, device: str) -> dict:
     return {k: v.to(device) for k, v in batch.items()}
 
@@ -161,7 +200,7 @@ def measure_floor(spec: dict, data: dict) -> dict:
                 merged(**_to(b, device))
                 experts[t](**_to(b, device))
     _sync(device)
-    return {"seconds": time.perf_counter() - start, "peak_rss_mb": _peak_rss_mb(), "rss_after_load_mb": rss_loaded}
+    return _measured(time.perf_counter() - start, rss_loaded, device)
 
 
 def measure_calibrate(spec: dict, data: dict) -> dict:
@@ -178,11 +217,14 @@ def measure_calibrate(spec: dict, data: dict) -> dict:
     config = FeatCalConfig(**spec["config"])
     warm_up(merged, data, "cpu")  # calibrate() moves the model to config.device itself
     rss_loaded = _peak_rss_mb()
-    _sync(spec["device"])
-    start = time.perf_counter()
-    calibrate(merged, base=base, experts=experts, calibration=data, config=config, progress=False)
-    _sync(spec["device"])
-    return {"seconds": time.perf_counter() - start, "peak_rss_mb": _peak_rss_mb(), "rss_after_load_mb": rss_loaded}
+    group = one_process_group(spec["process_group"], spec["device"]) if spec.get("process_group") else nullcontext()
+    with group:
+        _sync(spec["device"])
+        start = time.perf_counter()
+        calibrate(merged, base=base, experts=experts, calibration=data, config=config, progress=False)
+        _sync(spec["device"])
+        seconds = time.perf_counter() - start
+    return _measured(seconds, rss_loaded, spec["device"])
 
 
 def worker(mode: str, spec_path: str) -> None:
@@ -209,12 +251,23 @@ def run_worker(mode: str, spec_path: Path) -> dict:
 
 
 def summarise(runs: list[dict]) -> dict:
+    device = [r["peak_device_mb"] for r in runs if r.get("peak_device_mb") is not None]
     return {
         "seconds_median": statistics.median(r["seconds"] for r in runs),
         "seconds_all": [round(r["seconds"], 4) for r in runs],
         "peak_rss_mb_median": statistics.median(r["peak_rss_mb"] for r in runs),
         "rss_after_load_mb_median": statistics.median(r["rss_after_load_mb"] for r in runs),
+        "peak_device_mb_median": statistics.median(device) if device else None,
     }
+
+
+def ratio_to_floor(calibrate_seconds: float, floor_seconds: float) -> tuple[float, str | None]:
+    """calibrate / floor, and an error when it is below 1: nothing can do the floor's work in less time."""
+    ratio = calibrate_seconds / floor_seconds
+    if ratio < 1:
+        return ratio, (f"measurement error: calibrate ({calibrate_seconds:.3f} s) took less than its floor "
+                       f"({floor_seconds:.3f} s), ratio {ratio:.2f} < 1 is impossible; not a result")
+    return ratio, None
 
 
 def markdown(result: dict) -> str:
@@ -234,7 +287,11 @@ def markdown(result: dict) -> str:
         f"{f['peak_rss_mb_median']:.0f} | {f['rss_after_load_mb_median']:.0f} |",
         f"| featcal calibrate() | {c['seconds_median']:.3f} | {c['peak_rss_mb_median']:.0f} | "
         f"{c['rss_after_load_mb_median']:.0f} |",
-        f"| ratio calibrate / floor | {result['ratio']:.2f} | | |",
+        f"| ratio calibrate / floor | "
+        f"{result['ratio_error'] if result.get('ratio_error') else format(result['ratio'], '.2f')} | | |",
+        *([f"\npeak device memory (torch.cuda.max_memory_allocated): floor {f['peak_device_mb_median']:.0f} MiB, "
+           f"calibrate {c['peak_device_mb_median']:.0f} MiB"] if c.get("peak_device_mb_median") is not None
+          and f.get("peak_device_mb_median") is not None else []),
     ])
 
 
@@ -259,6 +316,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="measurements per mode; medians are reported")
     p.add_argument("--threads", type=int, default=1, help="torch threads in each measurement (default: 1)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--offload-blocks", action="store_true", help="calibrate with FeatCalConfig(offload_blocks=True)")
+    p.add_argument("--process-group", choices=("gloo", "nccl"),
+                   help="calibrate inside a one-rank default process group of this backend, collectives forced on")
     p.add_argument("--chain-dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--expert-source", choices=("path", "memory"), default="path",
                    help="give calibrate() the experts as paths (streamed, as the CLI does) or loaded models")
@@ -288,9 +348,10 @@ def main(argv: list[str] | None = None) -> int:
         data = task_batches(family, args)
         torch.save(data, root / "batches.pt")
         config = {"num_calibration_examples": args.examples, "calibration_batch_size": args.batch_size,
-                  "seed": args.seed, "device": args.device, "chain_dtype": args.chain_dtype}
+                  "seed": args.seed, "device": args.device, "chain_dtype": args.chain_dtype,
+                  "offload_blocks": args.offload_blocks}
         spec = {**family, "data": str(root / "batches.pt"), "threads": args.threads, "device": args.device,
-                "expert_source": args.expert_source, "config": config}
+                "expert_source": args.expert_source, "config": config, "process_group": args.process_group}
         spec_path = root / "spec.json"
         spec_path.write_text(json.dumps(spec))
         runs: dict[str, list[dict]] = {"floor": [], "calibrate": []}
@@ -304,14 +365,16 @@ def main(argv: list[str] | None = None) -> int:
         with torch.device("meta"):
             n_params = sum(p.numel() for p in AutoModel.from_config(cfg).parameters())
     floor, calib = summarise(runs["floor"]), summarise(runs["calibrate"])
+    ratio, ratio_error = ratio_to_floor(calib["seconds_median"], floor["seconds_median"])
     result = {
         "command": shlex.join([Path(sys.executable).name, *sys.argv]),
         "model": {"model_type": cfg.model_type, "parameters": n_params,
                   "blocks": getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "num_layers", None)},
         "tasks": len(family["experts"]), "examples_per_task": args.examples, "batch_size": args.batch_size,
         "threads": args.threads, "device": args.device, "expert_source": args.expert_source,
-        "chain_dtype": args.chain_dtype, "repeats": args.repeats,
-        "floor": floor, "calibrate": calib, "ratio": calib["seconds_median"] / floor["seconds_median"],
+        "chain_dtype": args.chain_dtype, "repeats": args.repeats, "offload_blocks": args.offload_blocks,
+        "process_group": args.process_group,
+        "floor": floor, "calibrate": calib, "ratio": ratio, "ratio_error": ratio_error,
     }
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
