@@ -124,9 +124,10 @@ def _sync(device: str) -> None:
 
 
 def _peak_rss_mb() -> float:
-    import resource
+    # this process's own peak (VmHWM): ru_maxrss would carry the parent's peak across fork + exec
+    from featcal.io.report import peak_rss_mb
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    return peak_rss_mb()
 
 
 def _peak_device_mb(device: str) -> float | None:

@@ -18,7 +18,21 @@ REPORT_NAME = "featcal.json"
 
 
 def peak_rss_mb() -> float:
-    """Peak resident set size of this process so far, in MiB (Linux reports ru_maxrss in KiB)."""
+    """Peak resident set size of this process so far, in MiB.
+
+    On Linux this is the memory map's high-water mark (VmHWM in /proc/self/status), not ru_maxrss:
+    execve keeps the old memory map's peak in ru_maxrss, so a featcal started by fork/vfork from a
+    larger process (a test runner, a notebook, a benchmark driver) would report its PARENT's peak
+    when that is higher (measured: 811 MiB reported by a 9 MiB child of an 800 MiB parent).
+    """
+    if sys.platform.startswith("linux"):
+        try:
+            with open("/proc/self/status", encoding="ascii") as f:
+                for line in f:
+                    if line.startswith("VmHWM:"):
+                        return int(line.split()[1]) / 1024.0  # kB
+        except (OSError, ValueError, IndexError):
+            pass
     kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return kib / 1024.0 if sys.platform != "darwin" else kib / 2**20
 
