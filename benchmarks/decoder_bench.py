@@ -93,11 +93,9 @@ def log(msg: str) -> None:
 
 
 def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
+    from featcal.io.report import file_sha256
+
+    return file_sha256(path)
 
 
 # ---------------------------------------------------------------------------------------------- sources

