@@ -58,7 +58,7 @@ def test_missing_source_is_named_with_its_fix(tmp_path):
 
     with zipfile.ZipFile(tmp_path / SOURCES["animal-mnist"].filename, "w") as z:  # readable, but not the pinned bytes
         z.writestr("animal_mnist/__init__.py", "")
-    with pytest.raises(VisionSourceError, match=r"animal-mnist==0\.4 .* not the pinned aeebf3d9de45"):
+    with pytest.raises(VisionSourceError, match=r"animal-mnist==0\.4 .* not the archive the benchmark was built on .*expected aeebf3d9de4552d6"):
         check_sources(["animal-mnist"], tmp_path)
 
 

