@@ -1,14 +1,19 @@
 #!/usr/bin/env python
-"""How close FeatCal's cost comes to its floor: one forward of the merged model and of each expert.
+"""How close FeatCal's cost comes to its floor, and how it compares with a straightforward implementation.
 
 The floor (SPEC §4) is what any method that reads the merged model's and the experts' features on
 the calibration data must pay: one forward of the merged model over every task's data plus one
-forward of each expert over its own task's data. This command measures that floor and a full
-`featcal.calibrate()` on the same family and data, in fresh subprocesses (so each peak RSS belongs
-to one measurement), and reports medians over repeats and the ratio calibrate / floor.
+forward of each expert over its own task's data. This command measures that floor, a full
+`featcal.calibrate()` and the independent straightforward FeatCal of benchmarks/straightforward_featcal.py
+(the authors' demo's way; CLIPVisionModel families only) on the same family and data, each in a fresh
+subprocess (so each peak RSS belongs to one measurement), and reports medians over repeats and the ratios
+calibrate / floor, straightforward / floor and calibrate / straightforward. A ratio below 1 against the
+floor is impossible: it is printed as a measurement error, not a result. With --quick the calibrated
+parameters of featcal and of the straightforward implementation are compared (exit 1 if they differ).
 
     python benchmarks/calibration_speed.py --help
     python benchmarks/calibration_speed.py --tasks 4 --examples 64 --repeats 3 --out runs/bench-calib.json
+    python benchmarks/calibration_speed.py --preset vit-b32 --quick   # do the three paths run and agree? (not a timing)
 
 By default it builds a random CLIPVisionModel family (base + perturbed experts, Task Arithmetic
 merge at 0.3) of the size given; --base/--merged/--expert take an existing family instead.
@@ -222,17 +227,66 @@ def measure_calibrate(spec: dict, data: dict) -> dict:
     with group:
         _sync(spec["device"])
         start = time.perf_counter()
-        calibrate(merged, base=base, experts=experts, calibration=data, config=config, progress=False)
+        out = calibrate(merged, base=base, experts=experts, calibration=data, config=config, progress=False)
         _sync(spec["device"])
         seconds = time.perf_counter() - start
-    return _measured(seconds, rss_loaded, spec["device"])
+    result = _measured(seconds, rss_loaded, spec["device"])
+    _save_parameters(spec, "calibrate", out)
+    return result
+
+
+def _straightforward_module():
+    """benchmarks/straightforward_featcal.py, imported by path (benchmarks/ is not a package)."""
+    import importlib.util
+
+    name = "straightforward_featcal"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def measure_straightforward(spec: dict, data: dict) -> dict:
+    """The straightforward FeatCal on the same family and data: every model in memory on the device, as the demo."""
+    from featcal import FeatCalConfig
+    from featcal.io.models import load_model
+
+    sf = _straightforward_module()
+    device = spec["device"]
+    cfg = FeatCalConfig(**spec["config"])  # the same hyperparameters as calibrate()
+    settings = sf.Settings(alpha=cfg.teacher_interp_alpha, rho=cfg.anchor_blend_rho, lam=cfg.lambda_ratio,
+                           eps=cfg.covariance_eps, cls_weight=cfg.cls_token_weight,
+                           calibrate_bias=cfg.calibrate_bias, calibrate_layernorm=cfg.calibrate_layernorm)
+    merged = load_model(spec["merged"]).to(device)
+    base = load_model(spec["base"]).to(device)
+    experts = {t: load_model(p).to(device) for t, p in spec["experts"].items()}
+    warm_up(merged, data, device)
+    rss_loaded = _peak_rss_mb()
+    _sync(device)
+    start = time.perf_counter()
+    out = sf.calibrate(merged, base, experts, data, settings, device=device)
+    _sync(device)
+    result = _measured(time.perf_counter() - start, rss_loaded, device)
+    _save_parameters(spec, "straightforward", out)
+    return result
+
+
+def _save_parameters(spec: dict, mode: str, model) -> None:
+    """With --quick: keep the calibrated parameters (after the timed region) for the parent to compare."""
+    if spec.get("save_dir"):
+        torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, Path(spec["save_dir"]) / f"{mode}.pt")
+
+
+MEASURE = {"floor": measure_floor, "calibrate": measure_calibrate, "straightforward": measure_straightforward}
 
 
 def worker(mode: str, spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     torch.set_num_threads(spec["threads"])
     data = torch.load(spec["data"], weights_only=True)
-    result = (measure_floor if mode == "floor" else measure_calibrate)(spec, data)
+    result = MEASURE[mode](spec, data)
     print("RESULT " + json.dumps(result), flush=True)
 
 
@@ -262,19 +316,58 @@ def summarise(runs: list[dict]) -> dict:
     }
 
 
-def ratio_to_floor(calibrate_seconds: float, floor_seconds: float) -> tuple[float, str | None]:
-    """calibrate / floor, and an error when it is below 1: nothing can do the floor's work in less time."""
+def ratio_to_floor(calibrate_seconds: float, floor_seconds: float, what: str = "calibrate") -> tuple[float, str | None]:
+    """`what` / floor, and an error when it is below 1: nothing can do the floor's work in less time."""
     ratio = calibrate_seconds / floor_seconds
     if ratio < 1:
-        return ratio, (f"measurement error: calibrate ({calibrate_seconds:.3f} s) took less than its floor "
+        return ratio, (f"measurement error: {what} ({calibrate_seconds:.3f} s) took less than its floor "
                        f"({floor_seconds:.3f} s), ratio {ratio:.2f} < 1 is impossible; not a result")
     return ratio, None
 
 
+def compare_parameters(root: Path) -> dict:
+    """--quick: featcal's and the straightforward implementation's calibrated parameters, and how far
+    calibration moved them from the merge (the comparison is meaningful only when the move is much larger)."""
+    from featcal.io.models import load_model
+
+    ours = torch.load(root / "calibrate.pt", weights_only=True)
+    theirs = torch.load(root / "straightforward.pt", weights_only=True)
+    merged = load_model(json.loads((root / "spec.json").read_text())["merged"]).state_dict()
+    diff = change = 0.0
+    where = ""
+    for k, v in ours.items():
+        if not v.is_floating_point():
+            continue
+        d = (v.double() - theirs[k].double()).abs().max().item()
+        if d >= diff:
+            diff, where = d, k
+        change = max(change, (v.double() - merged[k].double()).abs().max().item())
+    return {"max_abs_diff": diff, "where": where, "max_abs_change": change,
+            "equal": diff <= EQUAL_FRACTION * change and change > 0}
+
+
+EQUAL_FRACTION = 1e-3  # --quick: agreement this much finer than calibration's own move counts as equal
+
+
+def _ratio_cell(result: dict, key: str) -> str:
+    error = result.get(f"{key}_error")
+    return f"MEASUREMENT ERROR: {error.removeprefix('measurement error: ')}" if error else format(result[key], ".2f")
+
+
+def _row(label: str, r: dict | None) -> list[str]:
+    if r is None:
+        return []
+    return [f"| {label} | {r['seconds_median']:.3f} | {r['peak_rss_mb_median']:.0f} | {r['rss_after_load_mb_median']:.0f} |"]
+
+
 def markdown(result: dict) -> str:
-    f, c = result["floor"], result["calibrate"]
+    f, c, s = result["floor"], result["calibrate"], result.get("straightforward")
     m = result["model"]
+    quick = ["**quick check (--quick): a few examples, one repeat; the timings are not results**", ""] \
+        if result.get("quick") else []
+    eq = result.get("equality")
     return "\n".join([
+        *quick,
         f"`{result['command']}`",
         "",
         f"model: {m['model_type']}, {m['parameters'] / 1e6:.2f} M parameters, {m['blocks']} blocks; "
@@ -284,14 +377,19 @@ def markdown(result: dict) -> str:
         "",
         "| measurement | wall time (s) | peak RSS (MiB) | RSS after loading (MiB) |",
         "|---|---|---|---|",
-        f"| floor: merged fwd (all tasks) + each expert fwd (own task) | {f['seconds_median']:.3f} | "
-        f"{f['peak_rss_mb_median']:.0f} | {f['rss_after_load_mb_median']:.0f} |",
-        f"| featcal calibrate() | {c['seconds_median']:.3f} | {c['peak_rss_mb_median']:.0f} | "
-        f"{c['rss_after_load_mb_median']:.0f} |",
-        f"| ratio calibrate / floor | "
-        f"{result['ratio_error'] if result.get('ratio_error') else format(result['ratio'], '.2f')} | | |",
+        *_row("floor: merged fwd (all tasks) + each expert fwd (own task)", f),
+        *_row("featcal calibrate()", c),
+        *_row("straightforward FeatCal (benchmarks/straightforward_featcal.py)", s),
+        f"| ratio calibrate / floor | {_ratio_cell(result, 'ratio')} | | |",
+        *([f"| ratio straightforward / floor | {_ratio_cell(result, 'straightforward_ratio')} | | |",
+           f"| ratio calibrate / straightforward | {result['ratio_to_straightforward']:.2f} | | |"] if s else []),
+        *([f"\nparameters, featcal vs straightforward: max |diff| {eq['max_abs_diff']:.3g} ({eq['where']}), "
+           f"max |calibrated - merged| {eq['max_abs_change']:.3g}: "
+           f"{'EQUAL' if eq['equal'] else 'NOT EQUAL'} (diff <= {EQUAL_FRACTION:g} x change)"] if eq else []),
         *([f"\npeak device memory (torch.cuda.max_memory_allocated): floor {f['peak_device_mb_median']:.0f} MiB, "
-           f"calibrate {c['peak_device_mb_median']:.0f} MiB"] if c.get("peak_device_mb_median") is not None
+           f"calibrate {c['peak_device_mb_median']:.0f} MiB"
+           + (f", straightforward {s['peak_device_mb_median']:.0f} MiB" if s and s.get("peak_device_mb_median")
+              is not None else "")] if c.get("peak_device_mb_median") is not None
           and f.get("peak_device_mb_median") is not None else []),
     ])
 
@@ -312,9 +410,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     given.add_argument("--merged")
     given.add_argument("--expert", action="append", metavar="NAME=PATH")
     given.add_argument("--calib", action="append", metavar="NAME=DATA", help="real data for a task (else random)")
-    p.add_argument("--examples", type=int, default=64, help="calibration examples per task (default: 64)")
+    p.add_argument("--examples", type=int, help="calibration examples per task (default: 64; --quick: 8)")
     p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=3, help="measurements per mode; medians are reported")
+    p.add_argument("--repeats", type=int, help="measurements per mode; medians are reported (default: 3; --quick: 1)")
+    p.add_argument("--skip-straightforward", action="store_true",
+                   help="measure only the floor and calibrate() (the straightforward implementation is measured by "
+                        "default on CLIPVisionModel families, skipped on others)")
+    p.add_argument("--quick", action="store_true",
+                   help="a quick check, not a timing: 8 examples per task and 1 repeat unless given, and featcal's "
+                        "calibrated parameters compared with the straightforward implementation's")
     p.add_argument("--threads", type=int, default=1, help="torch threads in each measurement (default: 1)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--offload-blocks", action="store_true", help="calibrate with FeatCalConfig(offload_blocks=True)")
@@ -326,9 +430,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", help="where the family and data are written (default: a temporary directory)")
     p.add_argument("--out", help="write the result JSON here")
-    p.add_argument("--worker", choices=("floor", "calibrate"), help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=sorted(MEASURE), help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.examples is None:
+        args.examples = 8 if args.quick else 64
+    if args.repeats is None:
+        args.repeats = 1 if args.quick else 3
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -351,22 +460,32 @@ def main(argv: list[str] | None = None) -> int:
         config = {"num_calibration_examples": args.examples, "calibration_batch_size": args.batch_size,
                   "seed": args.seed, "device": args.device, "chain_dtype": args.chain_dtype,
                   "offload_blocks": args.offload_blocks}
-        spec = {**family, "data": str(root / "batches.pt"), "threads": args.threads, "device": args.device,
-                "expert_source": args.expert_source, "config": config, "process_group": args.process_group}
-        spec_path = root / "spec.json"
-        spec_path.write_text(json.dumps(spec))
-        runs: dict[str, list[dict]] = {"floor": [], "calibrate": []}
-        for r in range(args.repeats):  # interleaved, so slow drifts of the machine hit both alike
-            for mode in runs:
-                runs[mode].append(run_worker(mode, spec_path))
-                print(f"repeat {r + 1}/{args.repeats} {mode}: {runs[mode][-1]['seconds']:.3f} s", file=sys.stderr)
         from transformers import AutoConfig, AutoModel
 
         cfg = AutoConfig.from_pretrained(family["merged"])
+        straightforward = not args.skip_straightforward and cfg.model_type == "clip_vision_model"
+        if not args.skip_straightforward and not straightforward:
+            print(f"the straightforward implementation reads CLIPVisionModel only, not {cfg.model_type}: skipped",
+                  file=sys.stderr)
+        compare = args.quick and straightforward
+        spec = {**family, "data": str(root / "batches.pt"), "threads": args.threads, "device": args.device,
+                "expert_source": args.expert_source, "config": config, "process_group": args.process_group,
+                "save_dir": str(root) if compare else None}
+        spec_path = root / "spec.json"
+        spec_path.write_text(json.dumps(spec))
+        runs: dict[str, list[dict]] = {"floor": [], "calibrate": [], **({"straightforward": []} if straightforward else {})}
+        for r in range(args.repeats):  # interleaved, so slow drifts of the machine hit all alike
+            for mode in runs:
+                runs[mode].append(run_worker(mode, spec_path))
+                print(f"repeat {r + 1}/{args.repeats} {mode}: {runs[mode][-1]['seconds']:.3f} s", file=sys.stderr)
+        equality = compare_parameters(root) if compare else None
         with torch.device("meta"):
             n_params = sum(p.numel() for p in AutoModel.from_config(cfg).parameters())
     floor, calib = summarise(runs["floor"]), summarise(runs["calibrate"])
     ratio, ratio_error = ratio_to_floor(calib["seconds_median"], floor["seconds_median"])
+    sf = summarise(runs["straightforward"]) if straightforward else None
+    sf_ratio, sf_error = (ratio_to_floor(sf["seconds_median"], floor["seconds_median"], "the straightforward FeatCal")
+                          if sf else (None, None))
     result = {
         "command": shlex.join([Path(sys.executable).name, *sys.argv]),
         "model": {"model_type": cfg.model_type, "parameters": n_params,
@@ -375,13 +494,25 @@ def main(argv: list[str] | None = None) -> int:
         "threads": args.threads, "device": args.device, "expert_source": args.expert_source,
         "chain_dtype": args.chain_dtype, "repeats": args.repeats, "offload_blocks": args.offload_blocks,
         "process_group": args.process_group,
+        "quick": args.quick,
         "floor": floor, "calibrate": calib, "ratio": ratio, "ratio_error": ratio_error,
+        "straightforward": sf, "straightforward_ratio": sf_ratio, "straightforward_ratio_error": sf_error,
+        "ratio_to_straightforward": calib["seconds_median"] / sf["seconds_median"] if sf else None,
+        "equality": equality,
     }
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(markdown(result))
-    return 0
+    failed = 0
+    for error in (ratio_error, sf_error):  # printed, in the table and here; the exit status stays 0 (gpu_check's
+        if error:                          # report step reads the JSON and fails on it)
+            print(error.upper(), file=sys.stderr)
+    if equality is not None and not equality["equal"]:
+        print(f"featcal and the straightforward implementation disagree: max |diff| {equality['max_abs_diff']:.3g} "
+              f"at {equality['where']}", file=sys.stderr)
+        failed = 1
+    return failed
 
 
 if __name__ == "__main__":
