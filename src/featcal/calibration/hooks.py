@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from featcal.blocks.grams import WeightFn
+from featcal.blocks.grams import WeightFn, flat_tokens, select_tokens
 from featcal.calibration.statistics import TaskSums
 from featcal.errors import FeatCalError
 
@@ -121,24 +121,28 @@ class MergedFolder:
     ) -> None:
         self.modules, self.plan, self.expert = modules, plan, expert
         self.sums, self.weights = sums, weights
-        self._held: dict[str, torch.Tensor] = {}  # group -> merged input seen this forward
+        # group -> (merged input seen this forward, its tokens, their weights, the kept tokens' mask)
+        self._held: dict[str, tuple] = {}
         self._handles: list = []
 
     def _linear(self, name: str, x: torch.Tensor) -> None:
         p = self.plan.get(name)
         if p is None:
             raise FeatCalError(f"module {name} ran on the merged side but not on the expert side")
-        w = self.weights(name, x)
         held = self._held.get(p.group)
         if held is None:
-            self._held[p.group] = x
-            self.sums.add_gram(p.group, x, w)
+            # a group shares its input and what its token weights depend on (plan_block groups by both):
+            # weights, flattening and padding removal are done once, for its first module
+            xt, w, keep = flat_tokens(x, self.weights(name, x))
+            held = self._held[p.group] = (x, xt, w, keep)
+            self.sums.add_gram_tokens(p.group, xt, w)
             if p.mode == "cross":
-                self.sums.add_cross(p.group, x, self.expert.inputs[p.group], w)
-        elif held is not x:
+                self.sums.add_cross_tokens(p.group, xt, select_tokens(self.expert.inputs[p.group], keep), w)
+        elif held[0] is not x:
             raise FeatCalError(f"module {name} does not share its group's input on the merged side")
         if p.mode == "output":
-            self.sums.add_linear(name, p.group, x, self.expert.outputs[name], w)
+            _, xt, w, keep = held
+            self.sums.add_linear_tokens(name, p.group, xt, select_tokens(self.expert.outputs[name], keep), w)
         else:
             self.sums.add_cross_linear(name, p.group)
 

@@ -78,16 +78,25 @@ class TaskSums:
     linears: dict[str, LinearSums] = field(default_factory=dict)
     norms: dict[str, NormSums] = field(default_factory=dict)
 
+    # add_* take inputs (..., d) with token weights (...) or None (all 1); add_*_tokens take them as
+    # flat_tokens returns them (tokens × d float32, zero-weight tokens dropped), prepared once per group.
     def add_gram(self, group: str, x: torch.Tensor, w: torch.Tensor | None) -> None:
         """Accumulate the input moments of `group` from x (..., d) with token weights w (...) or None (all 1)."""
+        x, w = _prepare(x, w)
+        self.add_gram_tokens(group, x, w)
+
+    def add_gram_tokens(self, group: str, x: torch.Tensor, w: torch.Tensor | None) -> None:
         g = self.grams.get(group)
         if g is None:
             g = self.grams[group] = GramSums.zeros(x.shape[-1], x.device)
-        g.add(x, w)
+        g.add_tokens(x, w)
 
     def add_linear(self, name: str, group: str, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor | None) -> None:
         """Accumulate Σ w·x yᵀ and Σ w·y for Linear `name`: x its merged input, y the expert's output."""
         x, w, y = _prepare(x, w, y)
+        self.add_linear_tokens(name, group, x, y, w)
+
+    def add_linear_tokens(self, name: str, group: str, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor | None) -> None:
         yw = _weighted(y, w)
         s = self.linears.get(name)
         if s is None:
@@ -98,6 +107,9 @@ class TaskSums:
     def add_cross(self, group: str, xs: torch.Tensor, xe: torch.Tensor, w: torch.Tensor | None) -> None:
         """Accumulate Σ w·xe and Σ w·xs xeᵀ for `group` (merged input xs, expert input xe)."""
         xs, w, xe = _prepare(xs, w, xe)
+        self.add_cross_tokens(group, xs, xe, w)
+
+    def add_cross_tokens(self, group: str, xs: torch.Tensor, xe: torch.Tensor, w: torch.Tensor | None) -> None:
         c = self.cross.get(group)
         if c is None:
             d = xs.shape[1]
@@ -178,14 +190,17 @@ class NormalisedSums:
         `rms` names the weight-only RMS norms (no centring, no β).
         """
         a = self.alpha
+        group_moments: dict[str, tuple] = {}  # one float64 C_t and ‖C_t‖_F per group (q/k/v share theirs)
         for name, lin in sums.linears.items():
-            moments = sums.grams[lin.group].means()
-            if moments is None:
-                raise CalibrationDataError(f"task {task!r}: module {name} saw no weighted token")
-            sw, mu_s, c = moments
-            s_t = torch.linalg.matrix_norm(c)
-            if float(s_t) <= 0:
-                raise CalibrationDataError(f"task {task!r}: module {name} has an all-zero input (‖C‖_F = 0)")
+            if lin.group not in group_moments:
+                moments = sums.grams[lin.group].means()
+                if moments is None:
+                    raise CalibrationDataError(f"task {task!r}: module {name} saw no weighted token")
+                s_t = torch.linalg.matrix_norm(moments[2])
+                if float(s_t) <= 0:
+                    raise CalibrationDataError(f"task {task!r}: module {name} has an all-zero input (‖C‖_F = 0)")
+                group_moments[lin.group] = (*moments, s_t)
+            sw, mu_s, c, s_t = group_moments[lin.group]
             wt = expert_params[name]["weight"].to(_F64)
             bt = expert_params[name].get("bias")
             bt = torch.zeros(wt.shape[0], dtype=_F64, device=wt.device) if bt is None else bt.to(_F64)
