@@ -37,8 +37,50 @@ def capture_block_input(module: nn.Module, block: nn.Module, kwargs: dict[str, A
         handle.remove()
     if "args" not in seen:
         raise FeatCalError(f"{type(module).__name__}: the forward never reached {type(block).__name__} 0")
-    bound = inspect.signature(block.forward).bind(*seen["args"], **seen["kwargs"])
-    params = inspect.signature(block.forward).parameters
+    return _split_call(block, inspect.signature(block.forward), seen["args"], seen["kwargs"])
+
+
+def capture_block_calls(module: nn.Module, blocks: nn.ModuleList,
+                        kwargs: dict[str, Any]) -> tuple[torch.Tensor, list[dict[str, Any]]]:
+    """Run `module(**kwargs)` with every block of `blocks` passing its input through untouched; return
+    block 0's hidden input and the other arguments each block was called with.
+
+    No block computes anything (offloaded blocks may stay on the host). Only valid where a block's
+    arguments do not depend on the blocks before it (masks and rotary tables made once by the
+    model, as in Gemma 3), since each block is handed block 0's input.
+    """
+    calls: list[tuple[torch.Tensor, dict[str, Any]] | None] = [None] * len(blocks)
+    patched: list[nn.Module] = []
+
+    def pass_through(i: int, block: nn.Module):
+        sig = inspect.signature(block.forward)  # before it is shadowed
+
+        def forward(*args, **kw):
+            calls[i] = _split_call(block, sig, args, kw)
+            return calls[i][0]
+        return forward
+
+    try:
+        for i, block in enumerate(blocks):
+            if "forward" in vars(block):
+                raise FeatCalError(f"{type(block).__name__} {i} has its forward replaced; cannot capture its arguments")
+            block.forward = pass_through(i, block)  # shadows the class's forward on this instance only
+            patched.append(block)
+        module(**kwargs)
+    finally:
+        for block in patched:
+            del block.forward
+    missing = [i for i, c in enumerate(calls) if c is None]
+    if missing:
+        raise FeatCalError(f"{type(module).__name__}: the forward never called block(s) {missing}")
+    return calls[0][0], [c[1] for c in calls]  # type: ignore[index]
+
+
+def _split_call(block: nn.Module, sig: inspect.Signature, args: tuple,
+                kwargs: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
+    """(hidden states, every other argument by name) of one call of `block`, whose forward has signature `sig`."""
+    bound = sig.bind(*args, **kwargs)
+    params = sig.parameters
     ctx: dict[str, Any] = {}
     hidden_name = next(iter(params))
     for name, value in bound.arguments.items():

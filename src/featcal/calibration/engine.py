@@ -78,14 +78,16 @@ def check_context_replay(adapter: Adapter, stack: Stack, model: nn.Module, modul
                          kwargs: dict[str, Any], hidden: torch.Tensor, ctx: dict[str, Any]) -> None:
     """Check once, on one batch, that block 1 is called with what the engine would replay.
 
-    The engine calls every block with block 0's context (updated by `adapter.next_context`). An
-    architecture that gives each block its own mask or bias would be calibrated silently wrong, so
-    the model's own call of block 1 is captured and compared, argument by argument.
+    The engine calls every block with block 0's context (updated by `adapter.next_context`, and
+    picked per block by `adapter.block_kwargs`). An architecture that gives each block its own mask
+    or bias the adapter does not know of would be calibrated silently wrong, so the model's own call
+    of block 1 is captured and compared, argument by argument.
     """
     blocks = stack.blocks(model)
     if len(blocks) < 2:
         return
-    predicted = adapter.next_context(stack, 0, ctx, blocks[0](hidden, **ctx))
+    out0 = blocks[0](hidden, **adapter.block_kwargs(stack, 0, ctx))
+    predicted = adapter.block_kwargs(stack, 1, adapter.next_context(stack, 0, ctx, out0))
     _, actual = capture_block_input(module, blocks[1], kwargs)
     for name in sorted(set(predicted) | set(actual)):
         if not _same(predicted.get(name), actual.get(name)):
@@ -285,28 +287,26 @@ class FeatCalEngine:
         batch by batch, and it reaches block 0 as the cross-attention input.
         """
         block0_m = stack.blocks(self.merged)[0]
-        block0_e = stack.blocks(self.template)[0]
         stem = self.stem_param_names()
         # offloading: the stems on the device, and the merged block 0 that check_context_replay runs
         with self.place.stems([self.merged, self.template], self.stacks, blocks=[block0_m]):
-            self._capture_tasks(stack, previous, block0_m, block0_e, stem)
+            self._capture_tasks(stack, previous, stem)
 
-    def _capture_tasks(self, stack: Stack, previous: Stack | None, block0_m: nn.Module, block0_e: nn.Module,
-                       stem: list[str]) -> None:
+    def _capture_tasks(self, stack: Stack, previous: Stack | None, stem: list[str]) -> None:
         for t in self.tasks:
             load_into(self.template, stem, self.experts[t])
             for b, batch in self._batches(t):
                 batch = _to_device(batch, self.device)
-                sides = [("m", self.merged, block0_m), ("e", self.template, block0_e)]
+                sides = [("m", self.merged), ("e", self.template)]
                 if self._reference.get(t) == b:
-                    sides.append(("r", self.merged, block0_m))  # the merge as merged, followed end to end
-                for side, model, block0 in sides:
+                    sides.append(("r", self.merged))  # the merge as merged, followed end to end
+                for side, model in sides:
                     key = (side, t, b)
                     up = None
                     if previous is not None:
                         up = self.adapter.stack_output(model, previous, self.chains.hidden(key))
                     mod, kw = self.adapter.stack_call(model, stack, batch, up)
-                    h, ctx = capture_block_input(mod, block0, kw)
+                    h, ctx = self.adapter.capture(mod, stack, model, kw)
                     if side == "m" and t == self.tasks[0] and b == self._batches(t)[0][0]:
                         check_context_replay(self.adapter, stack, self.merged, mod, kw, h, ctx)
                     self.chains.put_hidden(key, h)
@@ -376,7 +376,7 @@ class FeatCalEngine:
                 # expert side: its block output, and what its Linears feed the statistics
                 with ExpertRecorder(linears_e, plan) as recorder:
                     ctx_e = self.chains.context(("e", t, b))
-                    raw_e = block_e(self.chains.hidden(("e", t, b)), **ctx_e)
+                    raw_e = block_e(self.chains.hidden(("e", t, b)), **self.adapter.block_kwargs(stack, layer, ctx_e))
                 if plan is None:
                     plan = plan_block(linears_e, recorder.calls, kind)
                     recorder.adopt(plan)
@@ -384,7 +384,8 @@ class FeatCalEngine:
                 # merged side, block as merged: fold this batch into the task's sums
                 weights = partial(self._weights, stack, layer, n_blocks, batch=batch)
                 with MergedFolder(mods_m, plan, recorder, task_sums, weights):
-                    hm_out = _hidden(block_m(self.chains.hidden(("m", t, b)), **self.chains.context(("m", t, b))))
+                    ctx_m = self.adapter.block_kwargs(stack, layer, self.chains.context(("m", t, b)))
+                    hm_out = _hidden(block_m(self.chains.hidden(("m", t, b)), **ctx_m))
                 del recorder
                 if self._reference.get(t) == b:  # the block still as merged, outside the statistics' hooks
                     self._advance(("r", t, b), stack, layer, block_m)
@@ -405,7 +406,7 @@ class FeatCalEngine:
     def _advance(self, key: tuple, stack: Stack, layer: int, block: nn.Module) -> None:
         """Chain `key` <- block(chain `key`), its context updated as the block passes it on."""
         ctx = self.chains.context(key)
-        raw = block(self.chains.hidden(key), **ctx)
+        raw = block(self.chains.hidden(key), **self.adapter.block_kwargs(stack, layer, ctx))
         self.chains.put_hidden(key, _hidden(raw))
         new_ctx = self.adapter.next_context(stack, layer, ctx, raw)
         if new_ctx is not ctx:
@@ -451,7 +452,7 @@ class FeatCalEngine:
         for t in self.tasks:
             for b, batch in self._batches(t):
                 ctx_m = self.chains.context(("m", t, b))
-                raw = block_m(self.chains.hidden(("m", t, b)), **ctx_m)
+                raw = block_m(self.chains.hidden(("m", t, b)), **self.adapter.block_kwargs(stack, layer, ctx_m))
                 hm = _hidden(raw)
                 he = self.chains.hidden(("e", t, b))
                 after.add(t, hm, he, self.adapter.token_mask(stack, _to_device(batch, self.device), he))

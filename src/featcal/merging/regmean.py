@@ -169,7 +169,6 @@ def _regmean_plus_plus(merged, experts, batches, names, alpha, weights, progress
     engine's adapter machinery (stack entry, block-0 capture, block-to-block context), so each block
     runs once per batch: O(L) block forwards, like FeatCal itself."""
     from featcal.blocks.adapters import adapter_for
-    from featcal.blocks.capture import capture_block_input
 
     adapter = adapter_for(merged)
     stacks = adapter.stacks(merged)
@@ -184,7 +183,7 @@ def _regmean_plus_plus(merged, experts, batches, names, alpha, weights, progress
         for t, bs in data.items():
             for i, b in enumerate(bs):
                 mod, kw = adapter.stack_call(merged, stack, b, None if upstream is None else upstream[(t, i)])
-                hidden[(t, i)], ctx[(t, i)] = capture_block_input(mod, blocks[0], kw)
+                hidden[(t, i)], ctx[(t, i)] = adapter.capture(mod, stack, merged, kw)
         for layer in tqdm(range(len(blocks)), desc=f"regmean++ {stack.name}", leave=False, disable=not progress):
             prefix = f"{stack.blocks_path}.{layer}."
             block_names = [n for n in names if n.startswith(prefix)]
@@ -196,12 +195,12 @@ def _regmean_plus_plus(merged, experts, batches, names, alpha, weights, progress
                 expert_block = stack.blocks(expert)[layer]
                 for i, b in enumerate(data[t]):
                     with grams.watching(modules, weights.for_batch(b)):
-                        expert_block(hidden[(t, i)], **ctx[(t, i)])
+                        expert_block(hidden[(t, i)], **adapter.block_kwargs(stack, layer, ctx[(t, i)]))
                 for n, m in modules.items():
                     sums[n].add(grams.mean(n), m.weight)
             _load_solved(merged, sums)
             for key in hidden:  # advance the merged chains through the merged block
-                raw = blocks[layer](hidden[key], **ctx[key])
+                raw = blocks[layer](hidden[key], **adapter.block_kwargs(stack, layer, ctx[key]))
                 hidden[key] = _hidden(raw)
                 ctx[key] = adapter.next_context(stack, layer, ctx[key], raw)
         upstream = {k: adapter.stack_output(merged, stack, h) for k, h in hidden.items()}

@@ -8,12 +8,15 @@ from featcal.blocks.adapters.base import Adapter, Stack
 from featcal.blocks.adapters.bert import BertAdapter
 from featcal.blocks.adapters.clip import CLIPAdapter
 from featcal.blocks.adapters.dinov2 import Dinov2Adapter
+from featcal.blocks.adapters.gemma3 import Gemma3Adapter
 from featcal.blocks.adapters.llama import LlamaAdapter
 from featcal.blocks.adapters.t5 import T5Adapter
 from featcal.blocks.adapters.vit import ViTAdapter
 from featcal.errors import FeatCalError
 
-ADAPTERS: tuple[type[Adapter], ...] = (CLIPAdapter, ViTAdapter, Dinov2Adapter, BertAdapter, T5Adapter, LlamaAdapter)
+ADAPTERS: tuple[type[Adapter], ...] = (
+    CLIPAdapter, ViTAdapter, Dinov2Adapter, BertAdapter, T5Adapter, LlamaAdapter, Gemma3Adapter,
+)
 
 __all__ = ["ADAPTERS", "Adapter", "Stack", "adapter_for"]
 

@@ -2,9 +2,10 @@
 
 An adapter says where the stacks of residual blocks are (in both the transformers-5 and the 4.x
 module layouts), which module to call with a calibration batch to reach a stack's first block,
-how the block-to-block context changes (T5's shared position bias), which tokens count, and which
-norms are weight-only RMS norms. Calibrated modules inside a block are found by type: every
-`nn.Linear`, every `nn.LayerNorm`, and the adapter's RMS norm classes.
+how the block-to-block context changes (T5's shared position bias) and which arguments each block
+gets (Gemma 3's per-layer-type masks), which tokens count, and which norms are weight-only RMS norms.
+Calibrated modules inside a block are found by type: every `nn.Linear`, every `nn.LayerNorm`, and
+the adapter's RMS norm classes.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from featcal.blocks.capture import capture_block_input
 from featcal.errors import CalibrationDataError, FeatCalError
 
 
@@ -40,6 +42,9 @@ class Stack:
     class_token_head: bool = False  # output read from token 0 only (CLIP/ViT): last-block weighting
     cross_mask_key: str | None = None  # mask of the tokens cross-attention k/v read (T5 decoder)
     cross_modules: tuple[str, ...] = field(default_factory=tuple)  # name suffixes of those modules
+    # attention type of each block (Gemma 3: "sliding_attention" / "full_attention"), when blocks get
+    # per-type arguments; empty when every block is called alike
+    layer_types: tuple[str, ...] = field(default_factory=tuple)
 
     def blocks(self, model: nn.Module) -> nn.ModuleList:
         mod = get_path(model, self.blocks_path)
@@ -108,6 +113,20 @@ class Adapter(ABC):
 
     def next_context(self, stack: Stack, layer: int, ctx: dict[str, Any], output: Any) -> dict[str, Any]:
         """The context (non-hidden arguments) of block layer+1, given block `layer`'s raw output."""
+        return ctx
+
+    def capture(self, module: nn.Module, stack: Stack, model: nn.Module,
+                kwargs: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
+        """Block 0's hidden input and the chain context kept with it, from `module(**kwargs)` (stack_call's).
+
+        Here the context is what block 0 is called with. An adapter whose blocks get arguments that
+        differ by layer (Gemma 3's per-type masks and rotary tables) keeps them all here and picks
+        each block's in `block_kwargs`.
+        """
+        return capture_block_input(module, stack.blocks(model)[0], kwargs)
+
+    def block_kwargs(self, stack: Stack, layer: int, ctx: dict[str, Any]) -> dict[str, Any]:
+        """The keyword arguments block `layer` is called with, from its chain's context: the context itself here."""
         return ctx
 
     # --- token weights ------------------------------------------------------------------
