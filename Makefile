@@ -35,7 +35,7 @@ test: $(TEXT) $(VISION_PYPI)
 lint: $(STAMP)
 	$(BIN)/ruff check src tests
 
-# calibration cost vs its floor (one forward of merged + experts); medians of 3, 1 thread, a few minutes on CPU
+# calibration cost vs its floor (one forward of merged + experts) and vs a straightforward FeatCal; medians of 3, 1 thread
 bench-calib: $(STAMP)
 	$(BIN)/python benchmarks/calibration_speed.py --preset small --tasks 4 --examples 64 --batch-size 16 \
 		--repeats 3 --threads 1 --out runs/bench-calib.json
