@@ -63,7 +63,8 @@ def test_chunk_count_and_bounds():
     for d, k in [(7, 3), (768, 3), (1000, 7)]:
         b = chunk_bounds(d, k)
         assert b[0] == 0 and b[-1] == d and len(b) == k + 1
-        assert max(hi - lo for lo, hi in zip(b, b[1:])) - min(hi - lo for lo, hi in zip(b, b[1:])) <= 1
+        widths = [hi - lo for lo, hi in zip(b[:-1], b[1:], strict=True)]
+        assert max(widths) - min(widths) <= 1
 
 
 def test_add_gram_and_symmetrised_on_their_own():
