@@ -23,12 +23,18 @@ from tqdm import tqdm
 
 from featcal.blocks.heads import CosineHead
 from featcal.experiments.evaluation.classification import accuracy, pooled_features
-from featcal.experiments.zoo.store import MANIFEST
+from featcal.experiments.zoo.stages import (
+    BuildLog,
+    l2_norm,
+    regime_check,
+    state_copy,
+    task_vector,
+    write_manifest,
+)
 from featcal.experiments.zoo.train import schedule
 from featcal.experiments.zoo.vision_presets import VisionRealPreset
 from featcal.experiments.zoo.vision_sources import SOURCES, backbone_dir, check_sources
 from featcal.experiments.zoo.vision_tasks import VISION_TASKS, imagenet_pixels, task_splits
-from featcal.io.atomic import atomic_write_text
 from featcal.io.report import package_versions, peak_rss_mb
 
 log = logging.getLogger(__name__)
@@ -104,20 +110,11 @@ def finetune_vision(model, head: torch.nn.Module, images: np.ndarray, labels: np
     return float(loss.item())
 
 
-def _norm(tensors) -> torch.Tensor:
-    return torch.sqrt(sum(v.float().pow(2).sum() for v in tensors))
-
-
 def build_vision_real(root: Path, p: VisionRealPreset, seed: int, progress: bool, sources: str | None = None) -> None:
     """Write a complete vision-real zoo into `root` (an empty temporary directory)."""
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
-    lines: list[str] = []
-
-    def note(msg: str) -> None:
-        log.info(msg)
-        lines.append(msg)
-
+    notes = BuildLog(log)
     check_vision_inputs(p, sources)
 
     # 1. data: class-capped, seeded, disjoint splits, resized once, stored as uint8
@@ -158,8 +155,8 @@ def build_vision_real(root: Path, p: VisionRealPreset, seed: int, progress: bool
     # 4. experts: the whole encoder fine-tuned per task through its frozen head
     t = time.perf_counter()
     expert_acc, tv_norm, scale_norm, vectors = {}, {}, {}, {}
-    base_sd = {k: v.clone() for k, v in base.state_dict().items()}
-    base_norm = _norm(base_sd.values())
+    base_sd = state_copy(base)
+    base_norm = l2_norm(base_sd.values())
     scale_keys = [k for k in base_sd if "layer_scale" in k]
     for i, name in enumerate(p.tasks):
         expert = copy.deepcopy(base)
@@ -169,26 +166,20 @@ def build_vision_real(root: Path, p: VisionRealPreset, seed: int, progress: bool
         step_s = (time.perf_counter() - te) / max(1, p.finetune.steps)
         save_checkpoint(expert, root / "experts" / name)
         expert_acc[name] = accuracy(expert, heads[name], *tests[name])
-        vectors[name] = {k: v - base_sd[k] for k, v in expert.state_dict().items()}
-        tv_norm[name] = float(_norm(vectors[name].values()) / base_norm)
-        scale_norm[name] = float(_norm(vectors[name][k] for k in scale_keys) / _norm(base_sd[k] for k in scale_keys))
-        note(f"expert {name}: base {base_acc[name]:.3f} -> expert {expert_acc[name]:.3f}, |task vector|/|base| "
-             f"{tv_norm[name]:.4f} (LayerScale {scale_norm[name]:.4f}), {step_s:.2f}s/step")
+        vectors[name] = task_vector(expert, base_sd)
+        tv_norm[name] = float(l2_norm(vectors[name].values()) / base_norm)
+        scale_norm[name] = float(l2_norm(vectors[name][k] for k in scale_keys) / l2_norm(base_sd[k] for k in scale_keys))
+        notes.note(f"expert {name}: base {base_acc[name]:.3f} -> expert {expert_acc[name]:.3f}, |task vector|/|base| "
+                   f"{tv_norm[name]:.4f} (LayerScale {scale_norm[name]:.4f}), {step_s:.2f}s/step")
         del expert
     timings["experts"] = time.perf_counter() - t
 
     # 5. regime check (own in-memory Task Arithmetic; the bench uses featcal.merge)
-    merged = copy.deepcopy(base)
     s = p.regime_scaling
-    merged.load_state_dict({k: v + s * sum(vec[k] for vec in vectors.values()) for k, v in base_sd.items()})
-    ta_acc = {name: accuracy(merged, heads[name], *tests[name]) for name in p.tasks}
-    mean = lambda d: float(np.mean(list(d.values())))  # noqa: E731
-    regime = {"base": mean(base_acc), f"task_arithmetic_{s}": mean(ta_acc), "experts": mean(expert_acc)}
-    ok = regime["base"] < regime[f"task_arithmetic_{s}"] < regime["experts"]
-    note(f"regime: base {regime['base']:.3f} < TA {s} {regime[f'task_arithmetic_{s}']:.3f} < experts "
-         f"{regime['experts']:.3f}: {'yes' if ok else 'NO'}")
+    ta_acc, regime, ok = regime_check(base, base_sd, vectors, s, lambda m, n: accuracy(m, heads[n], *tests[n]),
+                                      base_acc, expert_acc, notes)
     timings["total"] = time.perf_counter() - t0
-    note(f"build time {timings['total']:.0f}s, peak RSS {peak_rss_mb():.0f} MiB")
+    notes.note(f"build time {timings['total']:.0f}s, peak RSS {peak_rss_mb():.0f} MiB")
 
     conversion = json.loads((backbone_dir(sources) / "conversion.json").read_text())
     manifest = {
@@ -218,5 +209,4 @@ def build_vision_real(root: Path, p: VisionRealPreset, seed: int, progress: bool
         "threads": torch.get_num_threads(),
         "versions": package_versions(),
     }
-    atomic_write_text(root / MANIFEST, json.dumps(manifest, indent=2) + "\n")
-    atomic_write_text(root / "build.log", "\n".join(lines) + "\n")
+    write_manifest(root, manifest, notes)
