@@ -294,6 +294,11 @@ class FeatCalConfig(_Strict):
         "sequential", description="Linear biases: sequential (the paper: W without intercept, then b given W) or "
         "joint (W and b in one solve: the exact minimiser of the same objective with an intercept)"
     )
+    calibrate_final_norm: bool = Field(
+        False, description="also solve the norm between the last block and the head (CLIP post_layernorm, DINOv2 / "
+        "ViT layernorm, Llama / Gemma 3 model.norm, T5's last final_layer_norm) as the in-block norms are, from the "
+        "final chains; a no-op, logged, for models without one (BERT); off: the paper's method (docs/variants.md)"
+    )
     tune: bool = Field(
         False, description="choose anchor_blend_rho, lambda_ratio, teacher_interp_alpha (and a task-vector merge's "
         "scaling, where known) by a label-free score on held-out calibration examples, then refit on all of them "

@@ -18,14 +18,22 @@ class Calibrated:
     module: nn.Module
 
 
+def module_kind(mod: nn.Module, adapter: Adapter) -> str | None:
+    """"linear", "layernorm" (with an affine), "rmsnorm" (adapter-declared), or None: not calibrated."""
+    if isinstance(mod, nn.Linear):
+        return "linear"
+    if isinstance(mod, nn.LayerNorm) and mod.elementwise_affine:
+        return "layernorm"
+    if adapter.is_rms(mod):
+        return "rmsnorm"
+    return None
+
+
 def calibrated_modules(block: nn.Module, adapter: Adapter) -> list[Calibrated]:
     """Every Linear, LayerNorm and (adapter-declared) RMS norm inside `block`, in module order."""
     out = []
     for name, mod in block.named_modules():
-        if isinstance(mod, nn.Linear):
-            out.append(Calibrated(name, "linear", mod))
-        elif isinstance(mod, nn.LayerNorm) and mod.elementwise_affine:
-            out.append(Calibrated(name, "layernorm", mod))
-        elif adapter.is_rms(mod):
-            out.append(Calibrated(name, "rmsnorm", mod))
+        kind = module_kind(mod, adapter)
+        if kind is not None:
+            out.append(Calibrated(name, kind, mod))
     return out

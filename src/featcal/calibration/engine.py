@@ -28,6 +28,11 @@ is already calibrated), so the merged model AS MERGED is also run, block by bloc
 chain ("r") of each task's first batch: one more block forward per task and block. After the last
 block its output and the calibrated one are compared with the expert's on that batch (the class
 token only where the output is read from it); calibration that makes this worse is warned about.
+
+Final norm (`calibrate_final_norm`, off by default): after the last block of the last stack, the norm
+the output goes through before the head (the adapter's `final_norm`) is solved as the in-block norms
+are, from the final chains the engine holds (hm(t) and expert t's affine; no block runs), with the last
+block's token weights. Its record (`final_norm`) has the drift after the norm, as merged and solved.
 """
 
 from __future__ import annotations
@@ -40,16 +45,17 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from featcal.blocks.adapters import Adapter, Stack
+from featcal.blocks.adapters import Adapter, FinalNorm, Stack
+from featcal.blocks.adapters.base import get_path
 from featcal.blocks.capture import _hidden, capture_block_input
-from featcal.blocks.discovery import Calibrated, calibrated_modules
+from featcal.blocks.discovery import Calibrated, calibrated_modules, module_kind
 from featcal.calibration import solver
 from featcal.calibration.chains import ChainStore
 from featcal.calibration.distributed import RankGroup, current_group
-from featcal.calibration.hooks import ExpertRecorder, MergedFolder, plan_block
+from featcal.calibration.hooks import ExpertRecorder, MergedFolder, normalised_input, plan_block
 from featcal.calibration.placement import Placement
 from featcal.calibration.resume import Position, ResumeStore, common_position
-from featcal.calibration.statistics import NormalisedSums, TaskSums
+from featcal.calibration.statistics import NormalisedSums, NormNormalised, TaskSums
 from featcal.config import FeatCalConfig
 from featcal.data.batch import Batch
 from featcal.errors import FeatCalError
@@ -187,6 +193,7 @@ class FeatCalEngine:
                                  home=self.place.chain_home)
         self.drift: list[dict[str, Any]] = []
         self.end_to_end: dict[str, Any] | None = None
+        self.final_norm: dict[str, Any] | None = None  # with calibrate_final_norm: what was solved, its drift
         # per task, the first batch of this rank's share: where the uncalibrated merge is followed end to end
         self._reference = {t: self.calibration[t][0][0] for t in self.tasks if self.calibration[t]}
         self._block_counter = 0
@@ -214,6 +221,8 @@ class FeatCalEngine:
                 for layer in range(first, n_blocks):
                     self._calibrate_block(stack, layer, n_blocks)
                     self._commit(si, layer, n_blocks)
+            if self.cfg.calibrate_final_norm:  # from the committed final chains: a resumed run re-solves it alike
+                self.final_norm = self._calibrate_final_norm(self.stacks[-1])
             self.end_to_end = self._end_to_end()
             return self.drift
         finally:
@@ -499,19 +508,99 @@ class FeatCalEngine:
                 acc = sums.norms.get(c.name)
                 if acc is None:
                     continue
-                g_anchor = solver.anchor(c.module.weight, self._base(full + ".weight"), rho)
-                if c.kind == "rmsnorm" or getattr(c.module, "bias", None) is None:
-                    g = solver.rmsnorm_weight(acc.e, acc.gamma_target, g_anchor, lam)
-                    solver.check_finite(full + ".weight", g)
-                    solved[c.module.weight] = g
-                else:
-                    b_anchor = solver.anchor(c.module.bias, self._base(full + ".bias"), rho)
-                    g, b = solver.layernorm_affine(
-                        acc.e, acc.m, acc.n_tasks, acc.gamma_target, acc.beta_target, g_anchor, b_anchor, lam
-                    )
-                    solver.check_finite(full + ".weight", g)
-                    solver.check_finite(full + ".bias", b)
-                    solved[c.module.weight], solved[c.module.bias] = g, b
+                solved.update(self._solve_norm(full, c.kind, c.module, acc))
+        self._load(solved)
+
+    def _load(self, solved: dict[nn.Parameter, torch.Tensor]) -> None:
         for p, value in solved.items():  # all solves read merged values first, then load
             p.copy_(value.to(dtype=p.dtype, device=p.device))
         self.group.broadcast_([p.data for p in solved])  # every rank keeps rank 0's solution, bit for bit
+
+    def _solve_norm(self, full: str, kind: str, module: nn.Module,
+                    acc: NormNormalised) -> dict[nn.Parameter, torch.Tensor]:
+        """SPEC §2.6's per-channel solve of norm `full`: (γ, β) of a LayerNorm, γ of an RMS norm (not loaded)."""
+        lam, rho = self.cfg.lambda_ratio, self.cfg.anchor_blend_rho
+        g_anchor = solver.anchor(module.weight, self._base(full + ".weight"), rho)
+        if kind == "rmsnorm" or getattr(module, "bias", None) is None:
+            g = solver.rmsnorm_weight(acc.e, acc.gamma_target, g_anchor, lam)
+            solver.check_finite(full + ".weight", g)
+            return {module.weight: g}
+        b_anchor = solver.anchor(module.bias, self._base(full + ".bias"), rho)
+        g, b = solver.layernorm_affine(acc.e, acc.m, acc.n_tasks, acc.gamma_target, acc.beta_target, g_anchor,
+                                       b_anchor, lam)
+        solver.check_finite(full + ".weight", g)
+        solver.check_finite(full + ".bias", b)
+        return {module.weight: g, module.bias: b}
+
+    # --- the final norm (calibrate_final_norm) ---------------------------------------------------
+    def _calibrate_final_norm(self, stack: Stack) -> dict[str, Any]:
+        """Solve the norm between `stack`'s last block and the head as the in-block norms are (SPEC §2.6).
+
+        Its statistics are those of its normalised input on the merged chain hm(t), already calibrated
+        upstream, against expert t's own affine, not normalised per task; they come from the final chains,
+        so no block runs. Architectures without such a norm (BERT) are a logged no-op.
+        """
+        final = self.adapter.final_norm(self.merged, stack)
+        kind = None if final is None else module_kind(final.module, self.adapter)
+        if final is None or kind not in ("layernorm", "rmsnorm"):
+            why = (f"{type(self.merged).__name__} has no norm between its last {stack.name} block and its head"
+                   if final is None else f"{final.path} ({type(final.module).__name__}) is no calibrated norm")
+            log.info("featcal: calibrate_final_norm: %s; nothing is calibrated", why)
+            return {"calibrated": False, "stack": stack.name, "why": why}
+        norm_e = get_path(self.template, final.path)
+        names = [f"{final.path}.{n}" for n, _ in final.module.named_parameters()]
+        with self.place.blocks(final.module, norm_e):  # offloading: the two norms on the device
+            sums = NormalisedSums(self.cfg.teacher_interp_alpha)
+            before = self._final_norm_pass(stack, final, norm_e, names, kind, sums)
+            acc = sums.norms.get(final.path)
+            if acc is None:
+                raise FeatCalError(f"{final.path}: no calibration token reached the final norm")
+            self._load(self._solve_norm(final.path, kind, final.module, acc))
+            after = self._final_norm_pass(stack, final, norm_e, names, kind, None)
+        tokens = "class token" if final.class_token_only else (
+            f"all tokens (class token 1, others {self.cfg.cls_token_weight})" if stack.class_token_head else "all tokens")
+        record = {"calibrated": True, "module": final.path, "kind": kind, "stack": stack.name, "tokens": tokens,
+                  "before": before.mean(), "after": after.mean()}
+        log.info("featcal %s final norm %s: drift %.6g -> %.6g (mean ||nm-ne||^2/||ne||^2 over tokens and tasks)",
+                 stack.name, final.path, record["before"], record["after"])
+        return record
+
+    def _final_norm_pass(self, stack: Stack, final: FinalNorm, norm_e: nn.Module, names: list[str], kind: str,
+                         sums: NormalisedSums | None) -> _Drift:
+        """One pass over the final chains: the drift after the norm (merged norm on hm, expert t's on he),
+        and with `sums` the norm's statistics folded in, task by task."""
+        drift = _Drift()
+        for t in self.tasks:
+            load_into(self.template, names, self.experts[t])
+            task_sums = TaskSums()
+            for b, batch in self._batches(t):
+                batch = _to_device(batch, self.device)
+                xm, w, mask = self._final_norm_input(stack, final, self.chains.hidden(("m", t, b)), batch)
+                xe = self.chains.hidden(("e", t, b))
+                xe = xe[:, 0] if final.class_token_only else xe
+                if sums is not None:
+                    task_sums.add_norm(final.path, normalised_input(final.module, xm, kind == "rmsnorm"), w)
+                drift.add(t, final.module(xm), norm_e(xe), mask)
+            if sums is not None:
+                self.group.reduce_task_sums(task_sums, t)
+                expert = {final.path: {"weight": norm_e.weight, "bias": getattr(norm_e, "bias", None)}}
+                sums.add_task(t, task_sums, expert, {final.path} if kind == "rmsnorm" else set())
+        return drift.reduce(self.group, self.tasks)
+
+    def _final_norm_input(self, stack: Stack, final: FinalNorm, h: torch.Tensor,
+                          batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(what the final norm reads, its token weights, its 0/1 token mask) from a final chain entry h.
+
+        Weights as in the last block (SPEC §2.3): padding 0, and for a class-token-read stack the class
+        token 1, others cls_token_weight; a norm of the class token alone (CLIP) reads that token only.
+        """
+        mask = self.adapter.token_mask(stack, batch, h)
+        mask = None if mask is None else mask.to(h.device)
+        if final.class_token_only:
+            m0 = None if mask is None else mask[:, 0]
+            return h[:, 0], m0, m0
+        if not stack.class_token_head:
+            return h, mask, mask
+        w = torch.full(tuple(h.shape[:-1]), self.cfg.cls_token_weight, dtype=torch.float32, device=h.device)
+        w[..., 0] = 1.0
+        return h, (w if mask is None else w * mask), mask

@@ -524,5 +524,7 @@ def _write_calibrated(
         report["peak_rss_mb"] = round(peak_rss_mb(), 1)
         if tuning is not None:
             report["tuning"] = tuning
+        if result.final_norm is not None:  # calibrate_final_norm: what was solved (absent by default)
+            report["final_norm"] = result.final_norm
         write_report(tmp, report)
     return report

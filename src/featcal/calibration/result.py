@@ -24,6 +24,9 @@ class CalibrationResult:
         deletes it once its output is written), else None.
     tuning: with `config.tune`, the search's record (split, candidates, choice, seconds; tuning.py), what
         featcal.json records under "tuning"; else None.
+    final_norm: with `config.calibrate_final_norm`, {"calibrated", "module", "kind", "tokens", "before",
+        "after"} (the drift after the norm, as merged and solved), or {"calibrated": False, "why"} for a model
+        without one; what featcal.json records under "final_norm"; else None.
     """
 
     model: nn.Module
@@ -31,6 +34,7 @@ class CalibrationResult:
     end_to_end: dict[str, Any] | None = None
     resume_store: ResumeStore | None = None
     tuning: dict[str, Any] | None = None
+    final_norm: dict[str, Any] | None = None
 
     def with_tuning(self, record: dict[str, Any]) -> CalibrationResult:
         """The same result carrying the tuning search's record."""

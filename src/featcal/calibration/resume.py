@@ -100,6 +100,8 @@ def config_digest(config: Any) -> str:
     data = config.model_dump(mode="json")
     for k in ("spill_dir", "resume_dir", "resume", "offload_blocks", "checkpoint_every"):
         data.pop(k, None)
+    if not data.get("calibrate_final_norm"):  # off: the digest states written before the option had
+        data.pop("calibrate_final_norm", None)
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 

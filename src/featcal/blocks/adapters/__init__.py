@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from featcal.blocks.adapters.base import Adapter, Stack
+from featcal.blocks.adapters.base import Adapter, FinalNorm, Stack
 from featcal.blocks.adapters.bert import BertAdapter
 from featcal.blocks.adapters.clip import CLIPAdapter
 from featcal.blocks.adapters.dinov2 import Dinov2Adapter
@@ -18,7 +18,7 @@ ADAPTERS: tuple[type[Adapter], ...] = (
     CLIPAdapter, ViTAdapter, Dinov2Adapter, BertAdapter, T5Adapter, LlamaAdapter, Gemma3Adapter,
 )
 
-__all__ = ["ADAPTERS", "Adapter", "Stack", "adapter_for"]
+__all__ = ["ADAPTERS", "Adapter", "FinalNorm", "Stack", "adapter_for"]
 
 
 def adapter_for(model: nn.Module) -> Adapter:

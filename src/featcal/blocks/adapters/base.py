@@ -53,6 +53,24 @@ class Stack:
         return mod
 
 
+@dataclass(frozen=True)
+class FinalNorm:
+    """The norm a stack's output goes through before the model's head (FeatCalConfig.calibrate_final_norm)."""
+
+    path: str  # dotted path from the top model ("post_layernorm", "model.norm", "decoder.final_layer_norm")
+    module: nn.Module
+    # it normalises the class token alone (CLIP's post_layernorm on the pooled token): the other tokens never
+    # reach it, so only the class token enters its statistics
+    class_token_only: bool = False
+
+
+def final_norm_at(model: nn.Module, stack: Stack, name: str, class_token_only: bool = False) -> FinalNorm | None:
+    """The module `name` under the stack's entry, as a FinalNorm; None where the model has none there."""
+    path = f"{stack.entry_path}.{name}" if stack.entry_path else name
+    module = get_path(model, path)
+    return None if module is None else FinalNorm(path, module, class_token_only)
+
+
 class Adapter(ABC):
     """Base adapter: defaults for models whose stack entry is called with the batch as keywords."""
 
@@ -106,6 +124,11 @@ class Adapter(ABC):
         """
         entry = get_path(model, stack.entry_path)
         return entry, {**accepted_inputs(entry, batch), **self.capture_kwargs}
+
+    def final_norm(self, model: nn.Module, stack: Stack) -> FinalNorm | None:
+        """The norm between `stack`'s last block and the head, or None: the architecture has none (BERT's
+        blocks end in their own LayerNorm, and its pooler is a Linear). Used for the last stack only."""
+        return None
 
     def stack_output(self, model: nn.Module, stack: Stack, hidden: torch.Tensor) -> torch.Tensor:
         """The stack's output from its last block's output (e.g. a final norm), for the next stack."""

@@ -1,4 +1,7 @@
-"""BERT (BertModel and Bert*For* heads): the encoder blocks; padding tokens weigh 0 via attention_mask."""
+"""BERT (BertModel and Bert*For* heads): the encoder blocks; padding tokens weigh 0 via attention_mask.
+
+BERT has no final norm: every block ends in its own LayerNorm (calibrated with the block) and the pooler is
+a Linear, so `calibrate_final_norm` is a no-op here (the engine logs it and records why)."""
 
 from __future__ import annotations
 

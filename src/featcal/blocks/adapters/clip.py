@@ -1,12 +1,13 @@
 """CLIP vision encoders: CLIPVisionModel (5.x flat layout or 4.x `vision_model.` wrapper) and CLIPModel's
 vision tower. Only the vision encoder blocks are calibrated; the stem (embeddings + pre_layrnorm) and the
-head (post_layernorm, projection) stay merged. The output is read from the class token only."""
+head (post_layernorm, projection) stay merged, unless `calibrate_final_norm` (post_layernorm, which reads
+the class token alone). The output is read from the class token only."""
 
 from __future__ import annotations
 
 from torch import nn
 
-from featcal.blocks.adapters.base import Adapter, Stack, first_existing
+from featcal.blocks.adapters.base import Adapter, FinalNorm, Stack, final_norm_at, first_existing
 
 
 class CLIPAdapter(Adapter):
@@ -21,3 +22,7 @@ class CLIPAdapter(Adapter):
             raise FeatCalError(f"{type(model).__name__}: cannot find the CLIP vision encoder layers")
         entry = path[: -len("encoder.layers")].rstrip(".")
         return [Stack("vision", path, entry, mask_key=None, class_token_head=True)]
+
+    def final_norm(self, model: nn.Module, stack: Stack) -> FinalNorm | None:
+        """post_layernorm, which CLIP applies to the class token alone (the pooled output)."""
+        return final_norm_at(model, stack, "post_layernorm", class_token_only=True)

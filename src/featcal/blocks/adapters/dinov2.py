@@ -12,14 +12,14 @@ of the expert's. Fine-tuning moves λ little: |Δλ|/|λ| was 0.07-0.12 % per ex
 zoo, so λ_merged/λ_t stays within about 0.1 % of 1 (each vision-real zoo records it per expert as
 `layer_scale_relative_change`; docs/bench-vision-real.md).
 The stem (patch embedding, class token, position table) and the final layernorm stay merged, as for
-every vision adapter.
+every vision adapter, unless `calibrate_final_norm` (the layernorm, over every token).
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from featcal.blocks.adapters.base import Adapter, Stack, first_existing
+from featcal.blocks.adapters.base import Adapter, FinalNorm, Stack, final_norm_at, first_existing
 from featcal.errors import FeatCalError
 
 
@@ -33,3 +33,7 @@ class Dinov2Adapter(Adapter):
             if path is not None:
                 return [Stack("vision", path, prefix.rstrip("."), mask_key=None, class_token_head=True)]
         raise FeatCalError(f"{type(model).__name__}: cannot find the DINOv2 encoder layers")
+
+    def final_norm(self, model: nn.Module, stack: Stack) -> FinalNorm | None:
+        """`layernorm`, applied to every token before the class token is read."""
+        return final_norm_at(model, stack, "layernorm")

@@ -16,7 +16,8 @@ What differs from Llama, and what FeatCal does about it:
   would give a global block a sliding mask. So the chain context holds one set of arguments per
   type, taken from the model's own calls of every block (`capture_block_calls`: no block computes)
   and checked identical within a type; `block_kwargs` hands each block its type's.
-- The scaled embedding, the final norm and the tied LM head are outside the blocks: they stay merged.
+- The scaled embedding, the final norm and the tied LM head are outside the blocks: they stay merged
+  (the final norm, `norm`, is solved as the in-block ones with `calibrate_final_norm`, w as stored).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from featcal.blocks.adapters.base import Adapter, Stack, first_existing, get_path
+from featcal.blocks.adapters.base import Adapter, FinalNorm, Stack, final_norm_at, first_existing, get_path
 from featcal.blocks.capture import capture_block_calls
 from featcal.errors import CalibrationDataError, FeatCalError
 
@@ -66,6 +67,10 @@ class Gemma3Adapter(Adapter):
                                    f"for {n} blocks")
             return [Stack("decoder", path, prefix.rstrip("."), layer_types=types[:n])]
         raise FeatCalError(f"{type(model).__name__}: cannot find the decoder layers")
+
+    def final_norm(self, model: nn.Module, stack: Stack) -> FinalNorm | None:
+        """`norm` (Gemma3RMSNorm), between the last decoder layer and the LM head."""
+        return final_norm_at(model, stack, "norm")
 
     # --- per-type block arguments ---------------------------------------------------------------
     def capture(self, module: nn.Module, stack: Stack, model: nn.Module,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from featcal.blocks.adapters.base import Adapter, Stack, first_existing
+from featcal.blocks.adapters.base import Adapter, FinalNorm, Stack, final_norm_at, first_existing
 from featcal.errors import FeatCalError
 
 
@@ -34,3 +34,7 @@ class LlamaAdapter(Adapter):
             if path is not None:
                 return [Stack("decoder", path, prefix.rstrip("."))]
         raise FeatCalError(f"{type(model).__name__}: cannot find the decoder layers")
+
+    def final_norm(self, model: nn.Module, stack: Stack) -> FinalNorm | None:
+        """`norm` (RMS), between the last decoder layer and the LM head."""
+        return final_norm_at(model, stack, "norm")

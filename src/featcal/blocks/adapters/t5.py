@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from featcal.blocks.adapters.base import Adapter, Stack, get_path
+from featcal.blocks.adapters.base import Adapter, FinalNorm, Stack, final_norm_at, get_path
 from featcal.errors import CalibrationDataError
 
 
@@ -66,6 +66,11 @@ class T5Adapter(Adapter):
             "attention_mask": batch.get("decoder_attention_mask"), "encoder_attention_mask": batch.get("attention_mask"),
         }
         return model.decoder, kw
+
+    def final_norm(self, model: nn.Module, stack: Stack) -> FinalNorm | None:
+        """The stack's `final_layer_norm` (RMS): the decoder's before the LM head, the encoder's in an encoder-only
+        model. An encoder's norm that feeds a decoder is not a final norm: it stays merged."""
+        return final_norm_at(model, stack, "final_layer_norm")
 
     def stack_output(self, model, stack, hidden):
         stack_mod = get_path(model, stack.entry_path)

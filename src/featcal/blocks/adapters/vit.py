@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from featcal.blocks.adapters.base import Adapter, Stack, first_existing
+from featcal.blocks.adapters.base import Adapter, FinalNorm, Stack, final_norm_at, first_existing
 from featcal.errors import FeatCalError
 
 
@@ -19,3 +19,7 @@ class ViTAdapter(Adapter):
             if path is not None:
                 return [Stack("vision", path, prefix.rstrip("."), mask_key=None, class_token_head=True)]
         raise FeatCalError(f"{type(model).__name__}: cannot find the ViT encoder layers")
+
+    def final_norm(self, model: nn.Module, stack: Stack) -> FinalNorm | None:
+        """`layernorm`, applied to every token before the pooler / classifier reads the class token."""
+        return final_norm_at(model, stack, "layernorm")
