@@ -172,3 +172,22 @@ def test_the_option_is_validated_and_off_by_default():
     assert FeatCalConfig().calibrate_final_norm is False
     with pytest.raises(ConfigError, match="calibrate_final_norm"):
         parse(FeatCalConfig, {"calibrate_final_norm": "maybe"})
+
+
+def test_cli_flag_records_the_final_norm_in_featcal_json(tmp_path):
+    import json
+
+    from featcal.cli.main import main
+    from test_pipeline_support import clip_family
+
+    fam = clip_family(tmp_path / "fam")
+    argv = ["calibrate", "--base", str(fam["base"]), "--merged", str(fam["merged"]), "--out", str(tmp_path / "out"),
+            "--no-progress", "--num-calibration-examples", "4", "--calibrate-final-norm"]
+    for t, d in fam["experts"].items():
+        argv += ["--expert", f"{t}={d}"]
+    for t, d in fam["data"].items():
+        argv += ["--calib", f"{t}={d}"]
+    assert main(argv) == 0
+    report = json.loads((tmp_path / "out" / "featcal.json").read_text())
+    assert report["params"]["calibrate_final_norm"] is True
+    assert report["final_norm"]["calibrated"] and report["final_norm"]["module"] == "post_layernorm"
