@@ -18,6 +18,10 @@ def _sizes(text: str) -> tuple[int, ...]:
     return tuple(dict.fromkeys(sizes))
 
 
+def _variants(text: str) -> tuple[str, ...]:
+    return tuple(v.strip() for v in text.split(",") if v.strip())
+
+
 def _baseline_params(args: argparse.Namespace, baselines: tuple[str, ...]) -> dict[str, dict[str, int]]:
     """Step overrides for the baselines that train (defaults: the authors' 500 / 300 steps)."""
     out: dict[str, dict[str, int]] = {}
@@ -49,6 +53,7 @@ def _run(args: argparse.Namespace) -> int:
         rebuild_zoo=args.rebuild_zoo,
         baselines=(baselines := parse_baselines(args.baselines)),
         baseline_params=_baseline_params(args, baselines),
+        featcal_variants=_variants(args.featcal_variants),
     )
     validate(settings)
     check_output_dir(args.out, args.overwrite)  # before any work
@@ -59,10 +64,11 @@ def _run(args: argparse.Namespace) -> int:
     for m in settings.resolved_methods():
         s = report["summary"][m]
         for n in settings.calib_sizes:
-            closed = s["gap_closed"][n]
-            print(f"{m}: gap to experts closed by FeatCal ({n}/task): "
-                  f"{'n/a' if closed is None else f'{100 * closed:.1f}%'}, cost {s['cost_ratio'][n]:.2f}x the forward floor"
-                  f" (the exact method's arithmetic: {report['summary']['cost_ratio_arithmetic']:.2f}x)")
+            for variant, v in s["variants"].items():
+                closed, tag = v["gap_closed"][n], "" if variant == "reference" else f" [{variant}]"
+                print(f"{m}: gap to experts closed by FeatCal{tag} ({n}/task): "
+                      f"{'n/a' if closed is None else f'{100 * closed:.1f}%'}, cost {v['cost_ratio'][n]:.2f}x the "
+                      f"forward floor (the exact method's arithmetic: {report['summary']['cost_ratio_arithmetic']:.2f}x)")
     for r in report["rows"]:
         if r.get("baseline") and r.get("merge"):
             closed = r["gap_closed"]
@@ -83,6 +89,11 @@ def register(subparsers) -> None:
     p.add_argument("--methods", default=None,
                    help=f"merge methods, each alone and + FeatCal, comma-separated, from {', '.join(MERGE_METHODS)} "
                         "(default: the preset's; vision presets average,task_arithmetic,ties; text all but DARE)")
+    p.add_argument("--featcal-variants", default="reference",
+                   help="FeatCal variants, each a calibrated row per merge and size, comma-separated, from reference "
+                        "(the paper's method), joint_bias (bias_solve joint), final_norm (calibrate_final_norm), tuned "
+                        "(--tune with its defaults, scored through the zoo's heads) (default: reference; "
+                        "docs/variants.md)")
     p.add_argument("--baselines", default="",
                    help="comparison baselines, comma-separated, from surgery, probsurgery, regmean, regmean++, wudi, "
                         "or 'all' (default: none)")

@@ -6,6 +6,8 @@ Every merged model comes from featcal's own `merge`, every calibrated one from f
 `calibrate`; the zoo only supplies checkpoints, frozen heads and fixed data splits. Calibration draws
 from the zoo's calibration split (never the test split). The cost of calibration is compared, in the
 same run, with its floor: one forward of the merged model and of every expert over the same data.
+FeatCal variants (`--featcal-variants`, FEATCAL_VARIANTS) add calibrated rows beside the reference's, each
+row naming its `variant` (docs/variants.md).
 """
 
 from __future__ import annotations
@@ -51,6 +53,14 @@ MERGE_PARAMS: dict[str, dict[str, Any]] = {  # the paper's / demo's settings
 }
 DATA_MERGES = ("regmean", "regmean++")
 REGIME_METHODS = ("task_arithmetic", "regmean", "wudi")  # merged for the regime line when not benched
+# --featcal-variants: what each changes in the bench's FeatCalConfig (docs/variants.md). "tuned" also gets
+# what the bench knows and `featcal calibrate` would be told: the zoo's heads and a task-vector merge's scaling.
+FEATCAL_VARIANTS: dict[str, dict[str, Any]] = {
+    "reference": {},  # the paper's method, as configured: today's rows
+    "joint_bias": {"bias_solve": "joint"},
+    "final_norm": {"calibrate_final_norm": True},
+    "tuned": {"tune": True},
+}
 
 
 @dataclass
@@ -69,6 +79,7 @@ class BenchSettings:
 
     sources: Path | None = None  # text presets: the downloaded data archives (featcal.experiments.zoo.text_sources)
     wudi_steps: int | None = None  # WUDI's steps in the bench merge and regime line (None: the preset's)
+    featcal_variants: tuple[str, ...] = ("reference",)  # FEATCAL_VARIANTS; the first is the summary's and drift's
 
     def resolved_zoo_dir(self) -> Path:
         return self.zoo_dir or Path("zoo-cache") / f"{self.preset}-seed{self.seed}"
@@ -104,6 +115,7 @@ def validate(settings: BenchSettings) -> None:
                           + (f" ({', '.join(others)}: --baselines)" if others else ""))
     parse_baselines(settings.baselines)
     _validate_baseline_params(settings)
+    check_variants(settings.featcal_variants)
     if settings.wudi_steps is not None and settings.wudi_steps < 0:
         raise ConfigError(f"--wudi-steps must be at least 0, got {settings.wudi_steps}")
     if preset.modality == "text":
@@ -120,6 +132,16 @@ def validate(settings: BenchSettings) -> None:
 
         if cached(settings.resolved_zoo_dir(), preset, settings.seed) is None:  # the zoo will be built
             check_vision_inputs(preset, settings.sources)
+
+
+def check_variants(variants: Sequence[str]) -> None:
+    """Unknown, repeated or no FeatCal variants are refused before any work."""
+    bad = [v for v in variants if v not in FEATCAL_VARIANTS]
+    if bad or not variants:
+        raise ConfigError(f"unknown FeatCal variants {bad}; choose from {', '.join(FEATCAL_VARIANTS)}")
+    twice = sorted({v for v in variants if list(variants).count(v) > 1})
+    if twice:
+        raise ConfigError(f"FeatCal variants given twice: {', '.join(twice)}")
 
 
 def _validate_baseline_params(settings: BenchSettings) -> None:
@@ -394,12 +416,13 @@ def _method_rows(run: _Run, method: str, pools: Mapping[str, Inputs], sets: _Cal
                  normalised_accuracy=normalised_accuracy(per_task, run.expert_acc), gap_closed=0.0, **extra)]
     log.info("%s: %.4f (%.1fs)", method, merge_avg, merge_seconds)
     for n in settings.calib_sizes:
-        row, calibrated_drift = _featcal_row(run, method, params, merged, n, pools, sets.drift_probe,
-                                             merge_seconds=merge_seconds, merge_avg=merge_avg)
-        rows.append(row)
-        if n == max(settings.calib_sizes):
-            drift_curves[method] = [{"block": i, "before": b, "after": a}
-                                    for i, (b, a) in enumerate(zip(merged_drift, calibrated_drift, strict=True))]
+        for variant in settings.featcal_variants:
+            row, calibrated_drift = _featcal_row(run, method, params, merged, n, pools, sets.drift_probe,
+                                                 merge_seconds=merge_seconds, merge_avg=merge_avg, variant=variant)
+            rows.append(row)
+            if n == max(settings.calib_sizes) and variant == settings.featcal_variants[0]:
+                drift_curves[method] = [{"block": i, "before": b, "after": a}
+                                        for i, (b, a) in enumerate(zip(merged_drift, calibrated_drift, strict=True))]
     rows += surgery_rows(settings.baselines, merge=method, merged=merged, merge_average=merge_avg,
                          experts=run.experts, calibration=sets.largest_untrimmed, heads=run.heads, tests=run.tests,
                          expert_acc=run.expert_acc, params=settings.baseline_params, batch=settings.eval_batch_size,
@@ -407,19 +430,40 @@ def _method_rows(run: _Run, method: str, pools: Mapping[str, Inputs], sets: _Cal
     return rows
 
 
+def _tune_arguments(run: _Run, method: str, params: Mapping[str, Any]) -> dict[str, Any]:
+    """What the "tuned" variant's search is told: each task's frozen head, read on the pooled features the
+    bench evaluates, and the merge's scaling where the merge is a task-vector merge (so it can be searched)."""
+    from featcal.calibration.tuning import TASK_VECTOR_METHODS
+    from featcal.experiments.evaluation.features import features
+
+    heads = {t: (lambda model, batch, h=run.heads[t]: h(features(model, batch, run.pooling))) for t in run.tasks}
+    return {"heads": heads, "merge_scaling": params.get("scaling") if method in TASK_VECTOR_METHODS else None}
+
+
+def _variant_record(variant: str, result) -> dict[str, Any]:
+    """What a non-reference row adds: the final norm's record, or the search's choice."""
+    if variant == "final_norm":
+        return {"final_norm": result.final_norm}
+    if variant == "tuned":
+        return {"tuning_chosen": result.tuning["chosen"], "tuning_criterion": result.tuning.get("criterion")}
+    return {}
+
+
 def _featcal_row(run: _Run, method: str, params: dict[str, Any], merged, n: int, pools: Mapping[str, Inputs],
-                 drift_probe: Mapping[str, list], *, merge_seconds: float, merge_avg: float) -> tuple[dict, list[float]]:
-    """The merge + FeatCal on `n` calibration examples per task, timed against its forward floor;
-    (its row, its feature drift per block)."""
+                 drift_probe: Mapping[str, list], *, merge_seconds: float, merge_avg: float,
+                 variant: str = "reference") -> tuple[dict, list[float]]:
+    """The merge + FeatCal (`variant`, FEATCAL_VARIANTS) on `n` calibration examples per task, timed against
+    its forward floor; (its row, its feature drift per block)."""
     from featcal.calibration.api import calibrate
 
-    cfg = run.settings.featcal.model_copy(update={"num_calibration_examples": n})
+    cfg = run.settings.featcal.model_copy(update={"num_calibration_examples": n, **FEATCAL_VARIANTS[variant]})
     calibration = {t: _batches(head_rows(pools[t], n), cfg.calibration_batch_size) for t in run.tasks}
+    tune = _tune_arguments(run, method, params) if cfg.tune else {}
     floor = forward_floor_seconds(merged, run.experts, calibration)
     with PeakRSS() as rss:
         timer = Timer()
         result = calibrate(merged, base=run.zoo.base_dir, experts=run.experts, calibration=calibration,
-                           config=cfg, progress=run.progress, return_result=True)
+                           config=cfg, progress=run.progress, return_result=True, **tune)
         calibrated = result.model
         calib_seconds = timer.seconds
     per_task = run.evaluate(calibrated)
@@ -431,8 +475,9 @@ def _featcal_row(run: _Run, method: str, params: dict[str, Any], merged, n: int,
                forward_floor_seconds=round(floor, 4), cost_ratio=calib_seconds / floor,
                normalised_accuracy=normalised_accuracy(per_task, run.expert_acc),
                gap_closed=gap_closed(avg, merge_avg, run.experts_average),
-               feature_drift=calibrated_drift, engine_drift=engine_drift)
-    log.info("%s + FeatCal (%d/task): %.4f (%.1fs, floor %.1fs)", method, n, avg, calib_seconds, floor)
+               feature_drift=calibrated_drift, engine_drift=engine_drift, variant=variant,
+               **_variant_record(variant, result))
+    log.info("%s + FeatCal [%s] (%d/task): %.4f (%.1fs, floor %.1fs)", method, variant, n, avg, calib_seconds, floor)
     return row, calibrated_drift
 
 
@@ -444,7 +489,8 @@ def _report(run: _Run, rows: list[dict], regime_record: dict[str, Any], drift_cu
     return build_report(
         "bench",
         {"preset": settings.preset, "seed": settings.seed, "calib_sizes": list(settings.calib_sizes),
-         "methods": list(methods), "baselines": list(settings.baselines),
+         "methods": list(methods), "featcal_variants": list(settings.featcal_variants),
+         "baselines": list(settings.baselines),
          "baseline_params": settings.baseline_params, "merge_params": {m: settings.merge_params(m) for m in methods},
          "featcal": settings.featcal.model_dump(mode="json"), "zoo_dir": str(settings.resolved_zoo_dir())},
         command_line=shlex.join(["featcal", *sys.argv[1:]]) if Path(sys.argv[0]).name == "featcal" else shlex.join(sys.argv),
@@ -467,20 +513,25 @@ def _report(run: _Run, rows: list[dict], regime_record: dict[str, Any], drift_cu
 
 def summarise(rows: list[dict], experts_average: float, settings: BenchSettings,
               arithmetic_ratio: float) -> dict[str, Any]:
-    """Headline numbers: per merge, accuracy alone and calibrated, gap closed and cost ratio, per size;
-    beside the measured cost ratios, the exact method's arithmetic ratio to the floor (bench/cost.py)."""
+    """Headline numbers: per merge, accuracy alone and calibrated, gap closed and cost ratio, per size (the
+    first variant's; every variant's under `variants`); beside the measured cost ratios, the exact method's
+    arithmetic ratio to the floor (bench/cost.py)."""
     out: dict[str, Any] = {"experts_average": experts_average, "cost_ratio_arithmetic": arithmetic_ratio}
     base = next(r for r in rows if r["method"] == "base")
     out["base_average"] = base["average_accuracy"]
     for method in settings.resolved_methods():
         alone = next(r for r in rows if r["method"] == method and not r["calibrated"])
-        cal = {r["calibration_examples"]: r for r in rows if r["method"] == method and r["calibrated"]}
-        out[method] = {
-            "merge_average": alone["average_accuracy"],
-            "calibrated_average": {n: r["average_accuracy"] for n, r in cal.items()},
-            "gap_closed": {n: r["gap_closed"] for n, r in cal.items()},
-            "cost_ratio": {n: r["cost_ratio"] for n, r in cal.items()},
-        }
+        per_variant = {}
+        for variant in settings.featcal_variants:
+            cal = {r["calibration_examples"]: r for r in rows
+                   if r["method"] == method and r["calibrated"] and r.get("variant", "reference") == variant}
+            per_variant[variant] = {
+                "calibrated_average": {n: r["average_accuracy"] for n, r in cal.items()},
+                "gap_closed": {n: r["gap_closed"] for n, r in cal.items()},
+                "cost_ratio": {n: r["cost_ratio"] for n, r in cal.items()},
+            }
+        out[method] = {"merge_average": alone["average_accuracy"], **per_variant[settings.featcal_variants[0]],
+                       "variants": per_variant}
     return out
 
 

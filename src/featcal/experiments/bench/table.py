@@ -17,7 +17,9 @@ def _label(row: dict[str, Any]) -> str:
     if row.get("baseline"):
         return f"{row['method']} (baseline)"
     if row["calibrated"]:
-        return f"{row['method']} + FeatCal ({row['calibration_examples']}/task)"
+        variant = row.get("variant", "reference")
+        tag = "" if variant == "reference" else f" [{variant}]"  # the reference keeps its label
+        return f"{row['method']} + FeatCal{tag} ({row['calibration_examples']}/task)"
     return row["method"]
 
 

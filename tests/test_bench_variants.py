@@ -1,0 +1,97 @@
+"""`featcal bench --featcal-variants` (issue 17): a calibrated row per variant beside the reference's, the
+reference rows as they were, and an unknown variant refused before any work."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from featcal.cli.main import main
+from featcal.errors import ConfigError
+from featcal.experiments.bench.run import FEATCAL_VARIANTS, BenchSettings, run_bench, validate, write_bench
+
+ALL = ("reference", "joint_bias", "final_norm", "tuned")
+TIMING = {"seconds", "peak_rss_mb", "calibration_seconds", "forward_floor_seconds", "cost_ratio"}
+
+
+def _stable(row: dict) -> dict:
+    """A row without what the clock and the allocator decide."""
+    return {k: v for k, v in row.items() if k not in TIMING}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench-variants")
+    common = dict(preset="tiny", seed=0, calib_sizes=(16,), methods=("task_arithmetic",), zoo_dir=root / "zoo")
+    plain = run_bench(BenchSettings(**common), progress=False)
+    every = run_bench(BenchSettings(**common, featcal_variants=ALL), progress=False)
+    return plain, every, write_bench(every, root / "out"), root
+
+
+def test_every_variant_has_a_row_beside_the_reference(runs):
+    _, every, out, _ = runs
+    data = json.loads((out / "bench.json").read_text())
+    cal = [r for r in data["rows"] if r["calibrated"]]
+    assert [r["variant"] for r in cal] == list(ALL)
+    assert all("variant" not in r for r in data["rows"] if not r["calibrated"])
+    by = {r["variant"]: r for r in cal}
+    assert by["final_norm"]["final_norm"]["calibrated"] and by["final_norm"]["final_norm"]["module"] == "post_layernorm"
+    assert {"anchor_blend_rho", "lambda_ratio", "teacher_interp_alpha", "merge_scaling"} <= set(
+        by["tuned"]["tuning_chosen"])
+    assert by["joint_bias"]["per_task"] != by["reference"]["per_task"] or \
+        by["joint_bias"]["engine_drift"] != by["reference"]["engine_drift"]  # the variant did change something
+    assert data["params"]["featcal_variants"] == list(ALL)
+    summary = data["summary"]["task_arithmetic"]
+    assert set(summary["variants"]) == set(ALL)
+    assert summary["gap_closed"] == summary["variants"]["reference"]["gap_closed"]  # the first variant's
+    table = (out / "table.md").read_text()
+    assert "| task_arithmetic + FeatCal (16/task) |" in table
+    for v in ALL[1:]:
+        assert f"| task_arithmetic + FeatCal [{v}] (16/task) |" in table
+
+
+def test_reference_rows_are_todays(runs):
+    plain, every, _, _ = runs
+    assert [r["variant"] for r in plain["rows"] if r["calibrated"]] == ["reference"]
+    want = [_stable(r) for r in plain["rows"]]
+    got = [_stable(r) for r in every["rows"] if not r["calibrated"] or r["variant"] == "reference"]
+    assert got == want
+    assert every["drift"] == plain["drift"]  # the first variant's curve: the reference's
+    strip = {"cost_ratio", "variants"}
+    assert {k: v for k, v in every["summary"]["task_arithmetic"].items() if k not in strip} == \
+        {k: v for k, v in plain["summary"]["task_arithmetic"].items() if k not in strip}
+
+
+def test_cli_prints_each_variants_gap(runs, capsys):
+    *_, root = runs
+    argv = ["bench", "--preset", "tiny", "--zoo-dir", str(root / "zoo"), "--calib-sizes", "8", "--methods",
+            "task_arithmetic", "--featcal-variants", "reference,joint_bias", "--out", str(root / "cli"),
+            "--no-progress", "--base-cache", ""]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "task_arithmetic: gap to experts closed by FeatCal (8/task): " in text
+    assert "task_arithmetic: gap to experts closed by FeatCal [joint_bias] (8/task): " in text
+
+
+@pytest.mark.parametrize(("variants", "message"), [
+    (("reference", "magic"), r"unknown FeatCal variants \['magic'\]; choose from reference, joint_bias"),
+    ((), "unknown FeatCal variants"),
+    (("tuned", "tuned"), "FeatCal variants given twice: tuned"),
+])
+def test_bad_variants_are_refused_before_any_work(variants, message, tmp_path, capsys):
+    with pytest.raises(ConfigError, match=message):
+        validate(BenchSettings(preset="tiny", calib_sizes=(8,), zoo_dir=tmp_path / "zoo", featcal_variants=variants))
+    if variants:
+        argv = ["bench", "--preset", "tiny", "--zoo-dir", str(tmp_path / "zoo"), "--out", str(tmp_path / "out"),
+                "--featcal-variants", ",".join(variants), "--no-progress", "--base-cache", ""]
+        assert main(argv) == 2
+        assert "FeatCal variants" in capsys.readouterr().err
+        assert not (tmp_path / "out").exists() and not (tmp_path / "zoo").exists()
+
+
+def test_variants_are_valid_configs():
+    from featcal.config import FeatCalConfig, parse
+
+    for changes in FEATCAL_VARIANTS.values():
+        parse(FeatCalConfig, changes)
