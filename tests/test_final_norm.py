@@ -15,13 +15,19 @@ from reference_featcal import family_data, max_abs_diff, noisy_family
 from test_dinov2 import _family, _pixels, tiny_dinov2
 
 FINAL = {"clip": "post_layernorm", "dinov2": "layernorm", "llama": "model.norm", "t5": "decoder.final_layer_norm",
-         "vit": "layernorm"}
+         "vit": "layernorm", "gemma3": "model.norm"}
 
 
 def _family_and_data(kind: str):
     if kind == "dinov2":
         base, experts, merged = _family(tiny_dinov2())
         return base, experts, merged, {t: [_pixels(i), _pixels(10 + i)] for i, t in enumerate(experts)}
+    if kind == "gemma3":  # Gemma3RMSNorm, y = z·(1 + w): the solve on the stored w (test_gemma3.py says why)
+        from test_gemma3 import _family as gemma_family
+        from test_gemma3 import _ids, tiny_gemma3
+
+        base, experts, merged = gemma_family(tiny_gemma3())
+        return base, experts, merged, {t: [_ids(seed=2 * i), _ids(seed=2 * i + 1)] for i, t in enumerate(experts)}
     base, experts, merged = noisy_family(kind)
     return base, experts, merged, family_data(kind, experts)
 
@@ -52,14 +58,15 @@ def _dense_reference(kind: str, calibrated, base, experts, merged, data, cfg: Fe
         for batch in batches:
             x = _norm_input(calibrated, path, batch).double()
             if rms:
-                z = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+                eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+                z = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
             else:
                 z = (x - x.mean(-1, keepdim=True)) / torch.sqrt(x.var(-1, unbiased=False, keepdim=True) + norm.eps)
             w = torch.ones(z.shape[:-1], dtype=torch.float64)
             if stack.class_token_head and z.dim() == 3:  # all tokens read: the last block's weights
                 w.fill_(cfg.cls_token_weight)
                 w[:, 0] = 1.0
-            if "attention_mask" in batch and kind == "llama":
+            if "attention_mask" in batch and kind in ("llama", "gemma3"):  # T5's is the encoder's
                 w = w * batch["attention_mask"].double()
             sw += w.sum()
             sz = sz + (w[..., None] * z).reshape(-1, z.shape[-1]).sum(0)
@@ -88,7 +95,7 @@ def _dense_reference(kind: str, calibrated, base, experts, merged, data, cfg: Fe
     return {"weight": torch.stack(gammas), "bias": torch.stack(betas)}
 
 
-@pytest.mark.parametrize("kind", ["clip", "dinov2", "llama", "t5"])
+@pytest.mark.parametrize("kind", ["clip", "dinov2", "llama", "t5", "gemma3"])
 def test_final_norm_matches_the_dense_reference_and_leaves_the_blocks_alone(kind):
     base, experts, merged, data = _family_and_data(kind)
     cfg = FeatCalConfig(calibrate_final_norm=True)
