@@ -198,3 +198,28 @@ def test_cli_flag_records_the_final_norm_in_featcal_json(tmp_path):
     report = json.loads((tmp_path / "out" / "featcal.json").read_text())
     assert report["params"]["calibrate_final_norm"] is True
     assert report["final_norm"]["calibrated"] and report["final_norm"]["module"] == "post_layernorm"
+
+
+def test_two_gloo_ranks_solve_the_final_norm_of_one_process(tmp_path):
+    """The final norm's statistics are all-reduced like a block's: 2 ranks give 1 process's checkpoint."""
+    import transformers as T
+
+    from featcal.cli.main import main
+    from test_distributed import _argv, _max_diff, _torchrun
+    from test_pipeline_support import clip_family
+
+    fam = clip_family(tmp_path / "fam", n_images=4)
+    for i, d in enumerate(fam["experts"].values()):  # the family's norms are all ones: give the experts their own
+        expert = T.CLIPVisionModel.from_pretrained(d)
+        g = torch.Generator().manual_seed(i)
+        with torch.no_grad():
+            for p in expert.post_layernorm.parameters():
+                p.add_(0.2 * torch.randn(p.shape, generator=g))
+        expert.save_pretrained(d)
+    assert main([*_argv(fam, tmp_path / "one", 4), "--calibrate-final-norm"]) == 0
+    proc = _torchrun([*_argv(fam, tmp_path / "two", 4), "--calibrate-final-norm"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _max_diff(T.CLIPVisionModel, tmp_path / "one", tmp_path / "two") < 1e-5
+    one = T.CLIPVisionModel.from_pretrained(tmp_path / "one").post_layernorm.weight
+    merged = T.CLIPVisionModel.from_pretrained(fam["merged"]).post_layernorm.weight
+    assert not torch.equal(one, merged)
