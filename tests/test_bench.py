@@ -118,6 +118,7 @@ def test_metrics():
     assert normalised_accuracy({"a": 0.45, "b": 0.9}, {"a": 0.9, "b": 0.9}) == pytest.approx(0.75)
     assert gap_closed(0.8, 0.6, 1.0) == pytest.approx(0.5)
     assert gap_closed(0.8, 0.9, 0.9) is None
+    assert gap_closed(0.95, 0.9, 0.85) is None  # experts below the merge: no gap, no share
 
 
 def test_table_lists_every_model():

@@ -17,8 +17,12 @@ def normalised_accuracy(per_task: Mapping[str, float], experts: Mapping[str, flo
 
 
 def gap_closed(model: float, merge: float, experts: float) -> float | None:
-    """Share of the merge -> experts gap that `model` closes; None when there is no gap to close."""
+    """Share of the merge -> experts gap that `model` closes; None when there is no gap to close.
+
+    Experts at or below the merge leave no gap: a "share" of a negative gap would print nonsense
+    (300 % when a model moves away from experts that sit under the merge), so it is None (n/a) too.
+    """
     gap = experts - merge
-    if abs(gap) < 1e-12:
+    if gap < 1e-12:
         return None
     return (model - merge) / gap
