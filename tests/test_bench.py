@@ -167,3 +167,10 @@ def test_stale_zoo_cache_is_refused_with_the_bench_flag_and_rebuilt_on_request(t
     with pytest.raises(RuntimeError, match="stop after the call"):
         run_bench(BenchSettings(preset="tiny", calib_sizes=(8,), zoo_dir=other, rebuild_zoo=True), progress=False)
     assert seen == {"overwrite": False}
+
+
+def test_a_cost_below_the_floor_is_printed_as_a_measurement_error():
+    from featcal.experiments.bench.metrics import cost_ratio_text
+
+    assert cost_ratio_text(2.56) == "2.56x"
+    assert "MEASUREMENT ERROR" in cost_ratio_text(0.52) and cost_ratio_text(0.52).startswith("0.52x")

@@ -36,6 +36,7 @@ def _run(args: argparse.Namespace) -> int:
     import torch
 
     from featcal.experiments.bench.baselines import parse_baselines
+    from featcal.experiments.bench.metrics import cost_ratio_text
     from featcal.experiments.bench.run import BenchSettings, run_bench, validate, write_bench
     from featcal.experiments.bench.table import bench_table
     from featcal.io.atomic import check_output_dir, check_replaceable
@@ -67,7 +68,7 @@ def _run(args: argparse.Namespace) -> int:
             for variant, v in s["variants"].items():
                 closed, tag = v["gap_closed"][n], "" if variant == "reference" else f" [{variant}]"
                 print(f"{m}: gap to experts closed by FeatCal{tag} ({n}/task): "
-                      f"{'n/a' if closed is None else f'{100 * closed:.1f}%'}, cost {v['cost_ratio'][n]:.2f}x the "
+                      f"{'n/a' if closed is None else f'{100 * closed:.1f}%'}, cost {cost_ratio_text(v['cost_ratio'][n])} the "
                       f"forward floor (the exact method's arithmetic: {report['summary']['cost_ratio_arithmetic']:.2f}x)")
     for r in report["rows"]:
         if r.get("baseline") and r.get("merge"):

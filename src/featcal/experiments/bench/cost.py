@@ -3,17 +3,22 @@
 The bench times calibration against a floor of one forward pass of the merged model and one of each
 expert over the calibration data. The method as specified (SPEC §2) does more than that per block and
 token, whatever the implementation: it runs the expert block once, the merged block twice (as merged,
-to record the modules' inputs, then calibrated, to propagate), and accumulates two Gram products per
-distinct module input (xs·xsᵀ and xs·xeᵀ). Counting multiply-accumulates of a pre-norm transformer
-block gives the ratio below. It counts arithmetic, not time: large Gram products run at a higher
-rate than a forward's many small operations, so measured ratios can sit below it; but the statistics
-alone are about 1.56× the floor's arithmetic for any width (fc2's input Gram dominates), which is why
-a time ratio near 1 is out of reach for the exact method.
+to record the modules' inputs, then calibrated, to propagate), and accumulates, per distinct module
+input, its Gram xs·xsᵀ and a cross moment with the expert side. featcal's statistics (see
+calibration/statistics.py and blocks/grams.py) take each Gram's block-upper triangle only
+(`gram_chunks`) and each cross moment in the cheaper of its two exact forms: in×in (xs·xeᵀ, then ·Wtᵀ)
+or in×out (xs·yeᵀ from the expert's output) — fc2's is in×out. Counting multiply-accumulates of a
+pre-norm transformer block gives the ratio below (ViT-B/32 size: about 2.2×; the plain count, full
+Grams and in×in cross moments everywhere, was 3.06×). It counts arithmetic, not time: large Gram
+products run at a higher rate than a forward's many small operations, so a measured ratio can sit
+below it, but never below 1 (one forward of each model is the floor of any implementation).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from featcal.blocks.grams import gram_chunks
 
 
 @dataclass(frozen=True)
@@ -21,7 +26,7 @@ class BlockMacs:
     """Multiply-accumulates per token of one block (attention over `tokens` positions)."""
 
     forward: int  # q, k, v, out projections, fc1, fc2, and the two attention products
-    statistics: int  # xs·xsᵀ and xs·xeᵀ for each distinct module input (q/k/v share theirs)
+    statistics: int  # Grams and cross moments of each distinct module input (q/k/v share theirs)
 
     @property
     def floor(self) -> int:
@@ -38,13 +43,26 @@ class BlockMacs:
         return self.exact_method / self.floor
 
 
-def block_macs(hidden: int, intermediate: int, tokens: int) -> BlockMacs:
+def gram_macs(width: int, symmetric: bool = True) -> int:
+    """Multiply-accumulates per token of one width×width Gram: (k+1)/(2k) of width² with k chunks."""
+    k = gram_chunks(width) if symmetric else 1
+    bounds = [i * width // k for i in range(k + 1)]
+    return sum((hi - lo) * (width - lo) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True))
+
+
+def block_macs(hidden: int, intermediate: int, tokens: int, *, symmetric: bool = True,
+               cheaper_cross: bool = True) -> BlockMacs:
     """Counts for a CLIP/ViT/BERT-style block: inputs of width `hidden` feed q/k/v (one shared input),
-    the out projection and fc1; fc2's input has width `intermediate`."""
+    the out projection and fc1; fc2's input has width `intermediate`.
+
+    symmetric / cheaper_cross False: full Grams and in×in cross moments (the plain count)."""
     d, m, n = hidden, intermediate, tokens
     forward = 4 * d * d + 2 * d * m + 2 * n * d
-    statistics = 2 * (3 * d * d + m * m)
-    return BlockMacs(forward=forward, statistics=statistics)
+    grams = 3 * gram_macs(d, symmetric) + gram_macs(m, symmetric)
+    # (input width, summed output width) of each distinct input: q/k/v, out, fc1, fc2
+    groups = ((d, 3 * d), (d, d), (d, m), (m, d))
+    cross = sum(min(i * i, i * o) if cheaper_cross else i * i for i, o in groups)
+    return BlockMacs(forward=forward, statistics=grams + cross)
 
 
 def arithmetic_cost_ratio(model_config, tokens: int | None = None) -> float:

@@ -26,3 +26,12 @@ def gap_closed(model: float, merge: float, experts: float) -> float | None:
     if gap < 1e-12:
         return None
     return (model - merge) / gap
+
+
+BELOW_FLOOR = "MEASUREMENT ERROR: below the forward floor, not a result"
+
+
+def cost_ratio_text(ratio: float) -> str:
+    """A measured cost / floor ratio as printed: one below 1 is impossible for any implementation (the floor
+    is one forward of each model) and says the measurement is wrong (a floor timed under load, a cache)."""
+    return f"{ratio:.2f}x ({BELOW_FLOOR})" if ratio < 1 else f"{ratio:.2f}x"

@@ -30,7 +30,7 @@ from featcal.errors import ConfigError, OutputExistsError
 from featcal.experiments.bench.baselines import merge_baseline_rows, parse_baselines, surgery_rows
 from featcal.experiments.bench.cost import arithmetic_cost_ratio
 from featcal.experiments.bench.memory import PeakRSS
-from featcal.experiments.bench.metrics import gap_closed, mean, normalised_accuracy
+from featcal.experiments.bench.metrics import BELOW_FLOOR, gap_closed, mean, normalised_accuracy
 from featcal.experiments.bench.regime import regime
 from featcal.experiments.evaluation.classification import accuracy
 from featcal.experiments.evaluation.features import Inputs, batches, head_rows, num_examples
@@ -477,6 +477,10 @@ def _featcal_row(run: _Run, method: str, params: dict[str, Any], merged, n: int,
                gap_closed=gap_closed(avg, merge_avg, run.experts_average),
                feature_drift=calibrated_drift, engine_drift=engine_drift, variant=variant,
                **_variant_record(variant, result))
+    if calib_seconds < floor:
+        row["cost_ratio_note"] = BELOW_FLOOR
+        log.warning("%s + FeatCal [%s] (%d/task): calibration %.2fs under its forward floor %.2fs: %s", method,
+                    variant, n, calib_seconds, floor, BELOW_FLOOR)
     log.info("%s + FeatCal [%s] (%d/task): %.4f (%.1fs, floor %.1fs)", method, variant, n, avg, calib_seconds, floor)
     return row, calibrated_drift
 

@@ -40,7 +40,8 @@ def bench_table(report: dict[str, Any]) -> str:
                  _pct(r.get("normalised_accuracy")),
                  _pct(r.get("gap_closed")) if r["calibrated"] or r.get("merge") else "",
                  f"{r['seconds']:.1f}",
-                 f"{r['cost_ratio']:.2f}" if "cost_ratio" in r else "",
+                 (f"{r['cost_ratio']:.2f}" + (" (error: below the floor)" if r["cost_ratio"] < 1 else ""))
+                 if "cost_ratio" in r else "",
                  f"{r['peak_rss_mb']:.0f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
