@@ -235,6 +235,14 @@ def measure_calibrate(spec: dict, data: dict) -> dict:
     return result
 
 
+def measure_calibrate_plain_grams(spec: dict, data: dict) -> dict:
+    """calibrate() with the symmetric Gram switched off (every Gram a full addmm): the A/B of issue 19's change."""
+    from featcal.blocks import grams
+
+    grams.SYM_MIN_D = 1 << 62  # gram_chunks() reads it per call: 1 chunk, the plain product, everywhere
+    return measure_calibrate(spec, data)
+
+
 def _straightforward_module():
     """benchmarks/straightforward_featcal.py, imported by path (benchmarks/ is not a package)."""
     import importlib.util
@@ -279,7 +287,8 @@ def _save_parameters(spec: dict, mode: str, model) -> None:
         torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, Path(spec["save_dir"]) / f"{mode}.pt")
 
 
-MEASURE = {"floor": measure_floor, "calibrate": measure_calibrate, "straightforward": measure_straightforward}
+MEASURE = {"floor": measure_floor, "calibrate": measure_calibrate, "calibrate_plain_grams": measure_calibrate_plain_grams,
+           "straightforward": measure_straightforward}
 
 
 def worker(mode: str, spec_path: str) -> None:
@@ -379,8 +388,11 @@ def markdown(result: dict) -> str:
         "|---|---|---|---|",
         *_row("floor: merged fwd (all tasks) + each expert fwd (own task)", f),
         *_row("featcal calibrate()", c),
+        *_row("featcal calibrate(), full Gram products (--compare-plain-grams)", result.get("calibrate_plain_grams")),
         *_row("straightforward FeatCal (benchmarks/straightforward_featcal.py)", s),
         f"| ratio calibrate / floor | {_ratio_cell(result, 'ratio')} | | |",
+        *([f"| ratio calibrate / calibrate with full Grams | {result['ratio_symmetric_to_plain_grams']:.2f} | | |"]
+          if result.get("calibrate_plain_grams") else []),
         *([f"| ratio straightforward / floor | {_ratio_cell(result, 'straightforward_ratio')} | | |",
            f"| ratio calibrate / straightforward | {result['ratio_to_straightforward']:.2f} | | |"] if s else []),
         *([f"\nparameters, featcal vs straightforward: max |diff| {eq['max_abs_diff']:.3g} ({eq['where']}), "
@@ -413,6 +425,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--examples", type=int, help="calibration examples per task (default: 64; --quick: 8)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--repeats", type=int, help="measurements per mode; medians are reported (default: 3; --quick: 1)")
+    p.add_argument("--compare-plain-grams", action="store_true",
+                   help="also time calibrate() with full (not symmetric) Gram products, interleaved with the rest")
     p.add_argument("--skip-straightforward", action="store_true",
                    help="measure only the floor and calibrate() (the straightforward implementation is measured by "
                         "default on CLIPVisionModel families, skipped on others)")
@@ -473,7 +487,9 @@ def main(argv: list[str] | None = None) -> int:
                 "save_dir": str(root) if compare else None}
         spec_path = root / "spec.json"
         spec_path.write_text(json.dumps(spec))
-        runs: dict[str, list[dict]] = {"floor": [], "calibrate": [], **({"straightforward": []} if straightforward else {})}
+        runs: dict[str, list[dict]] = {"floor": [], "calibrate": [],
+                                       **({"calibrate_plain_grams": []} if args.compare_plain_grams else {}),
+                                       **({"straightforward": []} if straightforward else {})}
         for r in range(args.repeats):  # interleaved, so slow drifts of the machine hit all alike
             for mode in runs:
                 runs[mode].append(run_worker(mode, spec_path))
@@ -499,7 +515,11 @@ def main(argv: list[str] | None = None) -> int:
         "straightforward": sf, "straightforward_ratio": sf_ratio, "straightforward_ratio_error": sf_error,
         "ratio_to_straightforward": calib["seconds_median"] / sf["seconds_median"] if sf else None,
         "equality": equality,
+        "calibrate_plain_grams": summarise(runs["calibrate_plain_grams"]) if args.compare_plain_grams else None,
     }
+    if args.compare_plain_grams:
+        result["ratio_symmetric_to_plain_grams"] = (calib["seconds_median"]
+                                                    / result["calibrate_plain_grams"]["seconds_median"])
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

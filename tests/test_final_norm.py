@@ -12,7 +12,8 @@ from featcal.blocks.adapters.base import get_path
 from featcal.config import parse
 from featcal.errors import ConfigError
 from reference_featcal import family_data, max_abs_diff, noisy_family
-from test_dinov2 import _family, _pixels, tiny_dinov2
+from test_dinov2 import _pixels, tiny_dinov2
+from tiny import family_of
 
 FINAL = {"clip": "post_layernorm", "dinov2": "layernorm", "llama": "model.norm", "t5": "decoder.final_layer_norm",
          "vit": "layernorm", "gemma3": "model.norm"}
@@ -20,13 +21,12 @@ FINAL = {"clip": "post_layernorm", "dinov2": "layernorm", "llama": "model.norm",
 
 def _family_and_data(kind: str):
     if kind == "dinov2":
-        base, experts, merged = _family(tiny_dinov2())
+        base, experts, merged = family_of(tiny_dinov2())
         return base, experts, merged, {t: [_pixels(i), _pixels(10 + i)] for i, t in enumerate(experts)}
     if kind == "gemma3":  # Gemma3RMSNorm, y = z·(1 + w): the solve on the stored w (test_gemma3.py says why)
-        from test_gemma3 import _family as gemma_family
         from test_gemma3 import _ids, tiny_gemma3
 
-        base, experts, merged = gemma_family(tiny_gemma3())
+        base, experts, merged = family_of(tiny_gemma3())
         return base, experts, merged, {t: [_ids(seed=2 * i), _ids(seed=2 * i + 1)] for i, t in enumerate(experts)}
     base, experts, merged = noisy_family(kind)
     return base, experts, merged, family_data(kind, experts)

@@ -27,6 +27,7 @@ from featcal.calibration import solver
 from featcal.calibration.engine import check_context_replay
 from featcal.errors import FeatCalError
 from reference_featcal import max_abs_diff
+from tiny import family_of
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 D = torch.float64
@@ -43,21 +44,6 @@ def tiny_gemma3(layer_types=(SLIDING, GLOBAL, SLIDING), seed: int = 0, **kw) -> 
     return T.Gemma3ForCausalLM(cfg).eval()
 
 
-def _family(model, n=2, scale=0.2):
-    """Experts with noise on every parameter (the norms' stored w too), and their TA merge (s = 0.3)."""
-    experts = {}
-    for i in range(n):
-        e = copy.deepcopy(model)
-        g = torch.Generator().manual_seed(100 + i)
-        with torch.no_grad():
-            for p in e.parameters():
-                p.add_(torch.randn(p.shape, generator=g) * scale * (p.std() if p.dim() > 1 else 1.0))
-        experts[f"task{i}"] = e.eval()
-    merged = copy.deepcopy(model)
-    with torch.no_grad():
-        for name, p in merged.named_parameters():
-            p.add_(0.3 * sum(dict(e.named_parameters())[name] - p for e in experts.values()))
-    return model, experts, merged.eval()
 
 
 def _ids(batch=2, seq=8, seed=0):
@@ -213,7 +199,7 @@ def test_blocks_of_one_type_called_differently_are_refused():
 # --- calibration ----------------------------------------------------------------------------------
 
 def test_calibration_equals_the_dense_reference():
-    base, experts, merged = _family(tiny_gemma3())
+    base, experts, merged = family_of(tiny_gemma3())
     data = {t: [_ids(seed=2 * i), _ids(seed=2 * i + 1)] for i, t in enumerate(experts)}
     cfg = FeatCalConfig()
     out = calibrate(merged, base=base, experts=experts, calibration=data, progress=False)
@@ -228,7 +214,7 @@ def test_calibration_equals_the_dense_reference():
 
 def test_replaying_block_0_context_would_be_caught(monkeypatch):
     """The same calibration with block 0's (sliding) arguments in every block is far from the reference."""
-    base, experts, merged = _family(tiny_gemma3(layer_types=(SLIDING, GLOBAL)))
+    base, experts, merged = family_of(tiny_gemma3(layer_types=(SLIDING, GLOBAL)))
     data = {t: [_ids(seed=i)] for i, t in enumerate(experts)}
     want = dense_featcal(merged, base, experts, data, FeatCalConfig())
     monkeypatch.setattr(Gemma3Adapter, "block_kwargs", lambda self, stack, layer, ctx: {**ctx["shared"], **ctx["by_type"][SLIDING]})
@@ -240,7 +226,7 @@ def test_replaying_block_0_context_would_be_caught(monkeypatch):
 
 def test_padding_tokens_do_not_count():
     """What sits under attention_mask == 0 changes nothing, the per-head q/k norms included."""
-    base, experts, merged = _family(tiny_gemma3())
+    base, experts, merged = family_of(tiny_gemma3())
     data = {t: [_ids(seed=i)] for i, t in enumerate(experts)}
     other = copy.deepcopy(data)
     for batches in other.values():
@@ -253,7 +239,7 @@ def test_padding_tokens_do_not_count():
 def test_spilled_checkpointed_and_offloaded_chains_give_the_same_calibration(tmp_path):
     """Per-type contexts survive the chain store's disk spill, the resume checkpoints and the offload placement
     (on the CPU here)."""
-    base, experts, merged = _family(tiny_gemma3(layer_types=(SLIDING, GLOBAL)))
+    base, experts, merged = family_of(tiny_gemma3(layer_types=(SLIDING, GLOBAL)))
     data = {t: [_ids(seed=i)] for i, t in enumerate(experts)}
     a = calibrate(merged, base=base, experts=experts, calibration=data, progress=False)
     cfg = FeatCalConfig(spill_dir=str(tmp_path / "spill"), offload_blocks=True, resume_dir=str(tmp_path / "resume"))
@@ -265,7 +251,7 @@ def test_regmean_plus_plus_runs_each_block_with_its_own_context(monkeypatch):
     """RegMean++ advances its chains through the adapter too: replaying block 0's arguments changes the global block."""
     from featcal.merging.regmean import regmean
 
-    base, experts, _ = _family(tiny_gemma3())
+    base, experts, _ = family_of(tiny_gemma3())
     data = {t: [_ids(seed=i)] for i, t in enumerate(experts)}
     right = regmean(base, experts, data, plus_plus=True, progress=False)
     monkeypatch.setattr(Gemma3Adapter, "block_kwargs", lambda self, stack, layer, ctx: {**ctx["shared"], **ctx["by_type"][SLIDING]})
@@ -328,7 +314,7 @@ def test_gguf_round_trip_then_merge_and_calibrate_through_the_cli(tmp_path, caps
     from featcal.io.gguf import load_gguf_model
 
     model = tiny_gemma3(layer_types=(SLIDING,) * 5 + (GLOBAL,))
-    base, experts, _ = _family(model, scale=0.1)
+    base, experts, _ = family_of(model, scale=0.1)
     gguf_path = write_gemma3_gguf(base, tmp_path / "base.gguf")
     back = load_gguf_model(gguf_path, "base")
     assert type(back) is T.Gemma3ForCausalLM and back.config.layer_types == base.config.layer_types

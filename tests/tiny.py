@@ -88,3 +88,23 @@ def sample_inputs(kind: str, batch: int = 2, seq: int = 8, seed: int = 0):
         dec = torch.randint(2, 100, (batch, seq // 2), generator=g)
         return {"input_ids": ids, "attention_mask": mask, "decoder_input_ids": dec}
     return {"input_ids": ids, "attention_mask": mask}
+
+
+def family_of(model, n: int = 2, scale: float = 0.2):
+    """(base, experts, TA merge at 0.3), all in memory: each expert is `model` with noise on every parameter
+    (scaled by the tensor's std for matrices, absolute for vectors, so norm weights move too)."""
+    import copy
+
+    experts = {}
+    for i in range(n):
+        e = copy.deepcopy(model)
+        g = torch.Generator().manual_seed(100 + i)
+        with torch.no_grad():
+            for p in e.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * scale * (p.std() if p.dim() > 1 else 1.0))
+        experts[f"task{i}"] = e.eval()
+    merged = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, p in merged.named_parameters():
+            p.add_(0.3 * sum(dict(e.named_parameters())[name] - p for e in experts.values()))
+    return model.eval(), experts, merged.eval()
