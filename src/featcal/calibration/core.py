@@ -188,7 +188,7 @@ def calibrate_setting(
     template = copy.deepcopy(model)  # expert t's weights are loaded into this, block by block
     sources, base_src = _param_sources(template, base, experts, allow_pickle)
     final = adapter.final_norm(model, stacks[-1]) if config.calibrate_final_norm else None
-    final_names = [] if final is None else [f"{final.path}.{n}" for n, _ in final.module.named_parameters()]
+    final_names = [] if final is None else final.param_names()
     sources = _checked_sources(model, stacks, sources, base_src, check_finite, final_names)
     drift, end_to_end, final_norm = _run_engine(model, template, adapter, sources, base_src, data, config, device,
                                                 progress, group, store, keep_resume_state)

@@ -327,10 +327,15 @@ class FeatCalEngine:
         """Token weights (B, S) for module `name`'s input x (B, S, d), SPEC §2.3; None when all are 1."""
         mask = self.adapter.module_mask(stack, batch, name, x)  # None: every token weighs 1
         if self._class_token_weighted(stack, layer, n_blocks, name):
-            w = torch.full(tuple(x.shape[:-1]), self.cfg.cls_token_weight, dtype=torch.float32, device=x.device)
-            w[..., 0] = 1.0
-            return w if mask is None else w * mask
+            return self._class_token_weights(x, mask)
         return mask
+
+    def _class_token_weights(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Token weights (B, S) of x (B, S, d) in a class-token-read stack's last block: the class token 1, the
+        others cls_token_weight, times the 0/1 mask if any (SPEC §2.3)."""
+        w = torch.full(tuple(x.shape[:-1]), self.cfg.cls_token_weight, dtype=torch.float32, device=x.device)
+        w[..., 0] = 1.0
+        return w if mask is None else w * mask
 
     def _class_token_weighted(self, stack: Stack, layer: int, n_blocks: int, name: str) -> bool:
         """Last block of a class-token-read stack: non-class tokens weigh less, except at k/v (SPEC §2.3)."""
@@ -548,7 +553,7 @@ class FeatCalEngine:
             log.info("featcal: calibrate_final_norm: %s; nothing is calibrated", why)
             return {"calibrated": False, "stack": stack.name, "why": why}
         norm_e = get_path(self.template, final.path)
-        names = [f"{final.path}.{n}" for n, _ in final.module.named_parameters()]
+        names = final.param_names()
         with self.place.blocks(final.module, norm_e):  # offloading: the two norms on the device
             sums = NormalisedSums(self.cfg.teacher_interp_alpha)
             before = self._final_norm_pass(stack, final, norm_e, names, kind, sums)
@@ -601,6 +606,4 @@ class FeatCalEngine:
             return h[:, 0], m0, m0
         if not stack.class_token_head:
             return h, mask, mask
-        w = torch.full(tuple(h.shape[:-1]), self.cfg.cls_token_weight, dtype=torch.float32, device=h.device)
-        w[..., 0] = 1.0
-        return h, (w if mask is None else w * mask), mask
+        return h, self._class_token_weights(h, mask), mask

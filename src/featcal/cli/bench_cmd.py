@@ -38,7 +38,7 @@ def _run(args: argparse.Namespace) -> int:
     from featcal.experiments.bench.baselines import parse_baselines
     from featcal.experiments.bench.metrics import cost_ratio_text
     from featcal.experiments.bench.run import BenchSettings, run_bench, validate, write_bench
-    from featcal.experiments.bench.table import bench_table
+    from featcal.experiments.bench.table import bench_table, variant_tag
     from featcal.io.atomic import check_output_dir, check_replaceable
 
     if args.threads:
@@ -66,7 +66,7 @@ def _run(args: argparse.Namespace) -> int:
         s = report["summary"][m]
         for n in settings.calib_sizes:
             for variant, v in s["variants"].items():
-                closed, tag = v["gap_closed"][n], "" if variant == "reference" else f" [{variant}]"
+                closed, tag = v["gap_closed"][n], variant_tag(variant)
                 print(f"{m}: gap to experts closed by FeatCal{tag} ({n}/task): "
                       f"{'n/a' if closed is None else f'{100 * closed:.1f}%'}, cost {cost_ratio_text(v['cost_ratio'][n])} the "
                       f"forward floor (the exact method's arithmetic: {report['summary']['cost_ratio_arithmetic']:.2f}x)")

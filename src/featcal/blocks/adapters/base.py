@@ -63,6 +63,10 @@ class FinalNorm:
     # reach it, so only the class token enters its statistics
     class_token_only: bool = False
 
+    def param_names(self) -> list[str]:
+        """Its parameters' full names in the top model (what experts and base must provide)."""
+        return [f"{self.path}.{n}" for n, _ in self.module.named_parameters()]
+
 
 def final_norm_at(model: nn.Module, stack: Stack, name: str, class_token_only: bool = False) -> FinalNorm | None:
     """The module `name` under the stack's entry, as a FinalNorm; None where the model has none there."""

@@ -9,6 +9,11 @@ def _pct(x: float | None) -> str:
     return "—" if x is None else f"{100 * x:.1f}"
 
 
+def variant_tag(variant: str) -> str:
+    """How a FeatCal variant is named after "+ FeatCal" in tables and printed lines; the reference keeps its label."""
+    return "" if variant == "reference" else f" [{variant}]"
+
+
 def _label(row: dict[str, Any]) -> str:
     if row["method"] == "experts":
         return "experts (each on its task)"
@@ -17,9 +22,7 @@ def _label(row: dict[str, Any]) -> str:
     if row.get("baseline"):
         return f"{row['method']} (baseline)"
     if row["calibrated"]:
-        variant = row.get("variant", "reference")
-        tag = "" if variant == "reference" else f" [{variant}]"  # the reference keeps its label
-        return f"{row['method']} + FeatCal{tag} ({row['calibration_examples']}/task)"
+        return f"{row['method']} + FeatCal{variant_tag(row.get('variant', 'reference'))} ({row['calibration_examples']}/task)"
     return row["method"]
 
 
@@ -40,7 +43,7 @@ def bench_table(report: dict[str, Any]) -> str:
                  _pct(r.get("normalised_accuracy")),
                  _pct(r.get("gap_closed")) if r["calibrated"] or r.get("merge") else "",
                  f"{r['seconds']:.1f}",
-                 (f"{r['cost_ratio']:.2f}" + (" (error: below the floor)" if r["cost_ratio"] < 1 else ""))
+                 (f"{r['cost_ratio']:.2f}" + (" (error: below the floor)" if r.get("cost_ratio_note") else ""))
                  if "cost_ratio" in r else "",
                  f"{r['peak_rss_mb']:.0f}"]
         lines.append("| " + " | ".join(cells) + " |")
