@@ -146,6 +146,15 @@ class TaskSums:
                     mine[k] = v
 
 
+def _blend(a: float, cross: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """E[xs x~ᵀ] = α·E[xs xeᵀ] + (1−α)·Ct, skipping the term whose weight is 0."""
+    if a == 1.0:
+        return cross
+    if a == 0.0:
+        return c
+    return a * cross + (1 - a) * c
+
+
 @dataclass
 class LinearNormalised:
     """Σt over tasks, each divided by st = ‖Ct‖_F: the right-hand sides of the Linear solves."""
@@ -191,6 +200,7 @@ class NormalisedSums:
         """
         a = self.alpha
         group_moments: dict[str, tuple] = {}  # one float64 C_t and ‖C_t‖_F per group (q/k/v share theirs)
+        teacher_moments: dict[str, torch.Tensor] = {}  # cross form: E[xs x~ᵀ] per group, blended once
         for name, lin in sums.linears.items():
             if lin.group not in group_moments:
                 moments = sums.grams[lin.group].means()
@@ -204,14 +214,17 @@ class NormalisedSums:
             wt = expert_params[name]["weight"].to(_F64)
             bt = expert_params[name].get("bias")
             bt = torch.zeros(wt.shape[0], dtype=_F64, device=wt.device) if bt is None else bt.to(_F64)
-            if lin.sxy is None:  # "cross" form: E[xs (Wt xe)ᵀ] = E[xs xeᵀ] Wtᵀ
+            if lin.sxy is None:  # "cross" form: Xt Wtᵀ = (α·E[xs xeᵀ] + (1−α)·Ct) Wtᵀ, one in×in×out product
                 cr = sums.cross[lin.group]
-                p = (cr.sxxe.to(_F64) / sw) @ wt.T
+                xt = teacher_moments.get(lin.group)
+                if xt is None:
+                    xt = teacher_moments[lin.group] = _blend(a, cr.sxxe.to(_F64) / sw, c)
+                target = xt @ wt.T
                 mean_y = wt @ (cr.sxe.to(_F64) / sw) + bt
             else:  # "output" form: from the expert module's output ye = Wt xe + bt
                 mean_y = lin.sy.to(_F64) / sw
                 p = lin.sxy.to(_F64) / sw - torch.outer(mu_s, bt)
-            target = a * p + (1 - a) * (c @ wt.T)
+                target = p if a == 1.0 else a * p + (1 - a) * (c @ wt.T)
             bias_target = a * mean_y + (1 - a) * (wt @ mu_s + bt)  # bt + Wt μ~t
             inv = 1.0 / s_t
             mean_bias = torch.outer(mu_s, bt) * inv if self.joint_bias else None
