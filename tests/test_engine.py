@@ -269,3 +269,35 @@ def test_tensor_batches_are_the_main_input():
     a = calibrate(merged, base=base, experts=experts, calibration=data, progress=False)
     b = calibrate(merged, base=base, experts=experts, calibration=as_tensors, progress=False)
     assert max_abs_diff(a, b)[0] == 0.0
+
+
+@pytest.mark.parametrize("kind", ["clip", "llama"])
+@pytest.mark.parametrize("alpha", [0.25, 0.6])
+def test_teacher_form_equals_the_fold_and_the_dense_reference(kind, alpha, monkeypatch):
+    """The teacher term summed in the pass (W_t applied to the merged input) gives what folding C_t W_tᵀ
+    in at the end of the task gives; the engine picks it by token count, both are exact."""
+    from featcal.calibration import engine
+    from featcal.calibration.statistics import TaskSums
+
+    base, experts, merged = noisy_family(kind)
+    data = family_data(kind, experts)
+    cfg = FeatCalConfig(teacher_interp_alpha=alpha)
+    forms: list[bool] = []
+    add = TaskSums.add_linear_tokens
+
+    def spy(self, name, group, x, y, w, *, teacher=False):
+        forms.append(teacher)
+        return add(self, name, group, x, y, w, teacher=teacher)
+
+    monkeypatch.setattr(TaskSums, "add_linear_tokens", spy)
+    out = {}
+    for label, factor in (("teacher", 0.0), ("fold", 1e12)):
+        forms.clear()
+        monkeypatch.setattr(engine, "TEACHER_FORM_TOKENS_PER_INPUT", factor)
+        out[label] = calibrate(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False)
+        assert forms and all(forms) if label == "teacher" else not any(forms)
+    diff, where = max_abs_diff(out["teacher"], out["fold"])
+    assert diff < 1e-5, f"{kind}: {where} differs by {diff}"
+    ref = reference_calibrate(merged, base, experts, data, cfg)
+    diff, where = max_abs_diff(out["teacher"], ref)
+    assert diff < 1e-5, f"{kind}: {where} differs by {diff} from the dense reference"

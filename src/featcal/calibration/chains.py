@@ -79,6 +79,7 @@ class ChainStore:
         self.home = None if home is None else torch.device(home)  # where RAM entries are held; None: as made
         self._ram: dict[tuple, torch.Tensor] = {}
         self._ctx: dict[tuple, Any] = {}
+        self._tokens: dict[tuple, int] = {}  # key -> token positions of its hidden states
         self.dir: Path | None = None
         self._created: list[Path] = []  # spill directories this store made (removed by close() once empty)
         if spill_dir is not None:
@@ -100,6 +101,7 @@ class ChainStore:
 
     def put_hidden(self, key: tuple, hidden: torch.Tensor) -> None:
         h = hidden.detach().to(self.store_dtype)  # cast where it was computed, then move: the same bits
+        self._tokens[key] = h.shape[:-1].numel()
         if self.dir is None:
             self._ram[key] = h if self.home is None else h.to(self.home)
         else:
@@ -111,6 +113,10 @@ class ChainStore:
         else:
             h = load_file(str(self._file("h", key)))["h"]
         return h.to(device=self.device, dtype=self.compute_dtype)
+
+    def tokens(self, key: tuple) -> int:
+        """Token positions (padding included) of chain `key`'s hidden states, without reading a spilled file."""
+        return self._tokens[key]
 
     def raw_hidden(self, key: tuple) -> torch.Tensor:
         """The hidden states exactly as stored (chain dtype, on the CPU or the store's device): for checkpoints."""

@@ -63,6 +63,11 @@ from featcal.io.param_sources import ParamSource, load_into
 
 log = logging.getLogger("featcal.calibration")
 
+# An "output" Linear takes the teacher form (hooks.py) when tokens × this < its input width: 1 counts the
+# pass's float32 tokens·in·out against the fold's float64 in·in·out as equal work (float64 is slower, so
+# the rule leans toward the fold). Tests set it to 0 (no module takes it) or a large value (every one): both exact.
+TEACHER_FORM_TOKENS_PER_INPUT = 1.0
+
 
 def _to_device(batch: Batch, device: torch.device) -> Batch:
     return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
@@ -382,9 +387,11 @@ class FeatCalEngine:
             return self.adapter.is_cross_module(stack, name), self._class_token_weighted(stack, layer, n_blocks, name)
 
         plan = None  # Linear groups and statistics form, made from the block's first expert forward
+        tokens = self._tokens_per_task()
         for t in self.tasks:
             load_into(self.template, names, self.experts[t])
             task_sums = TaskSums()
+            teacher = None  # "output" modules that take the teacher form for this task (hooks.py)
             for b, batch in self._batches(t):
                 batch = _to_device(batch, self.device)
                 # expert side: its block output, and what its Linears feed the statistics
@@ -394,10 +401,12 @@ class FeatCalEngine:
                 if plan is None:
                     plan = plan_block(linears_e, recorder.calls, kind)
                     recorder.adopt(plan)
+                if teacher is None:
+                    teacher = self._teacher_form(plan, linears_e, tokens[t])
                 he_next = _hidden(raw_e)
                 # merged side, block as merged: fold this batch into the task's sums
                 weights = partial(self._weights, stack, layer, n_blocks, batch=batch)
-                with MergedFolder(mods_m, plan, recorder, task_sums, weights):
+                with MergedFolder(mods_m, plan, recorder, task_sums, weights, teacher):
                     ctx_m = self.adapter.block_kwargs(stack, layer, self.chains.context(("m", t, b)))
                     hm_out = _hidden(block_m(self.chains.hidden(("m", t, b)), **ctx_m))
                 del recorder
@@ -416,6 +425,24 @@ class FeatCalEngine:
             sums.add_task(t, task_sums, expert_params, rms)
             del task_sums
         return sums, before.reduce(self.group, self.tasks)
+
+    def _tokens_per_task(self) -> dict[str, float]:
+        """Token positions each task's merged chains hold, summed over the ranks (so every rank decides alike)."""
+        local = torch.tensor([float(sum(self.chains.tokens(("m", t, b)) for b, _ in self._batches(t)))
+                              for t in self.tasks], dtype=torch.float64)
+        return dict(zip(self.tasks, self.group.reduce_values(local).tolist(), strict=True))
+
+    def _teacher_form(self, plan: dict, linears_e: dict[str, nn.Linear], tokens: float) -> dict:
+        """{"output" module: (α, W_t)} for the modules whose teacher term is cheaper summed in the pass.
+
+        Folding C_t W_tᵀ in costs in·in·out (float64) per task; the teacher form costs tokens·in·out
+        (float32) in the pass, so it is taken when the task has fewer tokens than the module has inputs.
+        """
+        a = float(self.cfg.teacher_interp_alpha)
+        if a == 1.0:
+            return {}
+        return {name: (a, linears_e[name].weight) for name, p in plan.items()
+                if p.mode == "output" and tokens * TEACHER_FORM_TOKENS_PER_INPUT < linears_e[name].in_features}
 
     def _advance(self, key: tuple, stack: Stack, layer: int, block: nn.Module) -> None:
         """Chain `key` <- block(chain `key`), its context updated as the block passes it on."""

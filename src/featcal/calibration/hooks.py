@@ -7,6 +7,11 @@ cheaper of two exact forms (statistics.py), chosen once per block from the modul
 - "output": Σ w·xs yeᵀ per module, from the expert module's own output ye (cost in·out per module);
 - "cross":  Σ w·xs xeᵀ once per group, from the expert group's input xe (cost in·in per group),
   then E[xs xeᵀ] W_tᵀ at the end of the task — cheaper when in < Σ out (q/k/v, gate/up, fc1).
+
+An "output" module also needs C_t W_tᵀ (in·in·out, float64, per task) unless α = 1. When the task has
+fewer tokens than the module has inputs, the engine asks for the "teacher" form instead: the expert's
+weight is applied to the merged input in the pass (tokens·in·out) and Σ w·xs (α·ye + (1−α)·W_t xs)ᵀ summed,
+which holds the whole teacher term (statistics.LinearSums).
 """
 
 from __future__ import annotations
@@ -118,9 +123,11 @@ class MergedFolder:
         expert: ExpertRecorder,
         sums: TaskSums,
         weights: WeightFn,
+        teacher: dict[str, tuple[float, torch.Tensor]] | None = None,
     ) -> None:
         self.modules, self.plan, self.expert = modules, plan, expert
         self.sums, self.weights = sums, weights
+        self.teacher = teacher or {}  # "output" module -> (α, expert weight W_t): sum the teacher form
         # group -> (merged input seen this forward, its tokens, their weights, the kept tokens' mask)
         self._held: dict[str, tuple] = {}
         self._handles: list = []
@@ -142,7 +149,14 @@ class MergedFolder:
             raise FeatCalError(f"module {name} does not share its group's input on the merged side")
         if p.mode == "output":
             _, xt, w, keep = held
-            self.sums.add_linear_tokens(name, p.group, xt, select_tokens(self.expert.outputs[name], keep), w)
+            ye = select_tokens(self.expert.outputs[name], keep)
+            t = self.teacher.get(name)
+            if t is None:
+                self.sums.add_linear_tokens(name, p.group, xt, ye, w)
+            else:  # W_t x~ + α·b_t = α·ye + (1−α)·W_t xs
+                a, wt = t
+                y = torch.addmm(ye, xt, wt.T.to(xt.dtype), beta=a, alpha=1.0 - a)
+                self.sums.add_linear_tokens(name, p.group, xt, y, w, teacher=True)
         else:
             self.sums.add_cross_linear(name, p.group)
 

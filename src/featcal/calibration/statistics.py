@@ -40,16 +40,22 @@ class CrossSums:
 
 @dataclass
 class LinearSums:
-    """Σ w·xs yeᵀ and Σ w·ye of one Linear ("output" form), or None when its group's CrossSums serve.
+    """Σ w·xs yᵀ and Σ w·y of one Linear, or None when its group's CrossSums serve.
 
-    `group` names its input's GramSums (and CrossSums).
+    `group` names its input's GramSums (and CrossSums). y is the expert module's output ye ("output"
+    form) or, with `teacher`, the teacher output W_t x~ + α·b_t = α·ye + (1−α)·W_t xs ("teacher" form: the
+    expert's weight applied to the merged input in the pass, so that no in×in×out product C_t W_tᵀ is
+    needed when the task is folded in; cheaper when the task has fewer tokens than the module has inputs).
     """
 
     group: str
     sxy: torch.Tensor | None = None
     sy: torch.Tensor | None = None
+    teacher: bool = False
 
     def merge_(self, other: LinearSums) -> None:
+        if self.teacher != other.teacher:
+            raise CalibrationDataError(f"linear sums of group {self.group}: output and teacher forms mixed")
         if self.sxy is not None:
             self.sxy += other.sxy
             self.sy += other.sy
@@ -96,11 +102,15 @@ class TaskSums:
         x, w, y = _prepare(x, w, y)
         self.add_linear_tokens(name, group, x, y, w)
 
-    def add_linear_tokens(self, name: str, group: str, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor | None) -> None:
+    def add_linear_tokens(self, name: str, group: str, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor | None,
+                          *, teacher: bool = False) -> None:
         yw = _weighted(y, w)
         s = self.linears.get(name)
         if s is None:
-            s = self.linears[name] = LinearSums(group, x.new_zeros(x.shape[1], y.shape[1]), y.new_zeros(y.shape[1]))
+            s = self.linears[name] = LinearSums(group, x.new_zeros(x.shape[1], y.shape[1]), y.new_zeros(y.shape[1]),
+                                                teacher)
+        elif s.teacher != teacher:
+            raise CalibrationDataError(f"module {name}: output and teacher forms mixed within one task")
         s.sxy.addmm_(x.T, yw)
         s.sy += yw.sum(0)
 
@@ -221,11 +231,15 @@ class NormalisedSums:
                     xt = teacher_moments[lin.group] = _blend(a, cr.sxxe.to(_F64) / sw, c)
                 target = xt @ wt.T
                 mean_y = wt @ (cr.sxe.to(_F64) / sw) + bt
+                bias_target = a * mean_y + (1 - a) * (wt @ mu_s + bt)  # bt + Wt μ~t
+            elif lin.teacher:  # "teacher" form: y = Wt x~ + α·bt, summed in the pass
+                target = lin.sxy.to(_F64) / sw - a * torch.outer(mu_s, bt)
+                bias_target = lin.sy.to(_F64) / sw + (1 - a) * bt
             else:  # "output" form: from the expert module's output ye = Wt xe + bt
                 mean_y = lin.sy.to(_F64) / sw
                 p = lin.sxy.to(_F64) / sw - torch.outer(mu_s, bt)
                 target = p if a == 1.0 else a * p + (1 - a) * (c @ wt.T)
-            bias_target = a * mean_y + (1 - a) * (wt @ mu_s + bt)  # bt + Wt μ~t
+                bias_target = a * mean_y + (1 - a) * (wt @ mu_s + bt)
             inv = 1.0 / s_t
             mean_bias = torch.outer(mu_s, bt) * inv if self.joint_bias else None
             acc = self.linears.get(name)
