@@ -48,11 +48,20 @@ def add_gram_(sxx: torch.Tensor, xw: torch.Tensor, x: torch.Tensor, chunks: int)
 
 def symmetrised(sxx: torch.Tensor, chunks: int) -> torch.Tensor:
     """The full Gram from a block-upper one, its upper triangle mirrored (a new tensor, exactly symmetric),
-    or `sxx` itself when it is already full."""
+    or `sxx` itself when it is already full.
+
+    Block by block: each diagonal block mirrors its own upper triangle, and the blocks below it are the
+    transposes of those right of it, so the part below the diagonal is written once (no full-size
+    triangle temporaries: this runs for every group, task and block).
+    """
     if chunks == 1:
         return sxx
-    out = torch.triu(sxx)
-    out += torch.triu(out, 1).T
+    out = sxx.clone()
+    bounds = chunk_bounds(sxx.shape[0], chunks)
+    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+        diag = out[lo:hi, lo:hi]
+        diag.copy_(torch.triu(diag) + torch.triu(diag, 1).T)
+        out[hi:, lo:hi] = out[lo:hi, hi:].T
     return out
 
 
@@ -139,7 +148,8 @@ class GramSums:
         sw = self.sw.to(_F64)
         if float(sw) <= 0:
             return None
-        return sw, self.sx.to(_F64) / sw, symmetrised(self.sxx.to(_F64), self.chunks) / sw
+        # mirrored in the sums' own dtype, then widened: the same values, half the bytes moved
+        return sw, self.sx.to(_F64) / sw, symmetrised(self.sxx, self.chunks).to(_F64) / sw
 
     def merge_(self, other: GramSums) -> None:
         self.sw += other.sw
