@@ -654,22 +654,26 @@ def versions() -> dict:
 
 
 def summarise(results: dict, domains) -> dict:
-    """Mean over domains of every row, and the share of the TA -> experts gap each merge closes."""
+    """Mean over domains of every row, and the share of the TA -> experts gap each merge closes (None, printed
+    n/a, where the experts are not better than TA: no gap to close)."""
+    from featcal.experiments.bench.metrics import gap_closed
+
     mean = {name: {m: round(sum(r[d][m] for d in domains) / len(domains), 4) for m in ("loss", "acc")}
             for name, r in results.items()}
     for name in mean:
         mean[name]["ppl"] = round(math.exp(mean[name]["loss"]), 3)  # exp of the mean loss (geometric mean ppl)
 
-    def gap(metric, name):
-        ta, ex = mean["task_arithmetic"][metric], mean["experts"][metric]
-        if abs(ex - ta) < 1e-12:
-            return None
-        return round(100.0 * (mean[name][metric] - ta) / (ex - ta), 1)
+    def pct(model: float, merge: float, experts: float, sign: float) -> float | None:
+        # featcal's own rule: n/a when the experts are not better than TA (loss: lower is better, so negated)
+        share = gap_closed(sign * model, sign * merge, sign * experts)
+        return None if share is None else round(100.0 * share, 1)
 
-    per_domain = {}
-    for d in domains:
-        ta, ex, fc = (results[n][d]["loss"] for n in ("task_arithmetic", "experts", "ta_featcal"))
-        per_domain[d] = round(100.0 * (ta - fc) / (ta - ex), 1) if abs(ta - ex) > 1e-12 else None
+    def gap(metric, name):
+        sign = -1.0 if metric == "loss" else 1.0
+        return pct(mean[name][metric], mean["task_arithmetic"][metric], mean["experts"][metric], sign)
+
+    per_domain = {d: pct(*(results[n][d]["loss"] for n in ("ta_featcal", "task_arithmetic", "experts")), -1.0)
+                  for d in domains}
     return {"mean": mean,
             "gap_closed_pct": {"loss": gap("loss", "ta_featcal"), "acc": gap("acc", "ta_featcal")},
             "gap_closed_pct_ties": {"loss": gap("loss", "ties"), "acc": gap("acc", "ties")},
@@ -678,6 +682,10 @@ def summarise(results: dict, domains) -> dict:
 
 ROWS = (("base", "base"), ("experts", "experts (each on its own domain)"), ("task_arithmetic", "Task Arithmetic"),
         ("ties", "TIES"), ("ta_featcal", "TA + FeatCal"))
+
+
+def _pct_text(v: float | None) -> str:
+    return "n/a" if v is None else f"{v} %"
 
 
 def markdown(report: dict) -> str:
@@ -702,9 +710,10 @@ def markdown(report: dict) -> str:
         m = summ["mean"][key]
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {m['loss']:.3f} | {m['ppl']:.2f} | {m['acc']:.2f} |")
     g, gt = summ["gap_closed_pct"], summ["gap_closed_pct_ties"]
-    lines += ["", f"Share of the TA -> experts gap closed by TA + FeatCal: **{g['loss']} %** of mean loss, "
-              f"**{g['acc']} %** of mean accuracy (TIES: {gt['loss']} % / {gt['acc']} %). Per domain (loss): "
-              + ", ".join(f"{d} {v} %" for d, v in summ["gap_closed_pct_loss_per_domain"].items()) + ".",
+    lines += ["", f"Share of the TA -> experts gap closed by TA + FeatCal: **{_pct_text(g['loss'])}** of mean loss, "
+              f"**{_pct_text(g['acc'])}** of mean accuracy (TIES: {_pct_text(gt['loss'])} / {_pct_text(gt['acc'])}). "
+              "Per domain (loss; n/a where the expert is not better than TA): "
+              + ", ".join(f"{d} {_pct_text(v)}" for d, v in summ["gap_closed_pct_loss_per_domain"].items()) + ".",
               "", "## Merge and calibration cost (each a fresh `featcal` process)", "",
               "| stage | seconds (featcal.json) | wall s | peak RSS MiB | command |", "|---|---|---|---|---|"]
     for name, info in st.items():

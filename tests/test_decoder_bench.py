@@ -54,6 +54,19 @@ def test_gap_closed_is_measured_on_the_mean_over_domains():
     assert s["mean"]["experts"]["ppl"] == round(math.exp(1.5), 3)
 
 
+def test_gap_closed_is_na_where_the_expert_is_not_better_than_ta():
+    """A domain whose expert is worse than TA has no gap to close: n/a, not a share above 100 % (featcal's rule)."""
+    bench = _bench()
+    row = lambda loss, acc: {d: {"loss": loss[i], "acc": acc[i]} for i, d in enumerate(("x", "y"))}  # noqa: E731
+    results = {"base": row((3.0, 3.0), (30, 30)), "experts": row((1.0, 2.5), (50, 30)),
+               "task_arithmetic": row((2.0, 2.0), (40, 35)), "ties": row((2.0, 2.0), (40, 35)),
+               "ta_featcal": row((1.5, 2.2), (45, 33))}
+    s = bench.summarise(results, ("x", "y"))
+    assert s["gap_closed_pct_loss_per_domain"] == {"x": 50.0, "y": None}
+    assert s["gap_closed_pct"]["loss"] == round(100 * (2.0 - 1.85) / (2.0 - 1.75), 1)
+    assert bench._pct_text(None) == "n/a" and bench._pct_text(50.0) == "50.0 %"
+
+
 def test_tiny_mode_end_to_end(tmp_path):
     pytest.importorskip("gguf")
     from featcal.experiments.zoo.text_sources import SOURCES as TEXT_SOURCES
