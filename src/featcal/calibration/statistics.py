@@ -226,10 +226,10 @@ class NormalisedSums:
             bt = torch.zeros(wt.shape[0], dtype=_F64, device=wt.device) if bt is None else bt.to(_F64)
             if lin.sxy is None:  # "cross" form: Xt Wtᵀ = (α·E[xs xeᵀ] + (1−α)·Ct) Wtᵀ, one in×in×out product
                 cr = sums.cross[lin.group]
-                xt = teacher_moments.get(lin.group)
-                if xt is None:
-                    xt = teacher_moments[lin.group] = _blend(a, cr.sxxe.to(_F64) / sw, c)
-                target = xt @ wt.T
+                x_teacher = teacher_moments.get(lin.group)
+                if x_teacher is None:
+                    x_teacher = teacher_moments[lin.group] = _blend(a, cr.sxxe.to(_F64) / sw, c)
+                target = x_teacher @ wt.T
                 mean_y = wt @ (cr.sxe.to(_F64) / sw) + bt
                 bias_target = a * mean_y + (1 - a) * (wt @ mu_s + bt)  # bt + Wt μ~t
             elif lin.teacher:  # "teacher" form: y = Wt x~ + α·bt, summed in the pass
