@@ -269,6 +269,7 @@ BAD_FEATCAL = {
     "tune": ["maybe"],
     "tune_budget": [2.9, 100.5, math.nan, math.inf, True],
     "tune_holdout": [0.0, 0.04, 0.51, math.nan],
+    "tune_min_evidence": [-0.1, 10.5, math.nan, math.inf],
     "tune_head_pooling": ["cls", 1],
 }
 BAD_MERGE = {
@@ -307,8 +308,8 @@ def test_out_of_range_values_are_refused_naming_the_field(model, field, value):
     (FeatCalConfig, {"lambda_ratio": 0.0, "anchor_blend_rho": 0.0, "teacher_interp_alpha": 1.0, "covariance_eps": 0.0,
                      "cls_token_weight": 0.0, "seed": MAX_SEED, "num_calibration_examples": 1}),
     (FeatCalConfig, {"anchor_blend_rho": 10.0, "teacher_interp_alpha": 0.0, "cls_token_weight": 1.0}),
-    (FeatCalConfig, {"tune": True, "tune_budget": 3.0, "tune_holdout": 0.05}),
-    (FeatCalConfig, {"tune_budget": 100.0, "tune_holdout": 0.5}),
+    (FeatCalConfig, {"tune": True, "tune_budget": 3.0, "tune_holdout": 0.05, "tune_min_evidence": 0.0}),
+    (FeatCalConfig, {"tune_budget": 100.0, "tune_holdout": 0.5, "tune_min_evidence": 10.0}),
     (MergeConfig, {"scaling": 10.0, "density": 1.0, "drop_rate": 0.0, "seed": MAX_SEED}),
     (MergeConfig, {"alpha": 0.0, "steps": 0, "num_calibration_examples": 1, "calibration_batch_size": 1}),
     (MergeConfig, {"alpha": 1.0}),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 
 import pytest
 import torch
@@ -146,7 +147,12 @@ def test_tune_beats_the_defaults_where_they_are_poor_and_respects_the_budget(fam
     first, chosen = rec["candidates"][0], rec["chosen"]
     assert {k: first[k] for k in ("anchor_blend_rho", "lambda_ratio", "teacher_interp_alpha", "merge_scaling")} == {
         "anchor_blend_rho": 2.2, "lambda_ratio": 0.05, "teacher_interp_alpha": 0.25, "merge_scaling": 0.05}
-    assert chosen["drift"] == min(c["drift"] for c in rec["candidates"])
+    # every step the search took was backed by at least tune_min_evidence standard errors, and it took some
+    steps = rec["comparisons"]
+    assert rec["min_evidence"] == 2.0 and any(c["accepted"] for c in steps)
+    for c in steps:
+        z = c["z_disagreement"] if c["z_drift"] is None else c["z_drift"]
+        assert c["accepted"] == (z == "inf" or (isinstance(z, float) and z >= 2.0)), c
     assert chosen["drift"] < 0.9 * first["drift"]  # the search moved somewhere clearly better
     assert chosen["merge_scaling"] > 0.05  # ... by starting from a larger merge
     assert len(rec["candidates"]) <= tuning.max_candidates(10.0, 0.25) == rec["budget"]["max_candidates"] == 10
@@ -169,6 +175,61 @@ def test_budget_arithmetic():
         for holdout in (0.05, 0.25, 0.5):
             n = tuning.max_candidates(budget, holdout)
             assert 1 + holdout / 3 + n * tuning.candidate_cost(holdout) <= budget + 1e-9
+
+
+# --- the evidence a step needs --------------------------------------------------------------------------
+def _samples(**per_task):
+    return {t: {"drift": torch.tensor(v, dtype=torch.float64)} for t, v in per_task.items()}
+
+
+def test_evidence_is_the_paired_z_with_the_within_task_variance_pooled():
+    old = _samples(a=[1.0, 1.0, 1.0], b=[2.0, 2.0])
+    new = _samples(a=[0.5, 0.9, 0.7], b=[1.0, 2.0])  # improvements a: 0.5, 0.1, 0.3; b: 1.0, 0.0
+    delta = (0.3 + 0.5) / 2
+    pooled = ((0.2**2 + 0.2**2 + 0.0) + (0.5**2 + 0.5**2)) / (2 + 1)
+    se = math.sqrt(pooled * (1 / 3 + 1 / 2) / 4)
+    assert tuning.evidence(new, old, "drift", higher_is_better=False) == pytest.approx(delta / se)
+    assert tuning.evidence(old, new, "drift", higher_is_better=False) == pytest.approx(-delta / se)
+    assert math.isnan(tuning.evidence(_samples(a=[0.5]), _samples(a=[1.0]), "drift", False))  # no estimate
+    assert tuning.evidence(_samples(a=[0.5, 0.5]), _samples(a=[1.0, 1.0]), "drift", False) == math.inf
+
+
+def _score(drift, agreement):
+    """A Score over one task from per-example drift shares and agreements."""
+    d, a = torch.tensor(drift, dtype=torch.float64), torch.tensor(agreement, dtype=torch.float64)
+    return tuning.Score(float(d.mean()), 1.0 - float(a.mean()), {}, {"t": {"drift": d, "agreement": a}})
+
+
+def test_a_step_without_evidence_is_not_taken_and_the_drift_decides_instead():
+    best = _score([1.0] * 16, [1.0] * 15 + [0.0])
+    one_more = _score([1.0] * 16, [1.0] * 16)  # one example more agrees with its expert, drift unchanged
+    assert one_more.verdict(best, 0.0)[0]  # the plain comparison takes it
+    taken, z = one_more.verdict(best, 2.0)
+    assert not taken and z["disagreement"] == pytest.approx(1.0)  # one example of 16: one standard error
+    clearly = _score([0.8 + 0.01 * (i % 3) for i in range(16)], [1.0] * 16)  # ... and a clearly lower drift
+    taken, z = clearly.verdict(best, 2.0)
+    assert taken and z["drift"] > 2.0
+    worse = _score([0.1] * 16, [1.0] * 14 + [0.0] * 2)  # more disagreements lose whatever the drift
+    assert not worse.verdict(best, 0.0)[0] and not worse.verdict(best, 2.0)[0]
+
+
+def test_min_evidence_zero_takes_every_improvement_and_a_high_bar_takes_fewer(family):
+    base, experts, merged, data = family
+    runs = {z: calibrate(merged, base=base, experts=experts, calibration=data, progress=False, merge_scaling=0.05,
+                         config=FeatCalConfig(tune=True, tune_min_evidence=z),
+                         return_result=True).tuning for z in (0.0, 2.0)}
+    plain = runs[0.0]
+    assert plain["chosen"]["drift"] == min(c["drift"] for c in plain["candidates"])
+    assert all(c["accepted"] == c["scored_better"] == (
+        plain["candidates"][c["candidate"]]["drift"] < plain["candidates"][c["against"]]["drift"])
+        for c in plain["comparisons"])
+    strict = runs[2.0]
+    refused = [c for c in strict["comparisons"] if not c["accepted"]
+               and strict["candidates"][c["candidate"]]["drift"] < strict["candidates"][c["against"]]["drift"]]
+    assert refused and all(isinstance(c["z_drift"], float) and c["z_drift"] < 2.0 for c in refused)
+    assert strict["chosen"]["drift"] > plain["chosen"]["drift"]  # here the plain search took a step within noise
+    assert all(c["scored_better"] for c in refused)
+    assert f"{len(refused)} step(s) that scored better were not taken" in tuning.summary_line(strict)
 
 
 def test_rescaled_merge_is_task_arithmetic_at_the_new_scaling(family):

@@ -179,17 +179,66 @@ class Setting:
 
 @dataclass(frozen=True)
 class Score:
-    """A candidate's held-out score: drift always, disagreement where every task has a head."""
+    """A candidate's held-out score: drift always, disagreement where every task has a head.
+
+    `samples` keeps, per task, each held-out example's share of the drift (scaled so that their mean is the
+    task's drift) and, with a head, each prediction's agreement (1/0): what the paired evidence reads.
+    """
 
     drift: float
     disagreement: float | None
     per_task: dict[str, dict[str, float]]
+    samples: dict[str, dict[str, torch.Tensor]] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
-    def improves_on(self, other: Score) -> bool:
-        """Strictly better: fewer disagreements, else (equal) a drift lower by more than round-off."""
+    def verdict(self, other: Score, min_evidence: float = 0.0) -> tuple[bool, dict[str, float | None]]:
+        """(better, evidence): fewer disagreements, else a drift lower by more than round-off; with
+        `min_evidence` > 0 the improvement must also be at least that many standard errors (`evidence`).
+
+        Fewer disagreements without that evidence leave the drift to decide, as if they were equal;
+        more disagreements always lose. min_evidence 0 is the plain comparison.
+        """
+        z: dict[str, float | None] = {"disagreement": None, "drift": None}
         if self.disagreement is not None and other.disagreement is not None and self.disagreement != other.disagreement:
-            return self.disagreement < other.disagreement
-        return self.drift < other.drift * (1.0 - 1e-9)
+            if self.disagreement > other.disagreement:
+                return False, z
+            z["disagreement"] = evidence(self.samples, other.samples, "agreement", higher_is_better=True)
+            if min_evidence == 0.0 or z["disagreement"] >= min_evidence:
+                return True, z
+        z["drift"] = evidence(self.samples, other.samples, "drift", higher_is_better=False)
+        better = self.drift < other.drift * (1.0 - 1e-9)
+        return better and (min_evidence == 0.0 or z["drift"] >= min_evidence), z
+
+
+def evidence(new: Mapping[str, Mapping[str, torch.Tensor]], old: Mapping[str, Mapping[str, torch.Tensor]],
+             key: str, higher_is_better: bool) -> float:
+    """How many standard errors `new` improves on `old` in the mean over tasks of the mean over examples.
+
+    Why: at 8 examples per task the held-out part is 2 per task, and a step that wins there by one example
+    or a sliver of drift is noise more often than not. The two candidates are scored on the same examples,
+    so the test is paired: d = the per-example improvement, Δ = mean over tasks of its mean, and the
+    within-task variance of d is pooled over tasks (Σ (d − d̄_t)² / Σ (n_t − 1)), so that two examples per
+    task still give an estimate. nan where there is none (one example per task), +inf where every d equals
+    its task's mean and Δ > 0.
+    """
+    diffs = []
+    for t in new:
+        a, b = new[t].get(key), old.get(t, {}).get(key)
+        if a is None or b is None or a.shape != b.shape:
+            return math.nan
+        d = (a - b).double() if higher_is_better else (b - a).double()
+        diffs.append(d)
+    if not diffs or any(len(d) == 0 for d in diffs):
+        return math.nan
+    n_tasks = len(diffs)
+    delta = sum(float(d.mean()) for d in diffs) / n_tasks
+    dof = sum(len(d) - 1 for d in diffs)
+    if dof == 0:
+        return math.nan
+    pooled = sum(float((d - d.mean()).pow(2).sum()) for d in diffs) / dof
+    var = pooled * sum(1.0 / len(d) for d in diffs) / n_tasks**2
+    if var <= 0.0:
+        return math.inf if delta > 0 else (0.0 if delta == 0 else -math.inf)
+    return delta / math.sqrt(var)
 
 
 # --- features and predictions on the held-out part ---------------------------------------------------
@@ -306,27 +355,31 @@ def score(model: nn.Module, adapter: Adapter, held: Mapping[str, list[Batch]], r
     model.eval()
     dev = next(model.parameters()).device
     per_task: dict[str, dict[str, float]] = {}
+    samples: dict[str, dict[str, torch.Tensor]] = {}
     for t, batches in held.items():
         head = heads.get(t)
-        rel_sum = count = agree = n = 0.0
+        rel_sums, agrees, count = [], [], 0.0
         for i, b in enumerate(batches):
             h, _, pred = final_features(model, adapter, _to(b, dev), head, t, pooling)
             he, mask = (None if x is None else x.to(h.device) for x in refs[t].features[i])
             rel = (h - he).pow(2).sum(-1) / he.pow(2).sum(-1).clamp_min(1e-12)
             m = torch.ones_like(rel) if mask is None else mask.to(rel)
-            rel_sum += float((rel * m).sum())
+            rel_sums.append((rel * m).reshape(len(rel), -1).sum(1).double().cpu())  # one sum per example
             count += float(m.sum())
             if head is not None:
-                agree += float((pred == refs[t].predictions[i]).sum())
-                n += len(pred)
-        per_task[t] = {"drift": rel_sum / max(count, 1.0)}
+                agrees.append((pred == refs[t].predictions[i]).double())
+        sums = torch.cat(rel_sums)
+        per_task[t] = {"drift": float(sums.sum()) / max(count, 1.0)}
+        samples[t] = {"drift": sums * (len(sums) / max(count, 1.0))}  # their mean is the task's drift
         if head is not None:
-            per_task[t]["agreement"] = agree / max(n, 1.0)
+            agreement = torch.cat(agrees)
+            per_task[t]["agreement"] = float(agreement.sum()) / max(len(agreement), 1)
+            samples[t]["agreement"] = agreement
     drift = sum(r["drift"] for r in per_task.values()) / len(per_task)
     disagreement = None
     if heads and all(t in heads for t in held):
         disagreement = sum(1.0 - r["agreement"] for r in per_task.values()) / len(per_task)
-    return Score(drift, disagreement, per_task)
+    return Score(drift, disagreement, per_task, samples)
 
 
 # --- the starting merge ------------------------------------------------------------------------------
@@ -500,6 +553,8 @@ def calibrate_tuned(
     refs: dict[str, _Reference] = {}
     scores: dict[Setting, Score] = {}
     records: list[dict[str, Any]] = []
+    index_of: dict[Setting, int] = {}
+    comparisons: list[dict[str, Any]] = []  # each step of the search: who was compared with whom, the evidence
     search = Timer()
 
     def evaluate(s: Setting) -> Score | None:
@@ -524,6 +579,7 @@ def calibrate_tuned(
         sc = score(out.to(where), adapter, split.held, refs, heads, config.tune_head_pooling)
         del out
         scores[s] = sc
+        index_of[s] = len(records)
         records.append({"index": len(records), **s.as_dict(), "drift": sc.drift, "disagreement": sc.disagreement,
                         "per_task": sc.per_task, "seconds": round(clock.seconds, 3)})
         log.info("featcal tune: candidate %d %s: drift %.6g%s", len(records) - 1, s.as_dict(), sc.drift,
@@ -543,7 +599,13 @@ def calibrate_tuned(
                 while 0 <= j < len(ladder):
                     cand = best.with_(knob, ladder[j])
                     sc = evaluate(cand)
-                    if sc is None or not sc.improves_on(best_score):
+                    if sc is None:
+                        break
+                    better, z = sc.verdict(best_score, config.tune_min_evidence)
+                    comparisons.append({"candidate": index_of[cand], "against": index_of[best],
+                                        "z_disagreement": _finite(z["disagreement"]), "z_drift": _finite(z["drift"]),
+                                        "accepted": better, "scored_better": sc.verdict(best_score)[0]})
+                    if not better:
                         break
                     best, best_score, moved, changed = cand, sc, True, True
                     j += step
@@ -564,7 +626,7 @@ def calibrate_tuned(
                                     keep_resume_state=keep_resume_state,
                                     check_finite=False)  # every input was scanned by the first candidate
     refit_seconds = refit.seconds
-    chosen = next(r["index"] for r in records if Setting(**{k: r[k] for k in best.as_dict()}) == best)
+    chosen = index_of[best]
     record = {
         "criterion": CRITERION,
         "heads": sorted(heads),
@@ -576,6 +638,8 @@ def calibrate_tuned(
         "searched": knobs,
         "start": start.as_dict(),
         "candidates": records,
+        "min_evidence": config.tune_min_evidence,
+        "comparisons": comparisons,
         "chosen": {"index": chosen, **best.as_dict(), "drift": best_score.drift,
                    "disagreement": best_score.disagreement},
         "seconds": {"search": round(search_seconds, 3), "refit": round(refit_seconds, 3),
@@ -584,6 +648,13 @@ def calibrate_tuned(
     log.info("featcal tune: chose candidate %d of %d %s (held-out drift %.6g, start %.6g); refit on all data",
              chosen, len(records), best.as_dict(), best_score.drift, records[0]["drift"])
     return result.with_tuning(record)
+
+
+def _finite(z: float | None) -> float | str | None:
+    """A z for JSON: a number, or 'inf' / '-inf' / 'nan' spelled out (JSON has no such numbers)."""
+    if z is None or math.isfinite(z):
+        return None if z is None else round(z, 4)
+    return str(z)
 
 
 def summary_line(record: Mapping[str, Any]) -> str:
@@ -595,4 +666,8 @@ def summary_line(record: Mapping[str, Any]) -> str:
             f"{values}: held-out drift {chosen['drift']:.4g} (starting setting {first['drift']:.4g})")
     if chosen.get("disagreement") is not None:
         line += f", disagreement with the experts {chosen['disagreement']:.3f} (start {first['disagreement']:.3f})"
+    unbacked = sum(1 for c in record.get("comparisons", ()) if c["scored_better"] and not c["accepted"])
+    if unbacked:
+        line += (f"; {unbacked} step(s) that scored better were not taken (under {record['min_evidence']:g} standard "
+                 "errors)")
     return line + f"; search {record['seconds']['search']:.1f} s, refit on all data {record['seconds']['refit']:.1f} s"

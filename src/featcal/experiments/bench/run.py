@@ -445,7 +445,11 @@ def _variant_record(variant: str, result) -> dict[str, Any]:
     if variant == "final_norm":
         return {"final_norm": result.final_norm}
     if variant == "tuned":
-        return {"tuning_chosen": result.tuning["chosen"], "tuning_criterion": result.tuning.get("criterion")}
+        rec = result.tuning
+        return {"tuning_chosen": rec["chosen"], "tuning_criterion": rec.get("criterion"),
+                "tuning_min_evidence": rec.get("min_evidence"),
+                "tuning_candidates": [{k: v for k, v in c.items() if k != "per_task"} for c in rec["candidates"]],
+                "tuning_comparisons": rec.get("comparisons", [])}
     return {}
 
 
