@@ -312,10 +312,10 @@ class FeatCalConfig(_Strict):
         0.25, ge=0.05, le=0.5, description="tune: fraction of each task's calibration examples held out for scoring"
     )
     tune_min_evidence: float = Field(
-        2.0, ge=0.0, le=10.0,
+        0.0, ge=0.0, le=10.0,
         description="tune: a candidate replaces the best so far only if its held-out improvement is at least this "
-        "many standard errors (paired over the held-out examples, within-task variance pooled over tasks); 0 takes "
-        "any improvement, as featcal did before this guard (docs/tuning.md)",
+        "many standard errors (paired over the held-out examples, within-task variance pooled over tasks); 0 (the "
+        "default) takes any improvement; 2 was measured to hurt at 8 examples per task (docs/tuning.md)",
     )
     tune_head_pooling: Literal["auto", "pooler", "mean"] = Field(
         "auto", description="tune: what a task head (a layer, not a callable) reads: the model's pooler_output, the "

@@ -555,6 +555,7 @@ def calibrate_tuned(
     records: list[dict[str, Any]] = []
     index_of: dict[Setting, int] = {}
     comparisons: list[dict[str, Any]] = []  # each step of the search: who was compared with whom, the evidence
+    compared: set[tuple[int, int]] = set()
     search = Timer()
 
     def evaluate(s: Setting) -> Score | None:
@@ -602,9 +603,12 @@ def calibrate_tuned(
                     if sc is None:
                         break
                     better, z = sc.verdict(best_score, config.tune_min_evidence)
-                    comparisons.append({"candidate": index_of[cand], "against": index_of[best],
-                                        "z_disagreement": _finite(z["disagreement"]), "z_drift": _finite(z["drift"]),
-                                        "accepted": better, "scored_better": sc.verdict(best_score)[0]})
+                    pair = (index_of[cand], index_of[best])
+                    if pair not in compared:  # a later pass meets scored settings again: recorded once
+                        compared.add(pair)
+                        comparisons.append({"candidate": pair[0], "against": pair[1],
+                                            "z_disagreement": _finite(z["disagreement"]), "z_drift": _finite(z["drift"]),
+                                            "accepted": better, "scored_better": sc.verdict(best_score)[0]})
                     if not better:
                         break
                     best, best_score, moved, changed = cand, sc, True, True
