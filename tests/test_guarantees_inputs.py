@@ -270,6 +270,7 @@ BAD_FEATCAL = {
     "tune_budget": [2.9, 100.5, math.nan, math.inf, True],
     "tune_holdout": [0.0, 0.04, 0.51, math.nan],
     "tune_min_evidence": [-0.1, 10.5, math.nan, math.inf],
+    "tune_tiebreak": ["kl", 1],
     "tune_head_pooling": ["cls", 1],
 }
 BAD_MERGE = {

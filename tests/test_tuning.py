@@ -248,6 +248,9 @@ def test_rescaled_merge_is_task_arithmetic_at_the_new_scaling(family):
     ({"merge_scaling": 0.3, "base": None}, "merge_scaling needs the base model"),
     ({"config": FeatCalConfig(), "heads": {"task0": lambda m, b: None}}, "heads are used only .* tune=True"),
     ({"config": FeatCalConfig(), "merge_scaling": 0.3}, "merge_scaling is used only .* tune=True"),
+    ({"config": FeatCalConfig(tune=True, tune_tiebreak="soft")}, r"needs a head for every task \(none for \['task0', 'task1'\]\)"),
+    ({"config": FeatCalConfig(tune=True, tune_tiebreak="soft"), "heads": {"task0": lambda m, b: None}},
+     r"none for \['task1'\]"),
 ])
 def test_bad_tune_requests_are_refused(family, kwargs, message):
     base, experts, merged, data = family
@@ -268,6 +271,43 @@ def test_module_head_scores_agreement_on_the_pooled_output(family):
         assert c["disagreement"] == pytest.approx(1.0 - sum(agreement) / len(agreement))
     best = min((c["disagreement"], c["drift"]) for c in rec["candidates"])
     assert (rec["chosen"]["disagreement"], rec["chosen"]["drift"]) == best
+
+
+def test_soft_tiebreak_is_the_kl_from_the_experts_head_softmax(family):
+    base, experts, merged, data = family
+    torch.manual_seed(0)
+    heads = {t: torch.nn.Linear(32, 4) for t in experts}
+    adapter = tuning.adapter_for(merged)
+    refs = {t: tuning._reference(t, experts[t], adapter, data[t], heads[t], keep_log_probs=True) for t in experts}
+    # an expert scored against its own outputs: no disagreement, no divergence
+    own = tuning.score(experts["task0"], adapter, {"task0": data["task0"]}, refs, {"task0": heads["task0"]})
+    assert own.disagreement == 0.0 and own.soft == pytest.approx(0.0, abs=1e-6)
+    # the merge: the KL computed here by hand from the heads on the pooled outputs
+    sc = tuning.score(merged, adapter, data, refs, heads)
+    for t in experts:
+        rows = torch.cat([b["pixel_values"] for b in data[t]])
+        with torch.no_grad():
+            pe = torch.log_softmax(heads[t](experts[t](pixel_values=rows).pooler_output), -1)
+            pm = torch.log_softmax(heads[t](merged(pixel_values=rows).pooler_output), -1)
+        assert sc.per_task[t]["soft"] == pytest.approx(float((pe.exp() * (pe - pm)).sum(-1).mean()), rel=1e-4)
+    assert sc.soft == pytest.approx(sum(sc.per_task[t]["soft"] for t in experts) / 2)
+    # the search: agreement ties go to the lower KL, and the record says which tie-break ran
+    out = calibrate(merged, base=base, experts=experts, calibration=data, progress=False, heads=heads,
+                    config=FeatCalConfig(tune=True, tune_budget=4.0, tune_tiebreak="soft"), return_result=True)
+    rec = out.tuning
+    assert rec["tiebreak"] == "soft" and all("soft" in c for c in rec["candidates"])
+    assert (rec["chosen"]["disagreement"], rec["chosen"]["soft"]) == min(
+        (c["disagreement"], c["soft"]) for c in rec["candidates"])
+    assert all("z_soft" in c and "z_drift" not in c for c in rec["comparisons"])
+
+
+def test_verdict_breaks_ties_by_the_chosen_score():
+    def sc(drift, soft):
+        d, k, a = (torch.tensor(v, dtype=torch.float64) for v in (drift, soft, [1.0, 1.0]))
+        return tuning.Score(float(d.mean()), 0.0, {}, {"t": {"drift": d, "soft": k, "agreement": a}}, float(k.mean()))
+    best, cand = sc([1.0, 1.0], [0.1, 0.1]), sc([0.5, 0.6], [0.2, 0.3])  # lower drift, higher KL
+    assert cand.verdict(best)[0] and not cand.verdict(best, tiebreak="soft")[0]
+    assert best.verdict(cand, tiebreak="soft")[0]
 
 
 # --- CLI and YAML --------------------------------------------------------------------------------------

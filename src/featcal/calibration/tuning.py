@@ -84,7 +84,8 @@ CRITERION = (
     "mean over tasks of ||h - h_expert||^2 / ||h_expert||^2 at the last block's output (class token only where "
     "the output is read from it; padding excluded) on each task's held-out calibration examples; with task "
     "heads, first the mean over tasks of the fraction of held-out examples whose prediction differs from the "
-    "expert's, the drift breaking ties; lower is better"
+    "expert's, the drift (tune_tiebreak soft: the mean KL from the expert's head softmax to the candidate's) "
+    "breaking ties; lower is better"
 )
 
 
@@ -189,32 +190,36 @@ class Score:
     disagreement: float | None
     per_task: dict[str, dict[str, float]]
     samples: dict[str, dict[str, torch.Tensor]] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    soft: float | None = None  # mean over tasks of KL(expert's head softmax || candidate's): tune_tiebreak soft
 
-    def verdict(self, other: Score, min_evidence: float = 0.0) -> tuple[bool, dict[str, float | None]]:
-        """(better, evidence): fewer disagreements, else a drift lower by more than round-off; with
-        `min_evidence` > 0 the improvement must also be at least that many standard errors (`evidence`).
+    def verdict(self, other: Score, min_evidence: float = 0.0,
+                tiebreak: str = "drift") -> tuple[bool, dict[str, float | None]]:
+        """(better, evidence): fewer disagreements, else a tie-break score (the drift, or with
+        tiebreak 'soft' the heads' KL) lower by more than round-off; with `min_evidence` > 0 the
+        improvement must also be at least that many standard errors (`evidence`).
 
-        Fewer disagreements without that evidence leave the drift to decide, as if they were equal;
+        Fewer disagreements without that evidence leave the tie-break to decide, as if they were equal;
         more disagreements always lose. min_evidence 0 is the plain comparison.
         """
-        z: dict[str, float | None] = {"disagreement": None, "drift": None}
+        z: dict[str, float | None] = {"disagreement": None, tiebreak: None}
         if self.disagreement is not None and other.disagreement is not None and self.disagreement != other.disagreement:
             if self.disagreement > other.disagreement:
                 return False, z
             z["disagreement"] = evidence(self.samples, other.samples, "agreement", higher_is_better=True)
             if min_evidence == 0.0 or z["disagreement"] >= min_evidence:
                 return True, z
-        z["drift"] = evidence(self.samples, other.samples, "drift", higher_is_better=False)
-        better = self.drift < other.drift * (1.0 - 1e-9)
-        return better and (min_evidence == 0.0 or z["drift"] >= min_evidence), z
+        mine, theirs = (self.drift, other.drift) if tiebreak == "drift" else (self.soft, other.soft)
+        z[tiebreak] = evidence(self.samples, other.samples, tiebreak, higher_is_better=False)
+        better = mine < theirs * (1.0 - 1e-9)
+        return better and (min_evidence == 0.0 or z[tiebreak] >= min_evidence), z
 
 
 def evidence(new: Mapping[str, Mapping[str, torch.Tensor]], old: Mapping[str, Mapping[str, torch.Tensor]],
              key: str, higher_is_better: bool) -> float:
     """How many standard errors `new` improves on `old` in the mean over tasks of the mean over examples.
 
-    Why: at 8 examples per task the held-out part is 2 per task, and a step that wins there by one example
-    or a sliver of drift is noise more often than not. The two candidates are scored on the same examples,
+    Why: at 8 examples per task the held-out part is 2 per task, where a step can win by one example or a
+    sliver of drift (tune_min_evidence; docs/tuning.md has what it did). The two candidates are scored on the same examples,
     so the test is paired: d = the per-example improvement, Δ = mean over tasks of its mean, and the
     within-task variance of d is pooled over tasks (Σ (d − d̄_t)² / Σ (n_t − 1)), so that two examples per
     task still give an estimate. nan where there is none (one example per task), +inf where every d equals
@@ -256,8 +261,9 @@ def _to(batch: Batch, device: torch.device) -> Batch:
 
 @torch.no_grad()
 def final_features(model: nn.Module, adapter: Adapter, batch: Batch, head: Head | None = None, task: str = "",
-                   pooling: str = "auto"):
-    """(features, 0/1 token mask or None, predicted classes or None) from ONE forward where possible.
+                   pooling: str = "auto", soft: bool = False):
+    """(features, 0/1 token mask or None, the head's predicted classes or None, with `soft` its log-softmax
+    or None) from ONE forward where possible; only those leave the device, never a token head's logits.
 
     Features: the last stack's last block output (only the class token where the stack's output is
     read from it, CLIP/ViT). Without a head the forward stops after that block; an nn.Module head reads
@@ -275,15 +281,15 @@ def final_features(model: nn.Module, adapter: Adapter, batch: Batch, head: Head 
             raise _Stop
 
     handle = block.register_forward_hook(hook)
-    pred = None
+    out = (None, None)
     try:
         if head is None:
             model(**accepted_inputs(model, batch))
         elif isinstance(head, nn.Module):
             output = model(**accepted_inputs(model, batch))
-            pred = _argmax(task, head(_pooled(task, output, batch, pooling)))
+            out = _head_output(task, head(_pooled(task, output, batch, pooling)), soft)
         else:
-            pred = _argmax(task, head(model, batch))
+            out = _head_output(task, head(model, batch), soft)
             if "h" not in seen:
                 stop[0] = True
                 model(**accepted_inputs(model, batch))
@@ -296,7 +302,7 @@ def final_features(model: nn.Module, adapter: Adapter, batch: Batch, head: Head 
     if stack.class_token_head:
         h = h[:, :1]
         mask = None if mask is None else mask[:, :1]
-    return h, mask, pred
+    return h, mask, *out
 
 
 def _pooled(task: str, output: Any, batch: Batch, pooling: str = "auto") -> torch.Tensor:
@@ -321,10 +327,14 @@ def _pooled(task: str, output: Any, batch: Batch, pooling: str = "auto") -> torc
     return (h * m).sum(1) / m.sum(1).clamp_min(1.0)
 
 
-def _argmax(task: str, logits: Any) -> torch.Tensor:
+def _head_output(task: str, logits: Any, soft: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(predicted classes, log-softmax as (predictions, classes) with `soft`, else None), on the host."""
     if not isinstance(logits, torch.Tensor) or logits.dim() < 1:
         raise ConfigError(f"head of task {task!r} must return logits (a tensor), got {type(logits).__name__}")
-    return logits.argmax(-1).flatten().cpu()
+    pred = logits.argmax(-1).flatten().cpu()
+    if not soft:
+        return pred, None
+    return pred, torch.log_softmax(logits.detach().float(), -1).reshape(-1, logits.shape[-1]).cpu()
 
 
 @dataclass
@@ -333,19 +343,23 @@ class _Reference:
 
     features: list[tuple[torch.Tensor, torch.Tensor | None]]
     predictions: list[torch.Tensor] | None
+    log_probs: list[torch.Tensor] | None = None  # the head's log-softmax, kept for tune_tiebreak soft only
 
 
 @torch.no_grad()
 def _reference(task: str, expert: nn.Module, adapter: Adapter, batches: list[Batch], head: Head | None,
-               pooling: str = "auto") -> _Reference:
+               pooling: str = "auto", keep_log_probs: bool = False) -> _Reference:
     dev = next(expert.parameters()).device
     feats, preds = [], [] if head is not None else None
+    log_probs = [] if head is not None and keep_log_probs else None
     for b in batches:
-        h, mask, pred = final_features(expert, adapter, _to(b, dev), head, task, pooling)
+        h, mask, pred, lp = final_features(expert, adapter, _to(b, dev), head, task, pooling, keep_log_probs)
         feats.append((h.cpu(), None if mask is None else mask.cpu()))  # held on the host for all candidates
         if head is not None:
             preds.append(pred)
-    return _Reference(feats, preds)
+            if log_probs is not None:
+                log_probs.append(lp)
+    return _Reference(feats, preds, log_probs)
 
 
 @torch.no_grad()
@@ -358,9 +372,10 @@ def score(model: nn.Module, adapter: Adapter, held: Mapping[str, list[Batch]], r
     samples: dict[str, dict[str, torch.Tensor]] = {}
     for t, batches in held.items():
         head = heads.get(t)
-        rel_sums, agrees, count = [], [], 0.0
+        rel_sums, agrees, kls, count = [], [], [], 0.0
         for i, b in enumerate(batches):
-            h, _, pred = final_features(model, adapter, _to(b, dev), head, t, pooling)
+            soft = head is not None and refs[t].log_probs is not None
+            h, _, pred, lp = final_features(model, adapter, _to(b, dev), head, t, pooling, soft)
             he, mask = (None if x is None else x.to(h.device) for x in refs[t].features[i])
             rel = (h - he).pow(2).sum(-1) / he.pow(2).sum(-1).clamp_min(1e-12)
             m = torch.ones_like(rel) if mask is None else mask.to(rel)
@@ -368,6 +383,9 @@ def score(model: nn.Module, adapter: Adapter, held: Mapping[str, list[Batch]], r
             count += float(m.sum())
             if head is not None:
                 agrees.append((pred == refs[t].predictions[i]).double())
+                if soft:
+                    ref_lp = refs[t].log_probs[i]
+                    kls.append((ref_lp.exp() * (ref_lp - lp)).sum(-1).double())
         sums = torch.cat(rel_sums)
         per_task[t] = {"drift": float(sums.sum()) / max(count, 1.0)}
         samples[t] = {"drift": sums * (len(sums) / max(count, 1.0))}  # their mean is the task's drift
@@ -375,11 +393,17 @@ def score(model: nn.Module, adapter: Adapter, held: Mapping[str, list[Batch]], r
             agreement = torch.cat(agrees)
             per_task[t]["agreement"] = float(agreement.sum()) / max(len(agreement), 1)
             samples[t]["agreement"] = agreement
+        if kls:
+            kl = torch.cat(kls)
+            per_task[t]["soft"] = float(kl.mean())
+            samples[t]["soft"] = kl
     drift = sum(r["drift"] for r in per_task.values()) / len(per_task)
-    disagreement = None
+    disagreement = soft = None
     if heads and all(t in heads for t in held):
         disagreement = sum(1.0 - r["agreement"] for r in per_task.values()) / len(per_task)
-    return Score(drift, disagreement, per_task, samples)
+        if all("soft" in r for r in per_task.values()):
+            soft = sum(r["soft"] for r in per_task.values()) / len(per_task)
+    return Score(drift, disagreement, per_task, samples, soft)
 
 
 # --- the starting merge ------------------------------------------------------------------------------
@@ -492,6 +516,10 @@ def check_request(config: FeatCalConfig, base: Any, experts: Mapping[str, Any], 
         bad = [t for t, h in heads.items() if not callable(h)]
         if bad:
             raise ConfigError(f"head(s) of task(s) {bad} are neither an nn.Module nor a callable head(model, batch)")
+    if config.tune and config.tune_tiebreak == "soft" and (not heads or any(t not in heads for t in experts)):
+        missing = sorted(t for t in experts if t not in (heads or {}))
+        raise ConfigError(f"tune_tiebreak 'soft' compares the heads' outputs: it needs a head for every task "
+                          f"(none for {missing}); give heads or use tune_tiebreak 'drift'")
     if not config.tune:
         if heads:
             raise ConfigError("heads are used only to score candidates when tune=True")
@@ -575,13 +603,15 @@ def calibrate_tuned(
                 expert = _expert_model(t, experts[t], base, template, allow_pickle)
                 if expert is not experts[t]:  # featcal's own copy (a caller's model is not moved)
                     expert.to(where)
-                refs[t] = _reference(t, expert, adapter, split.held[t], heads.get(t), config.tune_head_pooling)
+                refs[t] = _reference(t, expert, adapter, split.held[t], heads.get(t), config.tune_head_pooling,
+                                     keep_log_probs=config.tune_tiebreak == "soft")
                 del expert
         sc = score(out.to(where), adapter, split.held, refs, heads, config.tune_head_pooling)
         del out
         scores[s] = sc
         index_of[s] = len(records)
         records.append({"index": len(records), **s.as_dict(), "drift": sc.drift, "disagreement": sc.disagreement,
+                        **({} if sc.soft is None else {"soft": sc.soft}),
                         "per_task": sc.per_task, "seconds": round(clock.seconds, 3)})
         log.info("featcal tune: candidate %d %s: drift %.6g%s", len(records) - 1, s.as_dict(), sc.drift,
                  "" if sc.disagreement is None else f", disagreement {sc.disagreement:.4f}")
@@ -602,13 +632,15 @@ def calibrate_tuned(
                     sc = evaluate(cand)
                     if sc is None:
                         break
-                    better, z = sc.verdict(best_score, config.tune_min_evidence)
+                    better, z = sc.verdict(best_score, config.tune_min_evidence, config.tune_tiebreak)
                     pair = (index_of[cand], index_of[best])
                     if pair not in compared:  # a later pass meets scored settings again: recorded once
                         compared.add(pair)
                         comparisons.append({"candidate": pair[0], "against": pair[1],
-                                            "z_disagreement": _finite(z["disagreement"]), "z_drift": _finite(z["drift"]),
-                                            "accepted": better, "scored_better": sc.verdict(best_score)[0]})
+                                            "z_disagreement": _finite(z["disagreement"]),
+                                            f"z_{config.tune_tiebreak}": _finite(z[config.tune_tiebreak]),
+                                            "accepted": better,
+                                            "scored_better": sc.verdict(best_score, 0.0, config.tune_tiebreak)[0]})
                     if not better:
                         break
                     best, best_score, moved, changed = cand, sc, True, True
@@ -645,7 +677,9 @@ def calibrate_tuned(
         "min_evidence": config.tune_min_evidence,
         "comparisons": comparisons,
         "chosen": {"index": chosen, **best.as_dict(), "drift": best_score.drift,
-                   "disagreement": best_score.disagreement},
+                   "disagreement": best_score.disagreement,
+                   **({} if best_score.soft is None else {"soft": best_score.soft})},
+        "tiebreak": config.tune_tiebreak,
         "seconds": {"search": round(search_seconds, 3), "refit": round(refit_seconds, 3),
                     "total_over_refit": round((search_seconds + refit_seconds) / max(refit_seconds, 1e-9), 2)},
     }
