@@ -41,12 +41,16 @@ def test_splits_are_disjoint_deterministic_and_keyed():
     assert a["test"] and a["calib"]
 
 
+def _row(loss, acc):
+    """One model's results on domains x and y: (loss x, loss y), (acc x, acc y)."""
+    return {d: {"loss": loss[i], "acc": acc[i]} for i, d in enumerate(("x", "y"))}
+
+
 def test_gap_closed_is_measured_on_the_mean_over_domains():
     bench = _bench()
-    row = lambda loss, acc: {d: {"loss": loss[i], "acc": acc[i]} for i, d in enumerate(("x", "y"))}  # noqa: E731
-    results = {"base": row((3.0, 3.0), (30, 30)), "experts": row((1.0, 2.0), (50, 40)),
-               "task_arithmetic": row((2.0, 3.0), (40, 30)), "ties": row((2.0, 3.0), (40, 30)),
-               "ta_featcal": row((1.5, 2.5), (45, 35))}
+    results = {"base": _row((3.0, 3.0), (30, 30)), "experts": _row((1.0, 2.0), (50, 40)),
+               "task_arithmetic": _row((2.0, 3.0), (40, 30)), "ties": _row((2.0, 3.0), (40, 30)),
+               "ta_featcal": _row((1.5, 2.5), (45, 35))}
     s = bench.summarise(results, ("x", "y"))
     assert s["gap_closed_pct"] == {"loss": 50.0, "acc": 50.0}
     assert s["gap_closed_pct_ties"] == {"loss": 0.0, "acc": 0.0}
@@ -57,10 +61,9 @@ def test_gap_closed_is_measured_on_the_mean_over_domains():
 def test_gap_closed_is_na_where_the_expert_is_not_better_than_ta():
     """A domain whose expert is worse than TA has no gap to close: n/a, not a share above 100 % (featcal's rule)."""
     bench = _bench()
-    row = lambda loss, acc: {d: {"loss": loss[i], "acc": acc[i]} for i, d in enumerate(("x", "y"))}  # noqa: E731
-    results = {"base": row((3.0, 3.0), (30, 30)), "experts": row((1.0, 2.5), (50, 30)),
-               "task_arithmetic": row((2.0, 2.0), (40, 35)), "ties": row((2.0, 2.0), (40, 35)),
-               "ta_featcal": row((1.5, 2.2), (45, 33))}
+    results = {"base": _row((3.0, 3.0), (30, 30)), "experts": _row((1.0, 2.5), (50, 30)),
+               "task_arithmetic": _row((2.0, 2.0), (40, 35)), "ties": _row((2.0, 2.0), (40, 35)),
+               "ta_featcal": _row((1.5, 2.2), (45, 33))}
     s = bench.summarise(results, ("x", "y"))
     assert s["gap_closed_pct_loss_per_domain"] == {"x": 50.0, "y": None}
     assert s["gap_closed_pct"]["loss"] == round(100 * (2.0 - 1.85) / (2.0 - 1.75), 1)

@@ -190,10 +190,14 @@ def test_evidence_is_the_paired_z_with_the_within_task_variance_pooled():
     assert tuning.evidence(_samples(a=[0.5, 0.5]), _samples(a=[1.0, 1.0]), "drift", False) == math.inf
 
 
-def _score(drift, agreement):
-    """A Score over one task from per-example drift shares and agreements."""
+def _score(drift, agreement, soft=None):
+    """A Score over one task from per-example drift shares, agreements and (optionally) KLs."""
     d, a = torch.tensor(drift, dtype=torch.float64), torch.tensor(agreement, dtype=torch.float64)
-    return tuning.Score(float(d.mean()), 1.0 - float(a.mean()), {}, {"t": {"drift": d, "agreement": a}})
+    samples = {"drift": d, "agreement": a}
+    if soft is not None:
+        samples["soft"] = torch.tensor(soft, dtype=torch.float64)
+    return tuning.Score(float(d.mean()), 1.0 - float(a.mean()), {}, {"t": samples},
+                        None if soft is None else float(samples["soft"].mean()))
 
 
 def test_a_step_without_evidence_is_not_taken_and_the_drift_decides_instead():
@@ -302,10 +306,8 @@ def test_soft_tiebreak_is_the_kl_from_the_experts_head_softmax(family):
 
 
 def test_verdict_breaks_ties_by_the_chosen_score():
-    def sc(drift, soft):
-        d, k, a = (torch.tensor(v, dtype=torch.float64) for v in (drift, soft, [1.0, 1.0]))
-        return tuning.Score(float(d.mean()), 0.0, {}, {"t": {"drift": d, "soft": k, "agreement": a}}, float(k.mean()))
-    best, cand = sc([1.0, 1.0], [0.1, 0.1]), sc([0.5, 0.6], [0.2, 0.3])  # lower drift, higher KL
+    best = _score([1.0, 1.0], [1.0, 1.0], soft=[0.1, 0.1])
+    cand = _score([0.5, 0.6], [1.0, 1.0], soft=[0.2, 0.3])  # lower drift, higher KL
     assert cand.verdict(best)[0] and not cand.verdict(best, tiebreak="soft")[0]
     assert best.verdict(cand, tiebreak="soft")[0]
 
