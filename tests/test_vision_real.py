@@ -119,7 +119,9 @@ def vision_bench(tmp_path_factory):
     if not _have(NEEDED):
         pytest.skip(f"vision sources missing: run `featcal zoo fetch-vision --only {','.join(NEEDED)}`")
     root = tmp_path_factory.mktemp("vision-bench")
-    settings = BenchSettings(preset="vision-real-tiny", seed=0, calib_sizes=(16,), zoo_dir=root / "zoo")
+    settings = BenchSettings(preset="vision-real-tiny", seed=0, calib_sizes=(16,), zoo_dir=root / "zoo",
+                             baselines=("surgery", "probsurgery"),
+                             baseline_params={"surgery": {"steps": 8}, "probsurgery": {"steps": 8}})
     report = run_bench(settings, progress=False)
     return report, write_bench(report, root / "out"), root / "zoo"
 
@@ -151,3 +153,16 @@ def test_vision_real_bench_rows_regime_and_featcal(vision_bench):
     assert cal["feature_drift"][-1] < before["feature_drift"][-1]  # FeatCal lowers the last block's drift
     assert data["regime"]["line"].startswith("regime: base ") and "WUDI" in data["regime"]["line"]
     assert (out / "drift.png").stat().st_size > 1000
+
+
+def test_vision_real_surgery_baselines_run_on_the_dinov2_merge(vision_bench):
+    """Surgery / ProbSurgery train their adapters on the Dinov2 backbone's pooled output, like on CLIP."""
+    _, out, _ = vision_bench
+    data = json.loads((out / "bench.json").read_text())
+    merge = next(r for r in data["rows"] if r["method"] == "task_arithmetic" and not r["calibrated"])
+    by = {r["method"]: r for r in data["rows"] if r.get("baseline")}
+    assert set(by) == {"surgery", "probsurgery"}
+    for name, row in by.items():
+        assert row["merge"] == "task_arithmetic" and row["calibration_examples"] == 16
+        assert row["params"]["steps"] == 8 and set(row["per_task"]) == set(data["tasks"])
+        assert row["per_task"] != merge["per_task"], name  # the adapters changed the merge's predictions

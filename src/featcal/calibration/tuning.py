@@ -9,7 +9,11 @@ the fit part and scored on the held-out part by a criterion that needs no labels
   token only where the model's output is read from it, padding left out), h the candidate's features and
   h_t expert t's, on task t's held-out examples;
 - where a task head is given: disagreement with expert t's predictions through that head (fewer is
-  better), the drift breaking ties.
+  better), ties broken by `tune_tiebreak`: the drift above (`drift`, the default) or the mean
+  KL(expert t's head softmax ‖ the candidate's) (`soft`), which at 8 examples per task does not reward the
+  smaller λ that lowers held-out drift and still generalises worse (docs/tuning.md);
+- optionally (`tune_min_evidence` z > 0) a step is taken only when its held-out improvement is at least z
+  paired standard errors (`evidence`); off by default, because at z = 2 it hurt on every run measured.
 
 The search is a deterministic pattern search along fixed ladders, one knob at a time (the starting merge's
 scaling where the merge can be rebuilt, then ρ, λ, α), from the configured values (the paper's by default):
