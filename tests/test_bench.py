@@ -80,6 +80,7 @@ def test_regime_line_is_stored_for_a_vision_preset(bench):
     assert set(regime["merged_for_the_regime_only"]) == {"regmean", "wudi"}  # not benched, merged for the line
     assert regime["regmean_minus_ta"] == pytest.approx(regime["regmean"] - regime["task_arithmetic"])
     assert regime["line"].startswith("regime: base ") and "points vs TA" in regime["line"]
+    assert regime["regmean_examples"] == 64 and "(64/task)" in regime["line"]  # RegMean on the largest size
 
 
 def test_regime_verdict():
@@ -90,6 +91,8 @@ def test_regime_verdict():
     assert not synthetic["real_fine_tune_regime"] and synthetic["ordered"]
     assert "NOT in the regime of real fine-tunes: RegMean is not above TA; WUDI is not above TA" in synthetic["line"]
     assert "base < TA < experts does not hold" in regime(0.7, 0.6, 0.9, 0.8, 0.8, 0.3)["line"]
+    named = regime(0.48, 0.68, 0.90, 0.82, 0.85, 0.3, regmean_examples=256)
+    assert "RegMean +14.0 (256/task), WUDI +17.0 points vs TA" in named["line"] and named["regmean_examples"] == 256
 
 
 def test_validate_rejects_bad_settings_before_work():

@@ -258,8 +258,9 @@ def _regime_record(rows: list[dict], zoo, base, heads, tests, settings: BenchSet
             extra_seconds[method] = round(timer.seconds, 2)
             del merged
     experts_average = mean({r["task"]: r["average_accuracy"] for r in rows if r["method"] == "expert"})
+    regmean_examples = max(sum(num_examples(b) for b in bs) for bs in calibration.values())  # as `_merge` gives it
     record = regime(found["base"], found["task_arithmetic"], experts_average, found["regmean"], found["wudi"],
-                    MERGE_PARAMS["task_arithmetic"]["scaling"])
+                    MERGE_PARAMS["task_arithmetic"]["scaling"], regmean_examples)
     record["merged_for_the_regime_only"] = extra_seconds  # method -> seconds (merge + evaluation)
     return record
 
