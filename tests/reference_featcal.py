@@ -60,15 +60,25 @@ def _modules(block, adapter):
     return out
 
 
-def _record(block, mods):
-    """Hooks that append each calibrated module's input (flattened to tokens × d) to a list."""
+def _record(block, mods, order=None):
+    """Hooks that append each calibrated module's input to a list (and, given `order`, each module's name
+    there when it first runs: the forward order)."""
     store = {n: [] for n in mods}
-    hooks = [m.register_forward_hook(lambda _m, i, _o, n=n: store[n].append(i[0].detach())) for n, (_, m) in mods.items()]
+
+    def hook(n, x):
+        store[n].append(x.detach())
+        if order is not None and n not in order:
+            order.append(n)
+
+    hooks = [m.register_forward_hook(lambda _m, i, _o, n=n: hook(n, i[0])) for n, (_, m) in mods.items()]
     return store, hooks
 
 
-def reference_calibrate(merged, base, experts: dict, calibration: dict, cfg):
-    """Return a calibrated deep copy of `merged` (experts: {task: model}; calibration: {task: [dict]})."""
+def reference_calibrate(merged, base, experts: dict, calibration: dict, cfg, sequential: bool = False):
+    """Return a calibrated deep copy of `merged` (experts: {task: model}; calibration: {task: [dict]}).
+
+    `sequential`: block_statistics "sequential", literally: each module solved alone, in forward order, from a
+    fresh forward of the block with every module before it already solved."""
     model = copy.deepcopy(merged).eval()
     adapter = adapter_for(model)
     alpha, lam, eps, rho = cfg.teacher_interp_alpha, cfg.lambda_ratio, cfg.covariance_eps, cfg.anchor_blend_rho
@@ -88,89 +98,104 @@ def reference_calibrate(merged, base, experts: dict, calibration: dict, cfg):
             for layer in range(n_blocks):
                 block_m = stack.blocks(model)[layer]
                 mods = _modules(block_m, adapter)
-                per_task = {}
+
+                def gather(block_m=block_m, mods=mods, layer=layer, stack=stack, hm=hm, he=he, cm=cm, ce=ce, n_blocks=n_blocks):
+                    """Every module's xs, xe, token weights per task, and the modules' forward order."""
+                    per_task, order = {}, []
+                    for t in tasks:
+                        block_e = stack.blocks(experts[t])[layer]
+                        mods_e = _modules(block_e, adapter)
+                        xs_all, xe_all, w_all = {n: [] for n in mods}, {n: [] for n in mods}, {n: [] for n in mods}
+                        for b, batch in enumerate(calibration[t]):
+                            store_e, hooks = _record(block_e, mods_e)
+                            block_e(he[t, b], **ce[t, b])
+                            for h in hooks:
+                                h.remove()
+                            store_m, hooks = _record(block_m, mods, order)
+                            block_m(hm[t, b], **cm[t, b])
+                            for h in hooks:
+                                h.remove()
+                            for n in mods:
+                                xs, xe = store_m[n][0], store_e[n][0]
+                                mask = adapter.token_mask(stack, batch, xs, cross=adapter.is_cross_module(stack, n))
+                                w = torch.ones(xs.shape[:-1]) if mask is None else mask.clone()
+                                if stack.class_token_head and layer == n_blocks - 1 and not adapter.is_kv(n):
+                                    w[:, 1:] *= cfg.cls_token_weight
+                                xs_all[n].append(xs.reshape(-1, xs.shape[-1]).to(D))
+                                xe_all[n].append(xe.reshape(-1, xe.shape[-1]).to(D))
+                                w_all[n].append(w.reshape(-1).to(D))
+                        per_task[t] = {
+                            n: (torch.cat(xs_all[n]), torch.cat(xe_all[n]), torch.cat(w_all[n]), mods_e[n][1]) for n in mods
+                        }
+                    return per_task, order
+
+                per_task, order = gather()
+                # sequential: one module at a time in forward order, each on the block calibrated before it
+                stages = [[n] for n in order] if sequential else [list(mods)]
+                for si, stage in enumerate(stages):
+                    if si > 0:
+                        per_task, _ = gather()
+                    new = {}
+                    for n in stage:
+                        kind, m = mods[n]
+                        full = f"{stack.blocks_path}.{layer}.{n}"
+                        anc_w = rho * m.weight.to(D) + (1 - rho) * base_params[full + ".weight"].to(D)
+                        if kind == "linear":
+                            a = (lam + eps) * torch.eye(m.in_features, dtype=D)
+                            rhs = lam * anc_w.T
+                            stats = []
+                            for t in tasks:
+                                xs, xe, w, me = per_task[t][n]
+                                xt = alpha * xe + (1 - alpha) * xs
+                                p = w / w.sum()
+                                c = (xs * p[:, None]).T @ xs
+                                x = (xs * p[:, None]).T @ xt
+                                s = torch.linalg.matrix_norm(c)
+                                a = a + c / s
+                                rhs = rhs + (x / s) @ me.weight.to(D).T
+                                stats.append((s, (p[:, None] * xs).sum(0), (p[:, None] * xt).sum(0), me))
+                            wsol = torch.linalg.solve(a, rhs).T
+                            new[m.weight] = wsol
+                            if m.bias is not None and cfg.calibrate_bias:
+                                anc_b = rho * m.bias.to(D) + (1 - rho) * base_params[full + ".bias"].to(D)
+                                num, den = lam * anc_b, lam
+                                for s, mu_s, mu_t, me in stats:
+                                    num = num + (me.bias.to(D) + me.weight.to(D) @ mu_t - wsol @ mu_s) / s
+                                    den = den + 1 / s
+                                new[m.bias] = num / den
+                        elif cfg.calibrate_layernorm:
+                            zs = {}
+                            for t in tasks:
+                                xs, _, w, me = per_task[t][n]
+                                if kind == "rmsnorm":
+                                    z = xs * torch.rsqrt(xs.pow(2).mean(-1, keepdim=True) + m.variance_epsilon)
+                                else:
+                                    z = F.layer_norm(xs, m.normalized_shape, eps=m.eps)
+                                p = w / w.sum()
+                                zs[t] = ((p[:, None] * z).sum(0), (p[:, None] * z * z).sum(0), me)
+                            if kind == "rmsnorm":
+                                num = lam * anc_w + sum(e * me.weight.to(D) for _, e, me in zs.values())
+                                new[m.weight] = num / (lam + sum(e for _, e, _ in zs.values()))
+                            else:
+                                anc_b = rho * m.bias.to(D) + (1 - rho) * base_params[full + ".bias"].to(D)
+                                gam, bet = torch.empty_like(anc_w), torch.empty_like(anc_w)
+                                for ch in range(anc_w.shape[0]):
+                                    mat = torch.tensor([[lam, 0.0], [0.0, lam + len(tasks)]], dtype=D)
+                                    r = torch.stack([lam * anc_w[ch], lam * anc_b[ch]])
+                                    for mm, e, me in zs.values():
+                                        g_t, b_t = me.weight[ch].to(D), me.bias[ch].to(D)
+                                        mat = mat + torch.stack([torch.stack([e[ch], mm[ch]]), torch.stack([mm[ch], torch.zeros((), dtype=D)])])
+                                        r = r + torch.stack([e[ch] * g_t + mm[ch] * b_t, mm[ch] * g_t + b_t])
+                                    sol = torch.linalg.solve(mat, r)
+                                    gam[ch], bet[ch] = sol[0], sol[1]
+                                new[m.weight], new[m.bias] = gam, bet
+                    for p, v in new.items():
+                        p.copy_(v.to(p.dtype))
                 for t in tasks:
-                    block_e = stack.blocks(experts[t])[layer]
-                    mods_e = _modules(block_e, adapter)
-                    xs_all, xe_all, w_all = {n: [] for n in mods}, {n: [] for n in mods}, {n: [] for n in mods}
-                    for b, batch in enumerate(calibration[t]):
-                        store_e, hooks = _record(block_e, mods_e)
-                        out_e = block_e(he[t, b], **ce[t, b])
-                        for h in hooks:
-                            h.remove()
-                        store_m, hooks = _record(block_m, mods)
-                        block_m(hm[t, b], **cm[t, b])
-                        for h in hooks:
-                            h.remove()
-                        for n in mods:
-                            xs, xe = store_m[n][0], store_e[n][0]
-                            mask = adapter.token_mask(stack, batch, xs, cross=adapter.is_cross_module(stack, n))
-                            w = torch.ones(xs.shape[:-1]) if mask is None else mask.clone()
-                            if stack.class_token_head and layer == n_blocks - 1 and not adapter.is_kv(n):
-                                w[:, 1:] *= cfg.cls_token_weight
-                            xs_all[n].append(xs.reshape(-1, xs.shape[-1]).to(D))
-                            xe_all[n].append(xe.reshape(-1, xe.shape[-1]).to(D))
-                            w_all[n].append(w.reshape(-1).to(D))
+                    for b in range(len(calibration[t])):
+                        out_e = stack.blocks(experts[t])[layer](he[t, b], **ce[t, b])
                         he[t, b] = out_e[0] if isinstance(out_e, tuple) else out_e
                         ce[t, b] = adapter.next_context(stack, layer, ce[t, b], out_e)
-                    per_task[t] = {
-                        n: (torch.cat(xs_all[n]), torch.cat(xe_all[n]), torch.cat(w_all[n]), mods_e[n][1]) for n in mods
-                    }
-                new = {}
-                for n, (kind, m) in mods.items():
-                    full = f"{stack.blocks_path}.{layer}.{n}"
-                    anc_w = rho * m.weight.to(D) + (1 - rho) * base_params[full + ".weight"].to(D)
-                    if kind == "linear":
-                        a = (lam + eps) * torch.eye(m.in_features, dtype=D)
-                        rhs = lam * anc_w.T
-                        stats = []
-                        for t in tasks:
-                            xs, xe, w, me = per_task[t][n]
-                            xt = alpha * xe + (1 - alpha) * xs
-                            p = w / w.sum()
-                            c = (xs * p[:, None]).T @ xs
-                            x = (xs * p[:, None]).T @ xt
-                            s = torch.linalg.matrix_norm(c)
-                            a = a + c / s
-                            rhs = rhs + (x / s) @ me.weight.to(D).T
-                            stats.append((s, (p[:, None] * xs).sum(0), (p[:, None] * xt).sum(0), me))
-                        wsol = torch.linalg.solve(a, rhs).T
-                        new[m.weight] = wsol
-                        if m.bias is not None and cfg.calibrate_bias:
-                            anc_b = rho * m.bias.to(D) + (1 - rho) * base_params[full + ".bias"].to(D)
-                            num, den = lam * anc_b, lam
-                            for s, mu_s, mu_t, me in stats:
-                                num = num + (me.bias.to(D) + me.weight.to(D) @ mu_t - wsol @ mu_s) / s
-                                den = den + 1 / s
-                            new[m.bias] = num / den
-                    elif cfg.calibrate_layernorm:
-                        zs = {}
-                        for t in tasks:
-                            xs, _, w, me = per_task[t][n]
-                            if kind == "rmsnorm":
-                                z = xs * torch.rsqrt(xs.pow(2).mean(-1, keepdim=True) + m.variance_epsilon)
-                            else:
-                                z = F.layer_norm(xs, m.normalized_shape, eps=m.eps)
-                            p = w / w.sum()
-                            zs[t] = ((p[:, None] * z).sum(0), (p[:, None] * z * z).sum(0), me)
-                        if kind == "rmsnorm":
-                            num = lam * anc_w + sum(e * me.weight.to(D) for _, e, me in zs.values())
-                            new[m.weight] = num / (lam + sum(e for _, e, _ in zs.values()))
-                        else:
-                            anc_b = rho * m.bias.to(D) + (1 - rho) * base_params[full + ".bias"].to(D)
-                            gam, bet = torch.empty_like(anc_w), torch.empty_like(anc_w)
-                            for ch in range(anc_w.shape[0]):
-                                mat = torch.tensor([[lam, 0.0], [0.0, lam + len(tasks)]], dtype=D)
-                                r = torch.stack([lam * anc_w[ch], lam * anc_b[ch]])
-                                for mm, e, me in zs.values():
-                                    g_t, b_t = me.weight[ch].to(D), me.bias[ch].to(D)
-                                    mat = mat + torch.stack([torch.stack([e[ch], mm[ch]]), torch.stack([mm[ch], torch.zeros((), dtype=D)])])
-                                    r = r + torch.stack([e[ch] * g_t + mm[ch] * b_t, mm[ch] * g_t + b_t])
-                                sol = torch.linalg.solve(mat, r)
-                                gam[ch], bet[ch] = sol[0], sol[1]
-                            new[m.weight], new[m.bias] = gam, bet
-                for p, v in new.items():
-                    p.copy_(v.to(p.dtype))
                 for t in tasks:
                     for b in range(len(calibration[t])):
                         out = block_m(hm[t, b], **cm[t, b])

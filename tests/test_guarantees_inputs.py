@@ -265,6 +265,7 @@ BAD_FEATCAL = {
     "text_column": ["", 3],
     "allow_test_split": ["sometimes"],
     "bias_solve": ["both", "Joint", 1],
+    "block_statistics": ["forward", "Sequential", 1],
     "calibrate_final_norm": ["maybe"],
     "tune": ["maybe"],
     "tune_budget": [2.9, 100.5, math.nan, math.inf, True],

@@ -52,7 +52,7 @@ from featcal.blocks.discovery import Calibrated, calibrated_modules, module_kind
 from featcal.calibration import solver
 from featcal.calibration.chains import ChainStore
 from featcal.calibration.distributed import RankGroup, current_group
-from featcal.calibration.hooks import ExpertRecorder, MergedFolder, normalised_input, plan_block
+from featcal.calibration.hooks import ExpertRecorder, MergedFolder, group_inputs, normalised_input, plan_block
 from featcal.calibration.placement import Placement
 from featcal.calibration.resume import Position, ResumeStore, common_position
 from featcal.calibration.statistics import NormalisedSums, NormNormalised, TaskSums
@@ -353,9 +353,12 @@ class FeatCalEngine:
         block_m = stack.blocks(self.merged)[layer]
         mods_m = calibrated_modules(block_m, self.adapter)
         with self.place.blocks(block_m, stack.blocks(self.template)[layer]):  # offloading: only these two
-            sums, before = self._gather(stack, layer, n_blocks, mods_m, bar)
-            self._solve_and_load(stack, layer, mods_m, sums)
-            del sums
+            if self.cfg.block_statistics == "sequential":
+                before = self._gather_and_solve_in_order(stack, layer, n_blocks, mods_m, bar)
+            else:
+                sums, before = self._gather(stack, layer, n_blocks, mods_m, bar)
+                self._solve_and_load(stack, layer, mods_m, sums)
+                del sums
             after = self._propagate(stack, layer, block_m, bar)
         bar.close()
         record = {
@@ -369,10 +372,72 @@ class FeatCalEngine:
             stack.name, layer, record["before"], record["after"],
         )
 
-    def _gather(self, stack: Stack, layer: int, n_blocks: int, mods_m: list[Calibrated], bar) -> tuple:
-        """Run expert t's block and the merged block (as merged) batch by batch; fold the statistics.
+    def _token_kind(self, stack: Stack, layer: int, n_blocks: int, name: str) -> tuple:
+        """What a module's token weights depend on (modules sharing an input share statistics only if alike)."""
+        return self.adapter.is_cross_module(stack, name), self._class_token_weighted(stack, layer, n_blocks, name)
 
-        Advances every expert chain he(t) through its block. Returns (NormalisedSums, drift before).
+    def _stages(self, stack: Stack, layer: int, n_blocks: int, mods_m: list[Calibrated]) -> list[list[Calibrated]]:
+        """block_statistics sequential: the block's calibrated modules in forward order, in stages.
+
+        A stage is one norm, or the Linears reading one input tensor with alike token weights (q/k/v,
+        gate/up): solving one of them does not change another's input, so they are solved together. The
+        order comes from one forward of the merged block, as merged, on one batch (its output is discarded).
+        """
+        first = next(((t, bs[0]) for t, bs in self.calibration.items() if bs), None)
+        if first is None:
+            raise FeatCalError("block_statistics sequential: this rank holds no calibration batch")
+        t, (b, _) = first
+        block_m = stack.blocks(self.merged)[layer]
+        calls: list[tuple[str, torch.Tensor]] = []
+        seen: set[str] = set()
+
+        def hook(name: str, args: tuple) -> None:
+            if name not in seen and args and isinstance(args[0], torch.Tensor):
+                seen.add(name)
+                calls.append((name, args[0]))
+
+        handles = [c.module.register_forward_pre_hook(lambda _m, a, n=c.name: hook(n, a)) for c in mods_m]
+        try:
+            ctx = self.adapter.block_kwargs(stack, layer, self.chains.context(("m", t, b)))
+            block_m(self.chains.hidden(("m", t, b)), **ctx)
+        finally:
+            for h in handles:
+                h.remove()
+        by_name = {c.name: c for c in mods_m}
+        linear_calls = [(n, x) for n, x in calls if by_name[n].kind == "linear"]
+        group = group_inputs(linear_calls, partial(self._token_kind, stack, layer, n_blocks))
+        stages: dict[str, list[Calibrated]] = {}
+        for n, _ in calls:
+            stages.setdefault(group.get(n, n), []).append(by_name[n])
+        return list(stages.values())
+
+    def _gather_and_solve_in_order(self, stack: Stack, layer: int, n_blocks: int, mods_m: list[Calibrated],
+                                   bar) -> _Drift:
+        """block_statistics sequential: per stage in forward order, the statistics of its modules on the
+        merged block whose earlier stages are already calibrated, then their solve. Returns the drift before.
+
+        Exact and simple: every stage runs both blocks over all batches; the expert chains advance in the
+        last stage, the as-merged reference chain in the first (where the block is still as merged)."""
+        stages = self._stages(stack, layer, n_blocks, mods_m)
+        bar.total = sum(len(self._batches(t)) for t in self.tasks) * (len(stages) + 1)
+        bar.refresh()
+        before = None
+        for i, stage in enumerate(stages):
+            sums, drift = self._gather(stack, layer, n_blocks, stage, bar, advance_experts=i == len(stages) - 1,
+                                       advance_reference=i == 0)
+            before = drift if before is None else before
+            self._solve_and_load(stack, layer, stage, sums)
+            del sums
+        if before is None:  # no calibrated module ran: nothing to solve, the drift still recorded
+            before = self._gather(stack, layer, n_blocks, [], bar)[1]
+        return before
+
+    def _gather(self, stack: Stack, layer: int, n_blocks: int, mods_m: list[Calibrated], bar, *,
+                advance_experts: bool = True, advance_reference: bool = True) -> tuple:
+        """Run expert t's block and the merged block batch by batch; fold the statistics of `mods_m`.
+
+        Advances every expert chain he(t) through its block (unless `advance_experts` is false) and the
+        as-merged reference chain (unless `advance_reference` is). Returns (NormalisedSums, drift before).
         """
         block_m = stack.blocks(self.merged)[layer]
         block_e = stack.blocks(self.template)[layer]
@@ -383,9 +448,7 @@ class FeatCalEngine:
         sums = NormalisedSums(self.cfg.teacher_interp_alpha, joint_bias=self.cfg.bias_solve == "joint")
         before = _Drift()
 
-        def kind(name: str) -> tuple:  # what a module's token weights depend on
-            return self.adapter.is_cross_module(stack, name), self._class_token_weighted(stack, layer, n_blocks, name)
-
+        kind = partial(self._token_kind, stack, layer, n_blocks)
         plan = None  # Linear groups and statistics form, made from the block's first expert forward
         tokens = self._tokens_per_task()
         for t in self.tasks:
@@ -410,13 +473,14 @@ class FeatCalEngine:
                     ctx_m = self.adapter.block_kwargs(stack, layer, self.chains.context(("m", t, b)))
                     hm_out = _hidden(block_m(self.chains.hidden(("m", t, b)), **ctx_m))
                 del recorder
-                if self._reference.get(t) == b:  # the block still as merged, outside the statistics' hooks
+                if advance_reference and self._reference.get(t) == b:  # the block as merged, outside the hooks
                     self._advance(("r", t, b), stack, layer, block_m)
                 before.add(t, hm_out, he_next, self.adapter.token_mask(stack, batch, he_next))
-                self.chains.put_hidden(("e", t, b), he_next)
-                new_ctx = self.adapter.next_context(stack, layer, ctx_e, raw_e)
-                if new_ctx is not ctx_e:
-                    self.chains.put_context(("e", t, b), new_ctx)
+                if advance_experts:
+                    self.chains.put_hidden(("e", t, b), he_next)
+                    new_ctx = self.adapter.next_context(stack, layer, ctx_e, raw_e)
+                    if new_ctx is not ctx_e:
+                        self.chains.put_context(("e", t, b), new_ctx)
                 bar.update(1)
             expert_params = {
                 c.name: {"weight": c.module.weight, "bias": getattr(c.module, "bias", None)} for c in mods_e.values()

@@ -36,7 +36,7 @@ class LinearPlan:
     mode: str  # "output" | "cross"
 
 
-def _group_inputs(calls: list[tuple[str, torch.Tensor]], kind: KindFn) -> dict[str, str]:
+def group_inputs(calls: list[tuple[str, torch.Tensor]], kind: KindFn) -> dict[str, str]:
     """Module -> group name, from (name, input) pairs in execution order (same tensor, same weights)."""
     first: dict[tuple, str] = {}
     out = {}
@@ -47,7 +47,7 @@ def _group_inputs(calls: list[tuple[str, torch.Tensor]], kind: KindFn) -> dict[s
 
 def plan_block(linears: dict[str, nn.Linear], calls: list[tuple[str, torch.Tensor]], kind: KindFn) -> dict[str, LinearPlan]:
     """Group the block's Linears and pick, per group, the cheaper form of the teacher statistics."""
-    groups = _group_inputs(calls, kind)
+    groups = group_inputs(calls, kind)
     out_sum: dict[str, int] = {}
     for name, g in groups.items():
         out_sum[g] = out_sum.get(g, 0) + linears[name].out_features

@@ -59,6 +59,7 @@ FEATCAL_VARIANTS: dict[str, dict[str, Any]] = {
     "reference": {},  # the paper's method, as configured: today's rows
     "joint_bias": {"bias_solve": "joint"},
     "final_norm": {"calibrate_final_norm": True},
+    "sequential": {"block_statistics": "sequential"},
     "tuned": {"tune": True},
     "tuned_soft": {"tune": True, "tune_tiebreak": "soft"},  # agreement ties broken by the heads' KL, not the drift
 }
