@@ -267,6 +267,7 @@ BAD_FEATCAL = {
     "bias_solve": ["both", "Joint", 1],
     "block_statistics": ["forward", "Sequential", 1],
     "calibrate_final_norm": ["maybe"],
+    "calibrate_stem_norm": ["maybe"],
     "tune": ["maybe"],
     "tune_budget": [2.9, 100.5, math.nan, math.inf, True],
     "tune_holdout": [0.0, 0.04, 0.51, math.nan],

@@ -304,6 +304,11 @@ class FeatCalConfig(_Strict):
         "ViT layernorm, Llama / Gemma 3 model.norm, T5's last final_layer_norm) as the in-block norms are, from the "
         "final chains; a no-op, logged, for models without one (BERT); off: the paper's method (docs/variants.md)"
     )
+    calibrate_stem_norm: bool = Field(
+        False, description="also solve the norm inside the stem whose output is block 0's input (BERT "
+        "embeddings.LayerNorm, CLIP pre_layrnorm) as the in-block norms are, before block 0; a no-op, logged, for "
+        "models without one; off: the paper's method (docs/variants.md)"
+    )
     tune: bool = Field(
         False, description="choose anchor_blend_rho, lambda_ratio, teacher_interp_alpha (and a task-vector merge's "
         "scaling, where known) by a label-free score on held-out calibration examples, then refit on all of them "

@@ -123,8 +123,9 @@ def _checked_sources(model: nn.Module, stacks: list[Stack], sources: dict[str, P
                      base_src: ParamSource | None, check_finite: bool,
                      final_names: list[str] | None = None) -> dict[str, ParamSource]:
     """The experts' sources completed to a grown vocabulary, every parameter the run reads checked
-    against the merged model (and, with `check_finite`, for NaN/Inf). `final_names`: the final norm's
-    parameters (calibrate_final_norm), which the base's anchor is read for too."""
+    against the merged model (and, with `check_finite`, for NaN/Inf). `final_names`: the parameters of the
+    norms solved outside the blocks (calibrate_final_norm, calibrate_stem_norm), which the base's anchor is
+    read for too."""
     sources = pad_param_sources(sources, model)  # fewer vocabulary rows than a grown merge: its rows complete them
     stem_names, block_names = needed_param_names(model, stacks)
     block_names = block_names + list(final_names or [])  # read from experts and base like a block's (the anchor)
@@ -141,9 +142,9 @@ def _run_engine(
     model: nn.Module, template: nn.Module, adapter: Adapter, sources: dict[str, ParamSource],
     base_src: ParamSource | None, data: dict[str, list[Batch]], config: FeatCalConfig, device: torch.device,
     progress: bool, group: RankGroup, store: resume_mod.ResumeStore | None, keep_resume_state: bool,
-) -> tuple[list[dict[str, Any]], dict[str, Any] | None, dict[str, Any] | None]:
+) -> tuple[list[dict[str, Any]], dict[str, Any] | None, dict[str, Any] | None, dict[str, Any] | None]:
     """Calibrate block by block on `device`; the model goes back where it was. (drift, end-to-end drift, final
-    norm record)."""
+    norm record, stem norm record)."""
     origin = next(model.parameters()).device
     placement = Placement(device, config.offload_blocks)
     placement.setup(model, template)  # both on the device, or (offload_blocks) both on the host
@@ -160,7 +161,7 @@ def _run_engine(
     if store is not None and not keep_resume_state:
         store.delete()
     model.to(origin)
-    return drift, engine.end_to_end, engine.final_norm
+    return drift, engine.end_to_end, engine.final_norm, engine.stem_norm
 
 
 def calibrate_setting(
@@ -188,10 +189,11 @@ def calibrate_setting(
     template = copy.deepcopy(model)  # expert t's weights are loaded into this, block by block
     sources, base_src = _param_sources(template, base, experts, allow_pickle)
     final = adapter.final_norm(model, stacks[-1]) if config.calibrate_final_norm else None
-    final_names = [] if final is None else final.param_names()
-    sources = _checked_sources(model, stacks, sources, base_src, check_finite, final_names)
-    drift, end_to_end, final_norm = _run_engine(model, template, adapter, sources, base_src, data, config, device,
-                                                progress, group, store, keep_resume_state)
+    stem = adapter.stem_norm(model, stacks[0]) if config.calibrate_stem_norm else None
+    solved_norms = [n for norm in (stem, final) if norm is not None for n in norm.param_names()]
+    sources = _checked_sources(model, stacks, sources, base_src, check_finite, solved_norms)
+    drift, end_to_end, final_norm, stem_norm = _run_engine(model, template, adapter, sources, base_src, data, config,
+                                                           device, progress, group, store, keep_resume_state)
     del template
     return CalibrationResult(model=model, drift=drift, end_to_end=end_to_end, final_norm=final_norm,
-                             resume_store=store if keep_resume_state else None)  # the caller deletes it after writing
+                             stem_norm=stem_norm, resume_store=store if keep_resume_state else None)  # the caller deletes it after writing

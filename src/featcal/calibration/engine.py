@@ -199,6 +199,10 @@ class FeatCalEngine:
         self.drift: list[dict[str, Any]] = []
         self.end_to_end: dict[str, Any] | None = None
         self.final_norm: dict[str, Any] | None = None  # with calibrate_final_norm: what was solved, its drift
+        self.stem_norm: dict[str, Any] | None = None  # with calibrate_stem_norm: likewise
+        stem = adapter.stem_norm(merged, self.stacks[0]) if config.calibrate_stem_norm else None
+        kind = None if stem is None else module_kind(stem.module, adapter)
+        self._stem = stem if kind in ("layernorm", "rmsnorm") else None  # the stem norm to solve, if any
         # per task, the first batch of this rank's share: where the uncalibrated merge is followed end to end
         self._reference = {t: self.calibration[t][0][0] for t in self.tasks if self.calibration[t]}
         self._block_counter = 0
@@ -222,6 +226,8 @@ class FeatCalEngine:
                 first = start.layer if si == start.stack else 0
                 if first == 0:
                     self._capture(stack, self.stacks[si - 1] if si > 0 else None)
+                    if si == 0 and self.cfg.calibrate_stem_norm:  # before block 0, on the chains just captured
+                        self.stem_norm = self._calibrate_stem_norm(stack)
                 n_blocks = len(stack.blocks(self.merged))
                 for layer in range(first, n_blocks):
                     self._calibrate_block(stack, layer, n_blocks)
@@ -244,6 +250,9 @@ class FeatCalEngine:
         if done is None:
             return start
         position = next(p for p in mine if p.blocks_done == done)
+        if self._stem is not None:  # solved by the first run; its parameters come back with block 0's
+            self.stem_norm = {"calibrated": True, "module": self._stem.path, "stack": self.stacks[0].name,
+                              "restored": "from the resume checkpoint (its drift is in the first run's log)"}
         names = [self._block_names(k) for k in range(done)]
         params = dict(self.merged.named_parameters(remove_duplicate=False))
 
@@ -264,7 +273,10 @@ class FeatCalEngine:
         return position
 
     def _block_names(self, k: int) -> list[str]:
-        """Parameter names of the k-th calibrated block, over all stacks in forward order."""
+        """Parameter names of the k-th calibrated block, over all stacks in forward order (block 0's with the
+        stem norm's, when calibrate_stem_norm solves one: it is checkpointed and restored with that block)."""
+        if k == 0 and self._stem is not None:
+            return self._stem.param_names() + self.block_param_names(self.stacks[0], 0)
         for stack in self.stacks:
             n = len(stack.blocks(self.merged))
             if k < n:
@@ -627,6 +639,73 @@ class FeatCalEngine:
         solver.check_finite(full + ".weight", g)
         solver.check_finite(full + ".bias", b)
         return {module.weight: g, module.bias: b}
+
+    # --- the stem norm (calibrate_stem_norm) -----------------------------------------------------
+    def _calibrate_stem_norm(self, stack: Stack) -> dict[str, Any]:
+        """Solve the norm whose output is block 0's input as the in-block norms are (SPEC §2.6), then
+        recapture the merged chains through it.
+
+        Its statistics are those of its normalised input on the merged stem (the stem is not otherwise
+        calibrated, so this is the stem as merged), against expert t's own affine, not normalised per task,
+        every token weighted as block 0's inputs are (padding 0). Architectures without one are a logged
+        no-op. The drift record is block 0's input drift (merged chain against expert t's), before and after."""
+        if self._stem is None:
+            why = f"{type(self.merged).__name__} has no norm between its embeddings and its first {stack.name} block"
+            log.info("featcal: calibrate_stem_norm: %s; nothing is calibrated", why)
+            return {"calibrated": False, "stack": stack.name, "why": why}
+        norm = self._stem
+        kind = module_kind(norm.module, self.adapter)
+        norm_e = get_path(self.template, norm.path)
+        names = norm.param_names()
+        with self.place.stems([self.merged, self.template], self.stacks):
+            sums = NormalisedSums(self.cfg.teacher_interp_alpha)
+            before = _Drift()
+            for t in self.tasks:
+                load_into(self.template, names, self.experts[t])
+                task_sums = TaskSums()
+                for b, batch in self._batches(t):
+                    batch = _to_device(batch, self.device)
+                    x = self._stem_norm_input(stack, norm.module, batch)
+                    task_sums.add_norm(norm.path, normalised_input(norm.module, x, kind == "rmsnorm"),
+                                       self.adapter.token_mask(stack, batch, x))
+                    he = self.chains.hidden(("e", t, b))
+                    before.add(t, self.chains.hidden(("m", t, b)), he, self.adapter.token_mask(stack, batch, he))
+                self.group.reduce_task_sums(task_sums, t)
+                expert = {norm.path: {"weight": norm_e.weight, "bias": getattr(norm_e, "bias", None)}}
+                sums.add_task(t, task_sums, expert, {norm.path} if kind == "rmsnorm" else set())
+            acc = sums.norms.get(norm.path)
+            if acc is None:
+                raise FeatCalError(f"{norm.path}: no calibration token reached the stem norm")
+            self._load(self._solve_norm(norm.path, kind, norm.module, acc))
+            after = _Drift()
+            for t in self.tasks:
+                for b, batch in self._batches(t):
+                    batch = _to_device(batch, self.device)
+                    mod, kw = self.adapter.stack_call(self.merged, stack, batch, None)
+                    h, ctx = self.adapter.capture(mod, stack, self.merged, kw)
+                    self.chains.put_hidden(("m", t, b), h)
+                    self.chains.put_context(("m", t, b), ctx)
+                    he = self.chains.hidden(("e", t, b))
+                    after.add(t, h, he, self.adapter.token_mask(stack, batch, he))
+        record = {"calibrated": True, "module": norm.path, "kind": kind, "stack": stack.name,
+                  "before": before.reduce(self.group, self.tasks).mean(),
+                  "after": after.reduce(self.group, self.tasks).mean()}
+        log.info("featcal %s stem norm %s: block-0 input drift %.6g -> %.6g (mean ||hm-he||^2/||he||^2)",
+                 stack.name, norm.path, record["before"], record["after"])
+        return record
+
+    def _stem_norm_input(self, stack: Stack, module: nn.Module, batch: Batch) -> torch.Tensor:
+        """What the merged stem's norm reads on `batch`: its input, from a forward of the stem to block 0."""
+        seen: dict[str, torch.Tensor] = {}
+        handle = module.register_forward_hook(lambda _m, args, _out: seen.setdefault("x", args[0]))
+        try:
+            mod, kw = self.adapter.stack_call(self.merged, stack, batch, None)
+            self.adapter.capture(mod, stack, self.merged, kw)
+        finally:
+            handle.remove()
+        if "x" not in seen:
+            raise FeatCalError(f"the stem norm of {type(self.merged).__name__} did not run before block 0")
+        return seen["x"]
 
     # --- the final norm (calibrate_final_norm) ---------------------------------------------------
     def _calibrate_final_norm(self, stack: Stack) -> dict[str, Any]:

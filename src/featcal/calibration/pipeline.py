@@ -526,5 +526,7 @@ def _write_calibrated(
             report["tuning"] = tuning
         if result.final_norm is not None:  # calibrate_final_norm: what was solved (absent by default)
             report["final_norm"] = result.final_norm
+        if result.stem_norm is not None:  # calibrate_stem_norm: likewise
+            report["stem_norm"] = result.stem_norm
         write_report(tmp, report)
     return report

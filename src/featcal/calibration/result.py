@@ -35,6 +35,7 @@ class CalibrationResult:
     resume_store: ResumeStore | None = None
     tuning: dict[str, Any] | None = None
     final_norm: dict[str, Any] | None = None
+    stem_norm: dict[str, Any] | None = None  # with `config.calibrate_stem_norm`: as final_norm, for the stem's norm
 
     def with_tuning(self, record: dict[str, Any]) -> CalibrationResult:
         """The same result carrying the tuning search's record."""

@@ -92,6 +92,11 @@ def batches_digest(batches: Iterable[Mapping[str, torch.Tensor]]) -> str:
     return h.hexdigest()
 
 
+# options added after resume states existed -> their default (the paper's method)
+OPTIONS_ADDED_LATER: dict[str, Any] = {"calibrate_final_norm": False, "block_statistics": "as_merged",
+                                       "calibrate_stem_norm": False}
+
+
 def config_digest(config: Any) -> str:
     """The config's JSON, less the fields that say where and when things are kept (not what is computed).
 
@@ -100,8 +105,9 @@ def config_digest(config: Any) -> str:
     data = config.model_dump(mode="json")
     for k in ("spill_dir", "resume_dir", "resume", "offload_blocks", "checkpoint_every"):
         data.pop(k, None)
-    if not data.get("calibrate_final_norm"):  # off: the digest states written before the option had
-        data.pop("calibrate_final_norm", None)
+    for k, default in OPTIONS_ADDED_LATER.items():  # at its default: the digest states written before it had
+        if data.get(k, default) == default:
+            data.pop(k, None)
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 

@@ -134,6 +134,12 @@ class Adapter(ABC):
         blocks end in their own LayerNorm, and its pooler is a Linear). Used for the last stack only."""
         return None
 
+    def stem_norm(self, model: nn.Module, stack: Stack) -> FinalNorm | None:
+        """The norm inside the stem whose output is block 0's input (BERT's embeddings.LayerNorm, CLIP's
+        pre_layrnorm), or None: the architecture has none there. Used for the first stack only
+        (FeatCalConfig.calibrate_stem_norm)."""
+        return None
+
     def stack_output(self, model: nn.Module, stack: Stack, hidden: torch.Tensor) -> torch.Tensor:
         """The stack's output from its last block's output (e.g. a final norm), for the next stack."""
         return hidden

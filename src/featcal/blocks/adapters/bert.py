@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from featcal.blocks.adapters.base import Adapter, Stack, first_existing
+from featcal.blocks.adapters.base import Adapter, FinalNorm, Stack, final_norm_at, first_existing
 from featcal.errors import FeatCalError
 
 
@@ -21,3 +21,7 @@ class BertAdapter(Adapter):
             if path is not None:
                 return [Stack("encoder", path, prefix.rstrip("."))]
         raise FeatCalError(f"{type(model).__name__}: cannot find the BERT encoder layers")
+
+    def stem_norm(self, model: nn.Module, stack: Stack) -> FinalNorm | None:
+        """embeddings.LayerNorm: word + position + type embeddings, normalised, are block 0's input."""
+        return final_norm_at(model, stack, "embeddings.LayerNorm")

@@ -23,6 +23,10 @@ class CLIPAdapter(Adapter):
         entry = path[: -len("encoder.layers")].rstrip(".")
         return [Stack("vision", path, entry, mask_key=None, class_token_head=True)]
 
+    def stem_norm(self, model: nn.Module, stack: Stack) -> FinalNorm | None:
+        """pre_layrnorm (sic, transformers' name), between the embeddings and block 0, on every token."""
+        return final_norm_at(model, stack, "pre_layrnorm")
+
     def final_norm(self, model: nn.Module, stack: Stack) -> FinalNorm | None:
         """post_layernorm, which CLIP applies to the class token alone (the pooled output)."""
         return final_norm_at(model, stack, "post_layernorm", class_token_only=True)

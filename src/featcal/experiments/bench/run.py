@@ -60,6 +60,7 @@ FEATCAL_VARIANTS: dict[str, dict[str, Any]] = {
     "joint_bias": {"bias_solve": "joint"},
     "final_norm": {"calibrate_final_norm": True},
     "sequential": {"block_statistics": "sequential"},
+    "stem_norm": {"calibrate_stem_norm": True},
     "tuned": {"tune": True},
     "tuned_soft": {"tune": True, "tune_tiebreak": "soft"},  # agreement ties broken by the heads' KL, not the drift
 }
@@ -447,6 +448,8 @@ def _variant_record(variant: str, result) -> dict[str, Any]:
     """What a non-reference row adds: the final norm's record, or the search's choice."""
     if variant == "final_norm":
         return {"final_norm": result.final_norm}
+    if variant == "stem_norm":
+        return {"stem_norm": result.stem_norm}
     if result.tuning is not None:  # the tuned variants
         rec = result.tuning
         return {"tuning_chosen": rec["chosen"], "tuning_criterion": rec.get("criterion"),
