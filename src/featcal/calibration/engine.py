@@ -640,6 +640,21 @@ class FeatCalEngine:
         solver.check_finite(full + ".bias", b)
         return {module.weight: g, module.bias: b}
 
+    # --- the norms outside the blocks (calibrate_stem_norm, calibrate_final_norm) -------------------
+    def _fold_norm_task(self, sums: NormalisedSums, t: str, task_sums: TaskSums, path: str, norm_e: nn.Module,
+                        kind: str) -> None:
+        """Task t's moments of norm `path`, summed over the ranks, folded into `sums` against expert t's affine."""
+        self.group.reduce_task_sums(task_sums, t)
+        expert = {path: {"weight": norm_e.weight, "bias": getattr(norm_e, "bias", None)}}
+        sums.add_task(t, task_sums, expert, {path} if kind == "rmsnorm" else set())
+
+    def _solve_and_load_norm(self, sums: NormalisedSums, path: str, kind: str, module: nn.Module, what: str) -> None:
+        """SPEC §2.6's solve of a norm outside the blocks from its folded moments, loaded into the merged model."""
+        acc = sums.norms.get(path)
+        if acc is None:
+            raise FeatCalError(f"{path}: no calibration token reached {what}")
+        self._load(self._solve_norm(path, kind, module, acc))
+
     # --- the stem norm (calibrate_stem_norm) -----------------------------------------------------
     def _calibrate_stem_norm(self, stack: Stack) -> dict[str, Any]:
         """Solve the norm whose output is block 0's input as the in-block norms are (SPEC §2.6), then
@@ -670,13 +685,8 @@ class FeatCalEngine:
                                        self.adapter.token_mask(stack, batch, x))
                     he = self.chains.hidden(("e", t, b))
                     before.add(t, self.chains.hidden(("m", t, b)), he, self.adapter.token_mask(stack, batch, he))
-                self.group.reduce_task_sums(task_sums, t)
-                expert = {norm.path: {"weight": norm_e.weight, "bias": getattr(norm_e, "bias", None)}}
-                sums.add_task(t, task_sums, expert, {norm.path} if kind == "rmsnorm" else set())
-            acc = sums.norms.get(norm.path)
-            if acc is None:
-                raise FeatCalError(f"{norm.path}: no calibration token reached the stem norm")
-            self._load(self._solve_norm(norm.path, kind, norm.module, acc))
+                self._fold_norm_task(sums, t, task_sums, norm.path, norm_e, kind)
+            self._solve_and_load_norm(sums, norm.path, kind, norm.module, "the stem norm")
             after = _Drift()
             for t in self.tasks:
                 for b, batch in self._batches(t):
@@ -727,10 +737,7 @@ class FeatCalEngine:
         with self.place.blocks(final.module, norm_e):  # offloading: the two norms on the device
             sums = NormalisedSums(self.cfg.teacher_interp_alpha)
             before = self._final_norm_pass(stack, final, norm_e, names, kind, sums)
-            acc = sums.norms.get(final.path)
-            if acc is None:
-                raise FeatCalError(f"{final.path}: no calibration token reached the final norm")
-            self._load(self._solve_norm(final.path, kind, final.module, acc))
+            self._solve_and_load_norm(sums, final.path, kind, final.module, "the final norm")
             after = self._final_norm_pass(stack, final, norm_e, names, kind, None)
         tokens = "class token" if final.class_token_only else (
             f"all tokens (class token 1, others {self.cfg.cls_token_weight})" if stack.class_token_head else "all tokens")
@@ -757,9 +764,7 @@ class FeatCalEngine:
                     task_sums.add_norm(final.path, normalised_input(final.module, xm, kind == "rmsnorm"), w)
                 drift.add(t, final.module(xm), norm_e(xe), mask)
             if sums is not None:
-                self.group.reduce_task_sums(task_sums, t)
-                expert = {final.path: {"weight": norm_e.weight, "bias": getattr(norm_e, "bias", None)}}
-                sums.add_task(t, task_sums, expert, {final.path} if kind == "rmsnorm" else set())
+                self._fold_norm_task(sums, t, task_sums, final.path, norm_e, kind)
         return drift.reduce(self.group, self.tasks)
 
     def _final_norm_input(self, stack: Stack, final: FinalNorm, h: torch.Tensor,
