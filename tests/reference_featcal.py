@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -241,3 +243,24 @@ def family_data(kind: str, tasks, n_batches: int = 2, seed: int = 0):
 def max_abs_diff(a: nn.Module, b: nn.Module) -> tuple[float, str]:
     sa, sb = a.state_dict(), b.state_dict()
     return max(((sa[k].double() - sb[k].double()).abs().max().item(), k) for k in sa if sa[k].is_floating_point())
+
+
+class Crash(KeyboardInterrupt):
+    """A calibration killed by `killed_after`."""
+
+
+@contextmanager
+def killed_after(monkeypatch, block: int) -> Iterator[None]:
+    """Inside: a calibration dies (Crash) right after block `block`'s resume checkpoint is committed.
+    After: calibrations run to their end again."""
+    from featcal.calibration import resume
+
+    def crash(k: int) -> None:
+        if k == block:
+            raise Crash
+
+    monkeypatch.setattr(resume, "_maybe_kill", crash)
+    try:
+        yield
+    finally:
+        monkeypatch.setattr(resume, "_maybe_kill", lambda k: None)

@@ -11,7 +11,7 @@ from featcal.blocks.adapters import adapter_for
 from featcal.blocks.adapters.base import get_path
 from featcal.config import parse
 from featcal.errors import ConfigError
-from reference_featcal import family_data, max_abs_diff, noisy_family
+from reference_featcal import Crash, family_data, killed_after, max_abs_diff, noisy_family
 from test_dinov2 import _pixels, tiny_dinov2
 from tiny import family_of
 
@@ -147,24 +147,14 @@ def test_vit_final_norm_is_found():
 def test_resumed_and_offloaded_runs_solve_the_same_final_norm(tmp_path, monkeypatch):
     """A run stopped after its last block re-solves the final norm from the restored chains; offloading
     blocks gives the same bits."""
-    from featcal.calibration import resume
-
     base, experts, merged, data = _family_and_data("clip")
     cfg = FeatCalConfig(calibrate_final_norm=True)
     straight = calibrate(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False,
                          return_result=True)
-
-    class Crash(KeyboardInterrupt):
-        pass
-
-    def crash(block: int) -> None:
-        if block == 1:  # the last block: every block and chain is committed, the final norm is not solved
-            raise Crash
-    monkeypatch.setattr(resume, "_maybe_kill", crash)
     stateful = cfg.model_copy(update={"resume_dir": tmp_path / "state"})
-    with pytest.raises(Crash):
+    # killed after the last block: every block and chain is committed, the final norm is not solved
+    with killed_after(monkeypatch, 1), pytest.raises(Crash):
         calibrate(merged, base=base, experts=experts, calibration=data, config=stateful, progress=False)
-    monkeypatch.setattr(resume, "_maybe_kill", lambda block: None)
     resumed = calibrate(merged, base=base, experts=experts, calibration=data, config=stateful, progress=False,
                         return_result=True)
     assert max_abs_diff(resumed.model, straight.model)[0] == 0.0

@@ -17,7 +17,7 @@ from featcal.calibration import resume
 from featcal.calibration.resume import KILL_ENV, ResumeStateError, ResumeStore, default_resume_dir
 from featcal.cli.main import main
 from featcal.errors import ConfigError
-from reference_featcal import family_data, max_abs_diff, noisy_family
+from reference_featcal import Crash, family_data, killed_after, max_abs_diff, noisy_family
 from test_data_support import save_image_processor, write_png_folder
 from test_pipeline_support import clip_family, task_arithmetic
 
@@ -66,10 +66,6 @@ def test_sigkilled_cli_run_resumes_bit_identical(tmp_path, caplog, capsys):
     assert not state.exists()
 
 
-class _Crash(KeyboardInterrupt):
-    pass
-
-
 @pytest.mark.parametrize(("kind", "kill_after", "chain_dtype", "spill"), [
     ("t5", 1, "float32", False),  # last encoder block: the resumed run starts by capturing the decoder
     ("t5", 2, "bfloat16", False),  # inside the decoder: position biases come back from the checkpoint
@@ -84,12 +80,7 @@ def test_interrupted_api_run_resumes_bit_identical(kind, kill_after, chain_dtype
                         spill_dir=tmp_path / "spill" if spill else None)
     straight = calibrate(merged, base=base, experts=experts, calibration=data, config=cfg.model_copy(
         update={"resume_dir": None}), progress=False, return_result=True)
-
-    def crash(block: int) -> None:
-        if block == kill_after:
-            raise _Crash
-    monkeypatch.setattr(resume, "_maybe_kill", crash)
-    with pytest.raises(_Crash):
+    with killed_after(monkeypatch, kill_after), pytest.raises(Crash):
         calibrate(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False)
     assert (tmp_path / "state" / f"block-{kill_after:04d}.safetensors").is_file()
 
@@ -98,7 +89,6 @@ def test_interrupted_api_run_resumes_bit_identical(kind, kill_after, chain_dtype
     with pytest.raises(ResumeStateError, match="data task0"):
         calibrate(merged, base=base, experts=experts, calibration=other, config=cfg, progress=False)
 
-    monkeypatch.setattr(resume, "_maybe_kill", lambda block: None)
     resumed = calibrate(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False,
                         return_result=True)
     assert max_abs_diff(resumed.model, straight.model)[0] == 0.0
@@ -168,12 +158,7 @@ def test_checkpoint_every_n_resumes_from_the_last_checkpoint(kind, every, kill_a
                          config=FeatCalConfig(), progress=False, return_result=True)
 
     commits = _record_commits(monkeypatch)
-
-    def crash(block: int) -> None:
-        if block == kill_after:
-            raise _Crash
-    monkeypatch.setattr(resume, "_maybe_kill", crash)
-    with pytest.raises(_Crash):
+    with killed_after(monkeypatch, kill_after), pytest.raises(Crash):
         calibrate(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False)
     assert commits == first
     done = first[-1][0] if first else 0
@@ -181,7 +166,6 @@ def test_checkpoint_every_n_resumes_from_the_last_checkpoint(kind, every, kill_a
     assert written == [f"block-{k:04d}.safetensors" for k in range(done)]
 
     commits.clear()
-    monkeypatch.setattr(resume, "_maybe_kill", lambda block: None)
     with caplog.at_level(logging.INFO, logger="featcal"):
         resumed = calibrate(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False,
                             return_result=True)

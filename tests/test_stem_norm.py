@@ -14,7 +14,7 @@ from featcal import FeatCalConfig, calibrate
 from featcal.blocks.adapters.base import get_path
 from featcal.config import parse
 from featcal.errors import ConfigError
-from reference_featcal import family_data, max_abs_diff, noisy_family
+from reference_featcal import Crash, family_data, killed_after, max_abs_diff, noisy_family
 
 D = torch.float64
 STEM = {"bert": "embeddings.LayerNorm", "clip": "pre_layrnorm"}
@@ -94,23 +94,13 @@ def test_llama_has_no_stem_norm_and_the_option_changes_nothing(caplog):
 
 
 def test_a_resumed_run_restores_the_stem_norm_with_block_0(tmp_path, monkeypatch):
-    from featcal.calibration import resume
-
     base, experts, merged = noisy_family("bert")
     data = family_data("bert", experts)
     straight = calibrate(merged, base=base, experts=experts, calibration=data, config=ON, progress=False)
-
-    class Crash(KeyboardInterrupt):
-        pass
-
-    def crash(block: int) -> None:
-        if block == 0:  # block 0 (and with it the stem norm) committed, block 1 not calibrated
-            raise Crash
-    monkeypatch.setattr(resume, "_maybe_kill", crash)
     stateful = ON.model_copy(update={"resume_dir": tmp_path / "state"})
-    with pytest.raises(Crash):
+    # killed once block 0 (and with it the stem norm) is committed, block 1 not calibrated
+    with killed_after(monkeypatch, 0), pytest.raises(Crash):
         calibrate(merged, base=base, experts=experts, calibration=data, config=stateful, progress=False)
-    monkeypatch.setattr(resume, "_maybe_kill", lambda block: None)
     resumed = calibrate(merged, base=base, experts=experts, calibration=data, config=stateful, progress=False,
                         return_result=True)
     assert max_abs_diff(resumed.model, straight)[0] == 0.0
