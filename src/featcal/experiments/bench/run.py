@@ -235,14 +235,18 @@ def _tokens(pools: Mapping[str, Inputs]) -> int | None:
     return max(1, round(float(torch.cat([m.sum(1).float() for m in masks]).mean())))
 
 
+def _examples_per_task(calibration: Mapping[str, list]) -> int:
+    """The most examples any task's calibration batches hold: what RegMean(++) is told to read."""
+    return max(sum(num_examples(b) for b in bs) for bs in calibration.values())
+
+
 def _merge(zoo, method: str, params: dict[str, Any], calibration: Mapping[str, list], progress: bool):
     """featcal's own merge of the zoo's experts; RegMean(++) read the given calibration batches."""
     from featcal.merging.api import merge
 
     if method in DATA_MERGES:
-        n = max(sum(num_examples(b) for b in bs) for bs in calibration.values())
         return merge(zoo.base_dir, zoo.expert_dirs, method, progress=progress, calibration=calibration,
-                     num_calibration_examples=n, **params)
+                     num_calibration_examples=_examples_per_task(calibration), **params)
     return merge(zoo.base_dir, zoo.expert_dirs, method, progress=progress, **params)
 
 
@@ -260,9 +264,8 @@ def _regime_record(rows: list[dict], zoo, base, heads, tests, settings: BenchSet
             extra_seconds[method] = round(timer.seconds, 2)
             del merged
     experts_average = mean({r["task"]: r["average_accuracy"] for r in rows if r["method"] == "expert"})
-    regmean_examples = max(sum(num_examples(b) for b in bs) for bs in calibration.values())  # as `_merge` gives it
     record = regime(found["base"], found["task_arithmetic"], experts_average, found["regmean"], found["wudi"],
-                    MERGE_PARAMS["task_arithmetic"]["scaling"], regmean_examples)
+                    MERGE_PARAMS["task_arithmetic"]["scaling"], _examples_per_task(calibration))
     record["merged_for_the_regime_only"] = extra_seconds  # method -> seconds (merge + evaluation)
     return record
 
@@ -445,7 +448,7 @@ def _tune_arguments(run: _Run, method: str, params: Mapping[str, Any]) -> dict[s
 
 
 def _variant_record(variant: str, result) -> dict[str, Any]:
-    """What a non-reference row adds: the final norm's record, or the search's choice."""
+    """What a non-reference row adds: the final or stem norm's record, or the search's choice."""
     if variant == "final_norm":
         return {"final_norm": result.final_norm}
     if variant == "stem_norm":
