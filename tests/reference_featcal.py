@@ -76,6 +76,97 @@ def _record(block, mods, order=None):
     return store, hooks
 
 
+def _gather(stack, layer, n_blocks, block_m, mods, adapter, experts, calibration, cfg, hm, he, cm, ce):
+    """Every calibrated module's xs, xe and token weights per task (float64, tokens flattened) from one forward
+    of the merged block and of each expert's on the current chains, and the modules' forward order."""
+    tasks = list(experts)
+    per_task, order = {}, []
+    for t in tasks:
+        block_e = stack.blocks(experts[t])[layer]
+        mods_e = _modules(block_e, adapter)
+        xs_all, xe_all, w_all = {n: [] for n in mods}, {n: [] for n in mods}, {n: [] for n in mods}
+        for b, batch in enumerate(calibration[t]):
+            store_e, hooks = _record(block_e, mods_e)
+            block_e(he[t, b], **ce[t, b])
+            for h in hooks:
+                h.remove()
+            store_m, hooks = _record(block_m, mods, order)
+            block_m(hm[t, b], **cm[t, b])
+            for h in hooks:
+                h.remove()
+            for n in mods:
+                xs, xe = store_m[n][0], store_e[n][0]
+                mask = adapter.token_mask(stack, batch, xs, cross=adapter.is_cross_module(stack, n))
+                w = torch.ones(xs.shape[:-1]) if mask is None else mask.clone()
+                if stack.class_token_head and layer == n_blocks - 1 and not adapter.is_kv(n):
+                    w[:, 1:] *= cfg.cls_token_weight
+                xs_all[n].append(xs.reshape(-1, xs.shape[-1]).to(D))
+                xe_all[n].append(xe.reshape(-1, xe.shape[-1]).to(D))
+                w_all[n].append(w.reshape(-1).to(D))
+        per_task[t] = {
+            n: (torch.cat(xs_all[n]), torch.cat(xe_all[n]), torch.cat(w_all[n]), mods_e[n][1]) for n in mods
+        }
+    return per_task, order
+
+
+def _solve_module(n, kind, m, per_task, full, base_params, cfg):
+    """SPEC §2.6's solve of module `n` from its per-task activations: {parameter: new value}."""
+    alpha, lam, eps, rho = cfg.teacher_interp_alpha, cfg.lambda_ratio, cfg.covariance_eps, cfg.anchor_blend_rho
+    tasks = list(per_task)
+    new = {}
+    anc_w = rho * m.weight.to(D) + (1 - rho) * base_params[full + ".weight"].to(D)
+    if kind == "linear":
+        a = (lam + eps) * torch.eye(m.in_features, dtype=D)
+        rhs = lam * anc_w.T
+        stats = []
+        for t in tasks:
+            xs, xe, w, me = per_task[t][n]
+            xt = alpha * xe + (1 - alpha) * xs
+            p = w / w.sum()
+            c = (xs * p[:, None]).T @ xs
+            x = (xs * p[:, None]).T @ xt
+            s = torch.linalg.matrix_norm(c)
+            a = a + c / s
+            rhs = rhs + (x / s) @ me.weight.to(D).T
+            stats.append((s, (p[:, None] * xs).sum(0), (p[:, None] * xt).sum(0), me))
+        wsol = torch.linalg.solve(a, rhs).T
+        new[m.weight] = wsol
+        if m.bias is not None and cfg.calibrate_bias:
+            anc_b = rho * m.bias.to(D) + (1 - rho) * base_params[full + ".bias"].to(D)
+            num, den = lam * anc_b, lam
+            for s, mu_s, mu_t, me in stats:
+                num = num + (me.bias.to(D) + me.weight.to(D) @ mu_t - wsol @ mu_s) / s
+                den = den + 1 / s
+            new[m.bias] = num / den
+    elif cfg.calibrate_layernorm:
+        zs = {}
+        for t in tasks:
+            xs, _, w, me = per_task[t][n]
+            if kind == "rmsnorm":
+                z = xs * torch.rsqrt(xs.pow(2).mean(-1, keepdim=True) + m.variance_epsilon)
+            else:
+                z = F.layer_norm(xs, m.normalized_shape, eps=m.eps)
+            p = w / w.sum()
+            zs[t] = ((p[:, None] * z).sum(0), (p[:, None] * z * z).sum(0), me)
+        if kind == "rmsnorm":
+            num = lam * anc_w + sum(e * me.weight.to(D) for _, e, me in zs.values())
+            new[m.weight] = num / (lam + sum(e for _, e, _ in zs.values()))
+        else:
+            anc_b = rho * m.bias.to(D) + (1 - rho) * base_params[full + ".bias"].to(D)
+            gam, bet = torch.empty_like(anc_w), torch.empty_like(anc_w)
+            for ch in range(anc_w.shape[0]):
+                mat = torch.tensor([[lam, 0.0], [0.0, lam + len(tasks)]], dtype=D)
+                r = torch.stack([lam * anc_w[ch], lam * anc_b[ch]])
+                for mm, e, me in zs.values():
+                    g_t, b_t = me.weight[ch].to(D), me.bias[ch].to(D)
+                    mat = mat + torch.stack([torch.stack([e[ch], mm[ch]]), torch.stack([mm[ch], torch.zeros((), dtype=D)])])
+                    r = r + torch.stack([e[ch] * g_t + mm[ch] * b_t, mm[ch] * g_t + b_t])
+                sol = torch.linalg.solve(mat, r)
+                gam[ch], bet[ch] = sol[0], sol[1]
+            new[m.weight], new[m.bias] = gam, bet
+    return new
+
+
 def reference_calibrate(merged, base, experts: dict, calibration: dict, cfg, sequential: bool = False):
     """Return a calibrated deep copy of `merged` (experts: {task: model}; calibration: {task: [dict]}).
 
@@ -83,7 +174,6 @@ def reference_calibrate(merged, base, experts: dict, calibration: dict, cfg, seq
     fresh forward of the block with every module before it already solved."""
     model = copy.deepcopy(merged).eval()
     adapter = adapter_for(model)
-    alpha, lam, eps, rho = cfg.teacher_interp_alpha, cfg.lambda_ratio, cfg.covariance_eps, cfg.anchor_blend_rho
     tasks = list(experts)
     base_params = dict(base.named_parameters())
     up_m = up_e = None
@@ -100,97 +190,17 @@ def reference_calibrate(merged, base, experts: dict, calibration: dict, cfg, seq
             for layer in range(n_blocks):
                 block_m = stack.blocks(model)[layer]
                 mods = _modules(block_m, adapter)
-
-                def gather(block_m=block_m, mods=mods, layer=layer, stack=stack, hm=hm, he=he, cm=cm, ce=ce, n_blocks=n_blocks):
-                    """Every module's xs, xe, token weights per task, and the modules' forward order."""
-                    per_task, order = {}, []
-                    for t in tasks:
-                        block_e = stack.blocks(experts[t])[layer]
-                        mods_e = _modules(block_e, adapter)
-                        xs_all, xe_all, w_all = {n: [] for n in mods}, {n: [] for n in mods}, {n: [] for n in mods}
-                        for b, batch in enumerate(calibration[t]):
-                            store_e, hooks = _record(block_e, mods_e)
-                            block_e(he[t, b], **ce[t, b])
-                            for h in hooks:
-                                h.remove()
-                            store_m, hooks = _record(block_m, mods, order)
-                            block_m(hm[t, b], **cm[t, b])
-                            for h in hooks:
-                                h.remove()
-                            for n in mods:
-                                xs, xe = store_m[n][0], store_e[n][0]
-                                mask = adapter.token_mask(stack, batch, xs, cross=adapter.is_cross_module(stack, n))
-                                w = torch.ones(xs.shape[:-1]) if mask is None else mask.clone()
-                                if stack.class_token_head and layer == n_blocks - 1 and not adapter.is_kv(n):
-                                    w[:, 1:] *= cfg.cls_token_weight
-                                xs_all[n].append(xs.reshape(-1, xs.shape[-1]).to(D))
-                                xe_all[n].append(xe.reshape(-1, xe.shape[-1]).to(D))
-                                w_all[n].append(w.reshape(-1).to(D))
-                        per_task[t] = {
-                            n: (torch.cat(xs_all[n]), torch.cat(xe_all[n]), torch.cat(w_all[n]), mods_e[n][1]) for n in mods
-                        }
-                    return per_task, order
-
-                per_task, order = gather()
+                args = (stack, layer, n_blocks, block_m, mods, adapter, experts, calibration, cfg, hm, he, cm, ce)
+                per_task, order = _gather(*args)
                 # sequential: one module at a time in forward order, each on the block calibrated before it
-                stages = [[n] for n in order] if sequential else [list(mods)]
-                for si, stage in enumerate(stages):
+                for si, stage in enumerate([[n] for n in order] if sequential else [list(mods)]):
                     if si > 0:
-                        per_task, _ = gather()
+                        per_task, _ = _gather(*args)
                     new = {}
                     for n in stage:
                         kind, m = mods[n]
-                        full = f"{stack.blocks_path}.{layer}.{n}"
-                        anc_w = rho * m.weight.to(D) + (1 - rho) * base_params[full + ".weight"].to(D)
-                        if kind == "linear":
-                            a = (lam + eps) * torch.eye(m.in_features, dtype=D)
-                            rhs = lam * anc_w.T
-                            stats = []
-                            for t in tasks:
-                                xs, xe, w, me = per_task[t][n]
-                                xt = alpha * xe + (1 - alpha) * xs
-                                p = w / w.sum()
-                                c = (xs * p[:, None]).T @ xs
-                                x = (xs * p[:, None]).T @ xt
-                                s = torch.linalg.matrix_norm(c)
-                                a = a + c / s
-                                rhs = rhs + (x / s) @ me.weight.to(D).T
-                                stats.append((s, (p[:, None] * xs).sum(0), (p[:, None] * xt).sum(0), me))
-                            wsol = torch.linalg.solve(a, rhs).T
-                            new[m.weight] = wsol
-                            if m.bias is not None and cfg.calibrate_bias:
-                                anc_b = rho * m.bias.to(D) + (1 - rho) * base_params[full + ".bias"].to(D)
-                                num, den = lam * anc_b, lam
-                                for s, mu_s, mu_t, me in stats:
-                                    num = num + (me.bias.to(D) + me.weight.to(D) @ mu_t - wsol @ mu_s) / s
-                                    den = den + 1 / s
-                                new[m.bias] = num / den
-                        elif cfg.calibrate_layernorm:
-                            zs = {}
-                            for t in tasks:
-                                xs, _, w, me = per_task[t][n]
-                                if kind == "rmsnorm":
-                                    z = xs * torch.rsqrt(xs.pow(2).mean(-1, keepdim=True) + m.variance_epsilon)
-                                else:
-                                    z = F.layer_norm(xs, m.normalized_shape, eps=m.eps)
-                                p = w / w.sum()
-                                zs[t] = ((p[:, None] * z).sum(0), (p[:, None] * z * z).sum(0), me)
-                            if kind == "rmsnorm":
-                                num = lam * anc_w + sum(e * me.weight.to(D) for _, e, me in zs.values())
-                                new[m.weight] = num / (lam + sum(e for _, e, _ in zs.values()))
-                            else:
-                                anc_b = rho * m.bias.to(D) + (1 - rho) * base_params[full + ".bias"].to(D)
-                                gam, bet = torch.empty_like(anc_w), torch.empty_like(anc_w)
-                                for ch in range(anc_w.shape[0]):
-                                    mat = torch.tensor([[lam, 0.0], [0.0, lam + len(tasks)]], dtype=D)
-                                    r = torch.stack([lam * anc_w[ch], lam * anc_b[ch]])
-                                    for mm, e, me in zs.values():
-                                        g_t, b_t = me.weight[ch].to(D), me.bias[ch].to(D)
-                                        mat = mat + torch.stack([torch.stack([e[ch], mm[ch]]), torch.stack([mm[ch], torch.zeros((), dtype=D)])])
-                                        r = r + torch.stack([e[ch] * g_t + mm[ch] * b_t, mm[ch] * g_t + b_t])
-                                    sol = torch.linalg.solve(mat, r)
-                                    gam[ch], bet[ch] = sol[0], sol[1]
-                                new[m.weight], new[m.bias] = gam, bet
+                        new.update(_solve_module(n, kind, m, per_task, f"{stack.blocks_path}.{layer}.{n}",
+                                                 base_params, cfg))
                     for p, v in new.items():
                         p.copy_(v.to(p.dtype))
                 for t in tasks:
