@@ -77,3 +77,31 @@ def test_block_statistics_is_validated_and_a_cli_flag():
     args = build_parser().parse_args(["calibrate", "--block-statistics", "sequential", "--base", "b", "--merged", "m",
                                       "--expert", "a=e", "--calib", "a=c", "--out", "o"])
     assert config_from_args(args, FeatCalConfig).block_statistics == "sequential"
+
+
+def test_each_stage_runs_only_the_forward_its_statistics_need(monkeypatch):
+    """Issue 19: on Llama (stages: norm, q/k/v, o, norm, gate/up, down) the statistics passes run a batch's
+    down_proj 4 times per block, not 12 (6 stages x 2 sides): the expert and the merged block whole in the
+    first stage (the drift before) and in the down stage (where the expert chains advance); the norm stages
+    run no expert forward, and the other stages stop both sides once their own modules have run."""
+    import traceback
+
+    base, experts, merged = noisy_family("llama")
+    data = family_data("llama", experts)
+    layers = merged.model.layers
+    down = layers[0].mlp.down_proj
+    shape = (down.in_features, down.out_features)
+    calls = {"statistics": 0, "other": 0}
+    forward = torch.nn.Linear.forward
+
+    def counting(self, x):
+        if (self.in_features, self.out_features) == shape:
+            frames = {f.name for f in traceback.extract_stack()}
+            calls["statistics" if "_gather" in frames and "_advance" not in frames else "other"] += 1
+        return forward(self, x)
+
+    monkeypatch.setattr(torch.nn.Linear, "forward", counting)
+    calibrate(merged, base=base, experts=experts, calibration=data, config=SEQUENTIAL, progress=False)
+    batches = sum(len(b) for b in data.values())
+    assert calls["statistics"] == len(layers) * 4 * batches
+    assert calls["other"] >= len(layers) * batches  # the propagation through each calibrated block

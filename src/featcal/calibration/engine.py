@@ -52,7 +52,14 @@ from featcal.blocks.discovery import Calibrated, calibrated_modules, module_kind
 from featcal.calibration import solver
 from featcal.calibration.chains import ChainStore
 from featcal.calibration.distributed import RankGroup, current_group
-from featcal.calibration.hooks import ExpertRecorder, MergedFolder, group_inputs, normalised_input, plan_block
+from featcal.calibration.hooks import (
+    ExpertRecorder,
+    MergedFolder,
+    StopAfter,
+    group_inputs,
+    normalised_input,
+    plan_block,
+)
 from featcal.calibration.placement import Placement
 from featcal.calibration.resume import Position, ResumeStore, common_position
 from featcal.calibration.statistics import NormalisedSums, NormNormalised, TaskSums
@@ -428,16 +435,23 @@ class FeatCalEngine:
         """block_statistics sequential: per stage in forward order, the statistics of its modules on the
         merged block whose earlier stages are already calibrated, then their solve. Returns the drift before.
 
-        Exact and simple: every stage runs both blocks over all batches; the expert chains advance in the
-        last stage, the as-merged reference chain in the first (where the block is still as merged)."""
+        Exact; each stage runs only what its statistics need (issue 19): the merged block up to the stage's
+        modules, the expert block up to them where the stage has Linears (a norm's statistics need no expert
+        forward), and whole forwards where whole outputs are used: both blocks in the first stage (the drift
+        before; the as-merged reference chain advances there), the expert's in the last stage with Linears
+        (where the expert chains advance, no later stage reading them)."""
         stages = self._stages(stack, layer, n_blocks, mods_m)
         bar.total = sum(len(self._batches(t)) for t in self.tasks) * (len(stages) + 1)
         bar.refresh()
+        linear = [i for i, stage in enumerate(stages) if any(c.kind == "linear" for c in stage)]
+        last_linear = linear[-1] if linear else 0
+        tokens = self._tokens_per_task()
         before = None
         for i, stage in enumerate(stages):
-            sums, drift = self._gather(stack, layer, n_blocks, stage, bar, advance_experts=i == len(stages) - 1,
-                                       advance_reference=i == 0)
-            before = drift if before is None else before
+            expert = "full" if i in (0, last_linear) else ("until" if i in linear else "none")
+            sums, drift = self._gather(stack, layer, n_blocks, stage, bar, expert=expert, merged_until=i > 0,
+                                       advance_experts=i == last_linear, advance_reference=i == 0, tokens=tokens)
+            before = drift if i == 0 else before
             self._solve_and_load(stack, layer, stage, sums)
             del sums
         if before is None:  # no calibrated module ran: nothing to solve, the drift still recorded
@@ -445,50 +459,68 @@ class FeatCalEngine:
         return before
 
     def _gather(self, stack: Stack, layer: int, n_blocks: int, mods_m: list[Calibrated], bar, *,
-                advance_experts: bool = True, advance_reference: bool = True) -> tuple:
+                expert: str = "full", merged_until: bool = False, advance_experts: bool = True,
+                advance_reference: bool = True, tokens: dict[str, float] | None = None) -> tuple:
         """Run expert t's block and the merged block batch by batch; fold the statistics of `mods_m`.
 
         Advances every expert chain he(t) through its block (unless `advance_experts` is false) and the
-        as-merged reference chain (unless `advance_reference` is). Returns (NormalisedSums, drift before).
+        as-merged reference chain (unless `advance_reference` is). `expert` "until" / `merged_until` stop
+        that side's forward once the modules of `mods_m` have run; expert "none" runs no expert forward
+        (norms only: their statistics read the expert's parameters, not its activations). Returns
+        (NormalisedSums, drift before), the drift None unless both sides ran whole forwards.
         """
+        whole = expert == "full" and not merged_until
+        if expert != "full" and advance_experts:
+            raise FeatCalError("internal: the expert chains advance only through whole expert forwards")
+        if expert == "none" and any(c.kind == "linear" for c in mods_m):
+            raise FeatCalError("internal: a Linear's statistics need the expert's forward")
         block_m = stack.blocks(self.merged)[layer]
         block_e = stack.blocks(self.template)[layer]
         mods_e = {c.name: c for c in calibrated_modules(block_e, self.adapter)}
-        linears_e = {c.name: c.module for c in mods_e.values() if c.kind == "linear"}
+        stage = {c.name for c in mods_m}
+        linears_e = {c.name: c.module for c in mods_e.values()
+                     if c.kind == "linear" and (expert == "full" and not merged_until or c.name in stage)}
         rms = {c.name for c in mods_e.values() if c.kind == "rmsnorm"}
+        until_e = {n: mods_e[n].module for n in stage} if expert == "until" else None
+        until_m = {c.name: c.module for c in mods_m} if merged_until else None
         names = self.block_param_names(stack, layer)
         sums = NormalisedSums(self.cfg.teacher_interp_alpha, joint_bias=self.cfg.bias_solve == "joint")
         before = _Drift()
 
         kind = partial(self._token_kind, stack, layer, n_blocks)
-        plan = None  # Linear groups and statistics form, made from the block's first expert forward
-        tokens = self._tokens_per_task()
+        plan = None if expert != "none" else {}  # Linear groups and statistics form, from the first expert forward
+        tokens = self._tokens_per_task() if tokens is None else tokens
         for t in self.tasks:
-            load_into(self.template, names, self.experts[t])
+            load_into(self.template, names, self.experts[t])  # "none" too: the norms' targets are its parameters
             task_sums = TaskSums()
             teacher = None  # "output" modules that take the teacher form for this task (hooks.py)
             for b, batch in self._batches(t):
                 batch = _to_device(batch, self.device)
                 # expert side: its block output, and what its Linears feed the statistics
-                with ExpertRecorder(linears_e, plan) as recorder:
-                    ctx_e = self.chains.context(("e", t, b))
-                    raw_e = block_e(self.chains.hidden(("e", t, b)), **self.adapter.block_kwargs(stack, layer, ctx_e))
+                raw_e = None
+                with ExpertRecorder(linears_e if expert != "none" else {}, plan) as recorder, StopAfter(until_e) as stop:
+                    if expert != "none":
+                        ctx_e = self.chains.context(("e", t, b))
+                        raw_e = stop.run(block_e, self.chains.hidden(("e", t, b)),
+                                         **self.adapter.block_kwargs(stack, layer, ctx_e))
                 if plan is None:
                     plan = plan_block(linears_e, recorder.calls, kind)
                     recorder.adopt(plan)
                 if teacher is None:
                     teacher = self._teacher_form(plan, linears_e, tokens[t])
-                he_next = _hidden(raw_e)
-                # merged side, block as merged: fold this batch into the task's sums
+                # merged side, block as merged (up to its calibrated stages): fold this batch into the task's sums
                 weights = partial(self._weights, stack, layer, n_blocks, batch=batch)
-                with MergedFolder(mods_m, plan, recorder, task_sums, weights, teacher):
+                with MergedFolder(mods_m, plan, recorder, task_sums, weights, teacher), StopAfter(until_m) as stop:
                     ctx_m = self.adapter.block_kwargs(stack, layer, self.chains.context(("m", t, b)))
-                    hm_out = _hidden(block_m(self.chains.hidden(("m", t, b)), **ctx_m))
+                    raw_m = stop.run(block_m, self.chains.hidden(("m", t, b)), **ctx_m)
                 del recorder
                 if advance_reference and self._reference.get(t) == b:  # the block as merged, outside the hooks
                     self._advance(("r", t, b), stack, layer, block_m)
-                before.add(t, hm_out, he_next, self.adapter.token_mask(stack, batch, he_next))
+                if whole:
+                    he_next = _hidden(raw_e)
+                    before.add(t, _hidden(raw_m), he_next, self.adapter.token_mask(stack, batch, he_next))
                 if advance_experts:
+                    he_next = _hidden(raw_e)
                     self.chains.put_hidden(("e", t, b), he_next)
                     new_ctx = self.adapter.next_context(stack, layer, ctx_e, raw_e)
                     if new_ctx is not ctx_e:
@@ -500,7 +532,7 @@ class FeatCalEngine:
             self.group.reduce_task_sums(task_sums, t)  # the full task's moments, before normalising by st
             sums.add_task(t, task_sums, expert_params, rms)
             del task_sums
-        return sums, before.reduce(self.group, self.tasks)
+        return sums, before.reduce(self.group, self.tasks) if whole else None
 
     def _tokens_per_task(self) -> dict[str, float]:
         """Token positions each task's merged chains hold, summed over the ranks (so every rank decides alike)."""

@@ -179,3 +179,44 @@ class MergedFolder:
             h.remove()
         self._handles.clear()
         self._held.clear()
+
+
+class StopForward(Exception):
+    """Raised inside a forward by `StopAfter`: what is left of the forward is not needed."""
+
+
+class StopAfter:
+    """Hooks ending a forward once each of `modules` has run (block_statistics sequential, issue 19).
+
+    Why: a stage's statistics need the block's forward only up to the stage's own modules. Enter it
+    after the recorder / folder whose hooks must still fire on those modules: a module's forward hooks
+    run in registration order. With no modules it does nothing and `run` returns the whole output.
+    """
+
+    def __init__(self, modules: dict[str, nn.Module] | None) -> None:
+        self.modules = modules or {}
+        self._ran: set[str] = set()
+        self._handles: list = []
+
+    def _hook(self, name: str) -> None:
+        self._ran.add(name)
+        if len(self._ran) == len(self.modules):
+            raise StopForward
+
+    def run(self, fn: Callable, *args, **kwargs):
+        """fn(*args, **kwargs), or None when the forward was stopped (each run starts afresh)."""
+        self._ran.clear()
+        try:
+            return fn(*args, **kwargs)
+        except StopForward:
+            return None
+
+    def __enter__(self) -> StopAfter:
+        for name, mod in self.modules.items():
+            self._handles.append(mod.register_forward_hook(lambda _m, _i, _o, n=name: self._hook(n)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
