@@ -479,7 +479,7 @@ class FeatCalEngine:
         mods_e = {c.name: c for c in calibrated_modules(block_e, self.adapter)}
         stage = {c.name for c in mods_m}
         linears_e = {c.name: c.module for c in mods_e.values()
-                     if c.kind == "linear" and (expert == "full" and not merged_until or c.name in stage)}
+                     if c.kind == "linear" and (whole or c.name in stage)}
         rms = {c.name for c in mods_e.values() if c.kind == "rmsnorm"}
         until_e = {n: mods_e[n].module for n in stage} if expert == "until" else None
         until_m = {c.name: c.module for c in mods_m} if merged_until else None
@@ -488,7 +488,7 @@ class FeatCalEngine:
         before = _Drift()
 
         kind = partial(self._token_kind, stack, layer, n_blocks)
-        plan = None if expert != "none" else {}  # Linear groups and statistics form, from the first expert forward
+        plan = None  # Linear groups and statistics form, made from the block's first expert forward
         tokens = self._tokens_per_task() if tokens is None else tokens
         for t in self.tasks:
             load_into(self.template, names, self.experts[t])  # "none" too: the norms' targets are its parameters
@@ -498,7 +498,7 @@ class FeatCalEngine:
                 batch = _to_device(batch, self.device)
                 # expert side: its block output, and what its Linears feed the statistics
                 raw_e = None
-                with ExpertRecorder(linears_e if expert != "none" else {}, plan) as recorder, StopAfter(until_e) as stop:
+                with ExpertRecorder(linears_e, plan) as recorder, StopAfter(until_e) as stop:
                     if expert != "none":
                         ctx_e = self.chains.context(("e", t, b))
                         raw_e = stop.run(block_e, self.chains.hidden(("e", t, b)),
@@ -516,11 +516,10 @@ class FeatCalEngine:
                 del recorder
                 if advance_reference and self._reference.get(t) == b:  # the block as merged, outside the hooks
                     self._advance(("r", t, b), stack, layer, block_m)
+                he_next = _hidden(raw_e) if expert == "full" else None
                 if whole:
-                    he_next = _hidden(raw_e)
                     before.add(t, _hidden(raw_m), he_next, self.adapter.token_mask(stack, batch, he_next))
                 if advance_experts:
-                    he_next = _hidden(raw_e)
                     self.chains.put_hidden(("e", t, b), he_next)
                     new_ctx = self.adapter.next_context(stack, layer, ctx_e, raw_e)
                     if new_ctx is not ctx_e:
