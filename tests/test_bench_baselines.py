@@ -22,11 +22,11 @@ def bench(tmp_path_factory):
                  "--baselines", "all", "--surgery-steps", "40", "--wudi-steps", "20", "--zoo-dir", str(root / "zoo"),
                  "--out", str(root / "out"), "--no-progress", "--threads", "1"])
     assert code == 0
-    return json.loads((root / "out" / "bench.json").read_text()), (root / "out" / "table.md").read_text()
+    return json.loads((root / "out" / "bench.json").read_text()), (root / "out" / "table.md").read_text(), root
 
 
 def test_one_row_per_baseline_with_the_row_interface(bench):
-    data, _ = bench
+    data, *_ = bench
     rows = [r for r in data["rows"] if r.get("baseline")]
     assert [r["method"] for r in rows] == list(ALL_BASELINES)
     tasks = set(data["tasks"])
@@ -50,7 +50,7 @@ def test_one_row_per_baseline_with_the_row_interface(bench):
 
 
 def test_surgery_changes_its_merge(bench):
-    data, _ = bench
+    data, *_ = bench
     merge = next(r for r in data["rows"] if r["method"] == "task_arithmetic" and not r["calibrated"])
     surgery = next(r for r in data["rows"] if r["method"] == "surgery")
     assert surgery["per_task"] != merge["per_task"]
@@ -58,11 +58,34 @@ def test_surgery_changes_its_merge(bench):
 
 
 def test_table_shows_baselines(bench):
-    _, table = bench
+    _, table, _ = bench
     assert "| task_arithmetic + surgery (32/task, recomputed) |" in table
     assert "| task_arithmetic + probsurgery (32/task, recomputed) |" in table
     for name in ("regmean", "regmean++", "wudi"):
         assert f"| {name} (baseline) |" in table
+
+
+def test_cached_surgery_features_give_the_recomputed_rows_accuracy(bench, capsys):
+    """--surgery-features cached trains the same modules (to round-off), so the same predictions; labelled as such."""
+    data, _, root = bench
+    code = main(["bench", "--preset", "tiny", "--seed", "0", "--calib-sizes", "32", "--methods", "task_arithmetic",
+                 "--baselines", "surgery,probsurgery", "--surgery-steps", "40", "--surgery-features", "cached",
+                 "--zoo-dir", str(root / "zoo"), "--out", str(root / "cached"), "--no-progress", "--threads", "1"])
+    assert code == 0
+    assert "features cached: not the authors' cost" in capsys.readouterr().out
+    cached = json.loads((root / "cached" / "bench.json").read_text())
+    table = (root / "cached" / "table.md").read_text()
+    for name in ("surgery", "probsurgery"):
+        live = next(r for r in data["rows"] if r["method"] == name)
+        once = next(r for r in cached["rows"] if r["method"] == name)
+        assert "recompute_features" not in once["params"] and "computed once" in once["note"]
+        assert once["per_task"] == live["per_task"]
+        assert f"| task_arithmetic + {name} (32/task, cached features) |" in table
+
+
+def test_bad_surgery_features_refused_before_work(tmp_path):
+    with pytest.raises(ConfigError, match="--surgery-features"):
+        validate(BenchSettings(preset="tiny", calib_sizes=(32,), baselines=("surgery",), surgery_features="live"))
 
 
 def test_bad_baselines_refused_before_work(tmp_path):

@@ -20,6 +20,15 @@ SURGERY_BASELINES = ("surgery", "probsurgery")
 MERGE_BASELINES = ("regmean", "regmean++", "wudi")
 ALL_BASELINES = SURGERY_BASELINES + MERGE_BASELINES
 RECOMPUTE_NOTE = "recompute_features=True: frozen merged model and expert re-run every step (the authors' procedure)"
+CACHED_NOTE = ("recompute_features=False: features of the frozen merged model and expert computed once (same "
+               "modules as the authors' procedure to round-off; seconds are not the authors' cost)")
+# --surgery-features: how Surgery-type baselines get their features in the bench
+SURGERY_FEATURES = ("recomputed", "cached")
+
+
+def check_surgery_features(value: str) -> None:
+    if value not in SURGERY_FEATURES:
+        raise ConfigError(f"--surgery-features must be one of {', '.join(SURGERY_FEATURES)}, not {value!r}")
 
 
 def parse_baselines(text: str | Sequence[str] | None) -> tuple[str, ...]:
@@ -79,7 +88,7 @@ def baseline_row(
     if merge is not None:
         row["merge"] = merge
         row["gap_closed"] = gap_closed(avg, merge_average, experts_average)
-        row["note"] = RECOMPUTE_NOTE
+        row["note"] = RECOMPUTE_NOTE if result.params.get("recompute_features") else CACHED_NOTE
     if calibration_examples is not None:
         row["calibration_examples"] = calibration_examples
     if result.surgery is not None:
@@ -102,8 +111,14 @@ def surgery_rows(
     batch: int,
     progress: bool = True,
     pooling: str = "pooler",
+    features: str = "recomputed",
 ) -> list[dict[str, Any]]:
-    """Surgery/ProbSurgery on top of one merge, trained on FeatCal's calibration batches, at the authors' cost."""
+    """Surgery/ProbSurgery on top of one merge, trained on FeatCal's calibration batches.
+
+    features "recomputed" (the default) runs the frozen models every step, the authors' procedure and cost;
+    "cached" computes the features once: the same trained modules to round-off
+    (tests/test_baselines_api.py), in a fraction of the time, for accuracy figures only."""
+    check_surgery_features(features)
     from featcal.experiments.baselines.api import run_baseline
 
     rows = []
@@ -111,7 +126,8 @@ def surgery_rows(
     for name in (n_ for n_ in names if n_ in SURGERY_BASELINES):
         with PeakRSS() as rss:
             res = run_baseline(name, merged=merged, experts=experts, calibration=calibration,
-                               feature_fn=feature_fn(pooling), recompute_features=True, progress=progress,
+                               feature_fn=feature_fn(pooling), recompute_features=features == "recomputed",
+                               progress=progress,
                                **params.get(name, {}))
         per_task = _score(res, heads, tests, batch)
         rows.append(baseline_row(res, per_task, rss.mb, expert_acc, merge=merge, merge_average=merge_average,

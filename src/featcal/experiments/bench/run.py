@@ -27,7 +27,12 @@ import torch
 from featcal.config import MERGE_METHODS, FeatCalConfig
 from featcal.data.batch import Batch
 from featcal.errors import ConfigError, OutputExistsError
-from featcal.experiments.bench.baselines import merge_baseline_rows, parse_baselines, surgery_rows
+from featcal.experiments.bench.baselines import (
+    check_surgery_features,
+    merge_baseline_rows,
+    parse_baselines,
+    surgery_rows,
+)
 from featcal.experiments.bench.cost import arithmetic_cost_ratio
 from featcal.experiments.bench.memory import PeakRSS
 from featcal.experiments.bench.metrics import BELOW_FLOOR, gap_closed, mean, normalised_accuracy
@@ -79,6 +84,7 @@ class BenchSettings:
     eval_batch_size: int = 256
     baselines: tuple[str, ...] = ()  # see featcal.experiments.bench.baselines: none by default
     baseline_params: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> run_baseline params
+    surgery_features: str = "recomputed"  # SURGERY_FEATURES: "cached" for accuracy figures at a fraction of the time
 
     sources: Path | None = None  # text presets: the downloaded data archives (featcal.experiments.zoo.text_sources)
     wudi_steps: int | None = None  # WUDI's steps in the bench merge and regime line (None: the preset's)
@@ -117,6 +123,7 @@ def validate(settings: BenchSettings) -> None:
         raise ConfigError(f"unknown merge methods {bad}; choose from {', '.join(MERGE_PARAMS)}"
                           + (f" ({', '.join(others)}: --baselines)" if others else ""))
     parse_baselines(settings.baselines)
+    check_surgery_features(settings.surgery_features)
     _validate_baseline_params(settings)
     check_variants(settings.featcal_variants)
     if settings.wudi_steps is not None and settings.wudi_steps < 0:
@@ -433,7 +440,7 @@ def _method_rows(run: _Run, method: str, pools: Mapping[str, Inputs], sets: _Cal
     rows += surgery_rows(settings.baselines, merge=method, merged=merged, merge_average=merge_avg,
                          experts=run.experts, calibration=sets.largest_untrimmed, heads=run.heads, tests=run.tests,
                          expert_acc=run.expert_acc, params=settings.baseline_params, batch=settings.eval_batch_size,
-                         progress=run.progress, pooling=run.pooling)
+                         progress=run.progress, pooling=run.pooling, features=settings.surgery_features)
     return rows
 
 

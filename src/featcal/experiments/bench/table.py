@@ -18,7 +18,8 @@ def _label(row: dict[str, Any]) -> str:
     if row["method"] == "experts":
         return "experts (each on its task)"
     if row.get("baseline") and row.get("merge"):
-        return f"{row['merge']} + {row['method']} ({row['calibration_examples']}/task, recomputed)"
+        how = "recomputed" if row.get("params", {}).get("recompute_features") else "cached features"
+        return f"{row['merge']} + {row['method']} ({row['calibration_examples']}/task, {how})"
     if row.get("baseline"):
         return f"{row['method']} (baseline)"
     if row["calibrated"]:
