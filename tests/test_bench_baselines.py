@@ -74,6 +74,7 @@ def test_cached_surgery_features_give_the_recomputed_rows_accuracy(bench, capsys
     assert code == 0
     assert "features cached: not the authors' cost" in capsys.readouterr().out
     cached = json.loads((root / "cached" / "bench.json").read_text())
+    assert cached["params"]["surgery_features"] == "cached" and data["params"]["surgery_features"] == "recomputed"
     table = (root / "cached" / "table.md").read_text()
     for name in ("surgery", "probsurgery"):
         live = next(r for r in data["rows"] if r["method"] == name)

@@ -514,7 +514,7 @@ def _report(run: _Run, rows: list[dict], regime_record: dict[str, Any], drift_cu
         "bench",
         {"preset": settings.preset, "seed": settings.seed, "calib_sizes": list(settings.calib_sizes),
          "methods": list(methods), "featcal_variants": list(settings.featcal_variants),
-         "baselines": list(settings.baselines),
+         "baselines": list(settings.baselines), "surgery_features": settings.surgery_features,
          "baseline_params": settings.baseline_params, "merge_params": {m: settings.merge_params(m) for m in methods},
          "featcal": settings.featcal.model_dump(mode="json"), "zoo_dir": str(settings.resolved_zoo_dir())},
         command_line=shlex.join(["featcal", *sys.argv[1:]]) if Path(sys.argv[0]).name == "featcal" else shlex.join(sys.argv),
