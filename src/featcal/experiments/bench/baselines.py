@@ -111,14 +111,13 @@ def surgery_rows(
     batch: int,
     progress: bool = True,
     pooling: str = "pooler",
-    features: str = "recomputed",
+    recompute_features: bool = True,
 ) -> list[dict[str, Any]]:
     """Surgery/ProbSurgery on top of one merge, trained on FeatCal's calibration batches.
 
-    features "recomputed" (the default) runs the frozen models every step, the authors' procedure and cost;
-    "cached" computes the features once: the same trained modules to round-off
-    (tests/test_baselines_api.py), in a fraction of the time, for accuracy figures only."""
-    check_surgery_features(features)
+    recompute_features (the default) runs the frozen models every step, the authors' procedure and cost;
+    False computes the features once: the same trained modules to round-off (tests/test_baselines_api.py),
+    in a fraction of the time, for accuracy figures only (--surgery-features cached)."""
     from featcal.experiments.baselines.api import run_baseline
 
     rows = []
@@ -126,7 +125,7 @@ def surgery_rows(
     for name in (n_ for n_ in names if n_ in SURGERY_BASELINES):
         with PeakRSS() as rss:
             res = run_baseline(name, merged=merged, experts=experts, calibration=calibration,
-                               feature_fn=feature_fn(pooling), recompute_features=features == "recomputed",
+                               feature_fn=feature_fn(pooling), recompute_features=recompute_features,
                                progress=progress,
                                **params.get(name, {}))
         per_task = _score(res, heads, tests, batch)

@@ -440,7 +440,8 @@ def _method_rows(run: _Run, method: str, pools: Mapping[str, Inputs], sets: _Cal
     rows += surgery_rows(settings.baselines, merge=method, merged=merged, merge_average=merge_avg,
                          experts=run.experts, calibration=sets.largest_untrimmed, heads=run.heads, tests=run.tests,
                          expert_acc=run.expert_acc, params=settings.baseline_params, batch=settings.eval_batch_size,
-                         progress=run.progress, pooling=run.pooling, features=settings.surgery_features)
+                         progress=run.progress, pooling=run.pooling,
+                         recompute_features=settings.surgery_features == "recomputed")
     return rows
 
 
