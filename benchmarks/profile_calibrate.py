@@ -1,0 +1,129 @@
+#!/usr/bin/env python
+"""Where calibrate()'s time goes: repeated timed runs in one warm process, then cProfile and torch.profiler.
+
+calibration_speed.py says how long calibrate() takes against its floor; this says why. On one family
+(built as calibration_speed.py builds it, or given) it times calibrate() `--repeats` times in one
+process after a warm-up run (each run on a fresh copy of the merged model), then runs it once under
+cProfile (the Python functions that hold the wall time, sync points included) and once under
+torch.profiler (the operators by host and by device time, and how busy the device was over the run).
+Reports are text files under --out; a one-line summary is printed.
+
+    python benchmarks/profile_calibrate.py --preset small --tasks 4 --examples 32 --out runs/profile-small
+    python benchmarks/profile_calibrate.py --preset vit-b32 --tasks 8 --examples 256 --batch-size 32 \\
+        --device cuda --expert-source memory --out runs/profile-vitb32-cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import importlib.util
+import io
+import json
+import pstats
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def _speed_module():
+    """benchmarks/calibration_speed.py, imported by path (benchmarks/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("calibration_speed", Path(__file__).with_name("calibration_speed.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["calibration_speed"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def main(argv: list[str] | None = None) -> int:
+    speed = _speed_module()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", choices=sorted(speed.PRESETS), default="small")
+    p.add_argument("--tasks", type=int, default=4)
+    p.add_argument("--examples", type=int, default=32)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=2, help="timed runs after the warm-up (default: 2)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--offload-blocks", action="store_true")
+    p.add_argument("--expert-source", choices=("path", "memory"), default="memory")
+    p.add_argument("--top", type=int, default=40, help="rows in each report (default: 40)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, help="folder for the reports")
+    args = p.parse_args(argv)
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "image_size",
+                "patch_size"):
+        setattr(args, key, None)
+    args.perturbation, args.merge_scale, args.calib = 0.05, 0.3, None
+    torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    from featcal import FeatCalConfig, calibrate
+    from featcal.io.models import load_model
+
+    with tempfile.TemporaryDirectory(prefix="featcal-profile-") as tmp:
+        family = speed.build_family(Path(tmp), args)
+        data = speed.task_batches(family, args)
+        base: object = family["base"]
+        experts: dict = dict(family["experts"])
+        if args.expert_source == "memory":
+            base = load_model(family["base"])
+            experts = {t: load_model(p) for t, p in experts.items()}
+        config = FeatCalConfig(num_calibration_examples=args.examples, calibration_batch_size=args.batch_size,
+                               seed=args.seed, device=args.device, offload_blocks=args.offload_blocks)
+
+        def once() -> float:
+            merged = load_model(family["merged"])
+            _sync(args.device)
+            start = time.perf_counter()
+            calibrate(merged, base=base, experts=experts, calibration=data, config=config, progress=False)
+            _sync(args.device)
+            return time.perf_counter() - start
+
+        warm = once()
+        timed = [once() for _ in range(args.repeats)]
+        print(f"warm-up {warm:.3f} s; timed {', '.join(f'{s:.3f}' for s in timed)} s", flush=True)
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+        profiled = once()
+        profiler.disable()
+        for key in ("tottime", "cumulative"):
+            text = io.StringIO()
+            pstats.Stats(profiler, stream=text).sort_stats(key).print_stats(args.top)
+            (out / f"cprofile-{key}.txt").write_text(text.getvalue())
+
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if args.device.startswith("cuda"):
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=activities) as prof:
+            traced = once()
+        events = prof.key_averages()
+        sorts = ["self_cpu_time_total"] + (["self_device_time_total"] if len(activities) > 1 else [])
+        for key in sorts:
+            (out / f"torch-{key}.txt").write_text(events.table(sort_by=key, row_limit=args.top))
+        device_busy_s = (sum(e.self_device_time_total for e in events) / 1e6) if len(activities) > 1 else None
+        (out / "torch-trace-cpu-ops.txt").write_text(events.table(sort_by="cpu_time_total", row_limit=args.top))
+
+    summary = {"preset": args.preset, "tasks": args.tasks, "examples": args.examples, "batch_size": args.batch_size,
+               "device": args.device, "threads": args.threads, "offload_blocks": args.offload_blocks,
+               "expert_source": args.expert_source, "warm_up_s": warm, "timed_s": timed,
+               "cprofile_run_s": profiled, "torch_profiler_run_s": traced,
+               "device_busy_s_in_profiled_run": device_busy_s}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    busy = f"; device busy {device_busy_s:.3f} s of the profiled run's {traced:.3f} s" if device_busy_s else ""
+    print(f"median of timed runs {sorted(timed)[len(timed) // 2]:.3f} s{busy}; reports in {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
