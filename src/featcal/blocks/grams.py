@@ -103,8 +103,10 @@ def _weighted(x: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
     return x if w is None else x * w[:, None]
 
 
-def _total(x: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
-    return x.new_tensor(float(x.shape[0])) if w is None else w.sum()
+def _total(x: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor | float:
+    """Σw of tokens × d `x`: its row count when every token weighs 1 (a Python number: a tensor made
+    from it would be a host-to-device copy per batch on a GPU)."""
+    return float(x.shape[0]) if w is None else w.sum()
 
 
 @dataclass

@@ -80,6 +80,15 @@ def _to_device(batch: Batch, device: torch.device) -> Batch:
     return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
 
 
+def _masks_to_device(stack: Stack, batch: Batch, device: torch.device) -> Batch:
+    """What block-level statistics read of a batch, on `device`: its token masks, nothing else.
+
+    The model inputs (pixels, token ids) feed the stem alone; moving a whole batch again for every block
+    took ~40 % of a ViT-B/32 calibration's wall time on a GPU (docs/scaling.md, "GPU check").
+    """
+    return {k: batch[k].to(device) for k in stack.mask_keys if isinstance(batch.get(k), torch.Tensor)}
+
+
 def _same(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.shape != b.shape:
@@ -141,25 +150,43 @@ def needed_param_names(model: nn.Module, stacks: list[Stack]) -> tuple[list[str]
 
 
 class _Drift:
-    """Σ over tokens of ‖hm−he‖²/‖he‖² and token counts per task, for one block."""
+    """Σ over tokens of ‖hm−he‖²/‖he‖² and token counts per task, for one block.
+
+    Batches are summed in float64 where the activations are, and read back once (by mean() or reduce()):
+    a float() per batch would stall a GPU twice a batch. The values are those of summing the batches'
+    float32 sums as Python floats, in the same order.
+    """
 
     def __init__(self) -> None:
         self.sum: dict[str, float] = {}
         self.count: dict[str, float] = {}
+        self._pending: dict[str, torch.Tensor] = {}  # task -> (Σ rel, Σ count), float64, not yet read back
 
     def add(self, task: str, hm: torch.Tensor, he: torch.Tensor, mask: torch.Tensor | None) -> None:
         hm, he = hm.float(), he.float()
         rel = (hm - he).pow(2).sum(-1) / he.pow(2).sum(-1).clamp_min(1e-12)
         m = torch.ones_like(rel) if mask is None else mask.to(rel.dtype)
-        self.sum[task] = self.sum.get(task, 0.0) + float((rel * m).sum())
-        self.count[task] = self.count.get(task, 0.0) + float(m.sum())
+        pair = torch.stack([(rel * m).sum(), m.sum()]).to(torch.float64)
+        held = self._pending.get(task)
+        self._pending[task] = pair if held is None else held + pair
+
+    def _read_back(self) -> None:
+        if not self._pending:
+            return
+        values = torch.stack(list(self._pending.values())).tolist()  # one device-to-host copy
+        for task, (s, c) in zip(self._pending, values, strict=True):
+            self.sum[task] = self.sum.get(task, 0.0) + s
+            self.count[task] = self.count.get(task, 0.0) + c
+        self._pending = {}
 
     def mean(self) -> float:
+        self._read_back()
         vals = [self.sum[t] / max(self.count[t], 1.0) for t in self.sum]
         return sum(vals) / max(len(vals), 1)
 
     def reduce(self, group: RankGroup, tasks: list[str]) -> _Drift:
         """Sum the per-task sums and counts over the ranks (in place; a no-op in one process)."""
+        self._read_back()
         if group.active:
             vals = torch.tensor([[self.sum.get(t, 0.0), self.count.get(t, 0.0)] for t in tasks], dtype=torch.float64)
             vals = group.reduce_values(vals).tolist()
@@ -495,7 +522,7 @@ class FeatCalEngine:
             task_sums = TaskSums()
             teacher = None  # "output" modules that take the teacher form for this task (hooks.py)
             for b, batch in self._batches(t):
-                batch = _to_device(batch, self.device)
+                batch = _masks_to_device(stack, batch, self.device)
                 # expert side: its block output, and what its Linears feed the statistics
                 raw_e = None
                 with ExpertRecorder(linears_e, plan) as recorder, StopAfter(until_e) as stop:
@@ -573,7 +600,7 @@ class FeatCalEngine:
         stack = self.stacks[-1]
         merged, calibrated = _Drift(), _Drift()
         for t, b in self._reference.items():
-            batch = _to_device(self.calibration[t][0][1], self.device)
+            batch = _masks_to_device(stack, self.calibration[t][0][1], self.device)
             he = self.chains.hidden(("e", t, b))
             mask = self.adapter.token_mask(stack, batch, he)
             if stack.class_token_head:  # the model's output is read from the class token only
@@ -603,7 +630,7 @@ class FeatCalEngine:
                 raw = block_m(self.chains.hidden(("m", t, b)), **self.adapter.block_kwargs(stack, layer, ctx_m))
                 hm = _hidden(raw)
                 he = self.chains.hidden(("e", t, b))
-                after.add(t, hm, he, self.adapter.token_mask(stack, _to_device(batch, self.device), he))
+                after.add(t, hm, he, self.adapter.token_mask(stack, _masks_to_device(stack, batch, self.device), he))
                 self.chains.put_hidden(("m", t, b), hm)
                 new_ctx = self.adapter.next_context(stack, layer, ctx_m, raw)
                 if new_ctx is not ctx_m:
@@ -787,7 +814,7 @@ class FeatCalEngine:
             load_into(self.template, names, self.experts[t])
             task_sums = TaskSums()
             for b, batch in self._batches(t):
-                batch = _to_device(batch, self.device)
+                batch = _masks_to_device(stack, batch, self.device)
                 xm, w, mask = self._final_norm_input(stack, final, self.chains.hidden(("m", t, b)), batch)
                 xe = self.chains.hidden(("e", t, b))
                 xe = xe[:, 0] if final.class_token_only else xe

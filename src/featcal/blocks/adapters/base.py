@@ -46,6 +46,11 @@ class Stack:
     # per-type arguments; empty when every block is called alike
     layer_types: tuple[str, ...] = field(default_factory=tuple)
 
+    @property
+    def mask_keys(self) -> tuple[str, ...]:
+        """The batch keys that block-level code reads (the token masks); the model inputs feed the stem only."""
+        return tuple(k for k in (self.mask_key, self.cross_mask_key) if k)
+
     def blocks(self, model: nn.Module) -> nn.ModuleList:
         mod = get_path(model, self.blocks_path)
         if not isinstance(mod, nn.ModuleList):
