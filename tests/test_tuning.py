@@ -527,3 +527,33 @@ def test_the_callers_merge_is_left_as_given_unless_inplace(family):
     again = calibrate(own, base=base, experts=experts, calibration=data, config=cfg, progress=False,
                       merge_scaling=0.05, inplace=True)
     assert again is own and max_abs_diff(again, out)[0] == 0.0
+
+
+def test_auto_tiebreak_is_soft_on_tiny_held_out_parts_only():
+    heads = {"a": object(), "b": object()}
+    small = tuning.AUTO_SOFT_MAX_HELD
+    assert tuning.resolve_tiebreak("auto", heads, ["a", "b"], 2)[0] == "soft"
+    assert tuning.resolve_tiebreak("auto", heads, ["a", "b"], small)[0] == "soft"
+    assert tuning.resolve_tiebreak("auto", heads, ["a", "b"], small + 1)[0] == "drift"
+    assert tuning.resolve_tiebreak("auto", {"a": object()}, ["a", "b"], 2) == ("drift", "auto: not every task has a head")
+    assert tuning.resolve_tiebreak("drift", heads, ["a", "b"], 2) == ("drift", "as configured")
+    assert tuning.resolve_tiebreak("soft", heads, ["a", "b"], 50)[0] == "soft"
+
+
+@pytest.mark.parametrize("n_batches, expected", [(3, "soft"), (12, "drift")])
+def test_auto_tiebreak_runs_and_is_recorded(n_batches, expected):
+    """6 examples per task hold out 2 (soft); 24 hold out 6 (drift). Without heads auto is drift, no error."""
+    base, experts, _ = noisy_family("clip", n_experts=2)
+    merged = _ta(base, experts, 0.05)
+    data = family_data("clip", experts, n_batches=n_batches)
+    torch.manual_seed(0)
+    heads = {t: torch.nn.Linear(32, 4) for t in experts}
+    cfg = FeatCalConfig(tune=True, tune_budget=3.0, tune_tiebreak="auto")
+    rec = calibrate(merged, base=base, experts=experts, calibration=data, progress=False, heads=heads,
+                    config=cfg, return_result=True).tuning
+    assert (rec["tiebreak"], rec["tiebreak_setting"]) == (expected, "auto")
+    assert all(f"z_{expected}" in c for c in rec["comparisons"])
+    assert all(("soft" in c) == (expected == "soft") for c in rec["candidates"])
+    bare = calibrate(merged, base=base, experts=experts, calibration=data, progress=False, config=cfg,
+                     return_result=True).tuning
+    assert bare["tiebreak"] == "drift" and bare["tiebreak_why"] == "auto: not every task has a head"

@@ -327,10 +327,11 @@ class FeatCalConfig(_Strict):
         "many standard errors (paired over the held-out examples, within-task variance pooled over tasks); 0 (the "
         "default) takes any improvement; 2 was measured to hurt at 8 examples per task (docs/tuning.md)",
     )
-    tune_tiebreak: Literal["drift", "soft"] = Field(
+    tune_tiebreak: Literal["drift", "soft", "auto"] = Field(
         "drift", description="tune, with heads: what decides between candidates whose disagreement with the experts "
         "is equal: the final-feature drift (default) or 'soft', the mean KL divergence from the expert's head softmax "
-        "to the candidate's on the held-out examples (needs a head for every task; docs/tuning.md)",
+        "to the candidate's on the held-out examples (needs a head for every task), or 'auto': soft where every task "
+        "has a head and at most 4 examples per task are held out, else drift (docs/tuning.md)",
     )
     tune_head_pooling: Literal["auto", "pooler", "mean"] = Field(
         "auto", description="tune: what a task head (a layer, not a callable) reads: the model's pooler_output, the "

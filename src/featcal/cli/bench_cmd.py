@@ -97,7 +97,8 @@ def register(subparsers) -> None:
                    help="FeatCal variants, each a calibrated row per merge and size, comma-separated, from reference "
                         "(the paper's method), joint_bias (bias_solve joint), final_norm (calibrate_final_norm), stem_norm (calibrate_stem_norm), sequential "
                         "(block_statistics sequential), tuned (--tune with its defaults, scored through the zoo's "
-                        "heads), tuned_soft (--tune --tune-tiebreak soft) (default: reference; docs/variants.md)")
+                        "heads), tuned_soft (--tune --tune-tiebreak soft), tuned_auto (--tune --tune-tiebreak auto) "
+                        "(default: reference; docs/variants.md)")
     p.add_argument("--baselines", default="",
                    help="comparison baselines, comma-separated, from surgery, probsurgery, regmean, regmean++, wudi, "
                         "or 'all' (default: none)")

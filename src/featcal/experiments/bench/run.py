@@ -68,6 +68,7 @@ FEATCAL_VARIANTS: dict[str, dict[str, Any]] = {
     "stem_norm": {"calibrate_stem_norm": True},
     "tuned": {"tune": True},
     "tuned_soft": {"tune": True, "tune_tiebreak": "soft"},  # agreement ties broken by the heads' KL, not the drift
+    "tuned_auto": {"tune": True, "tune_tiebreak": "auto"},  # soft on tiny held-out parts, else drift
 }
 
 
