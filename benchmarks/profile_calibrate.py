@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import importlib.util
 import io
 import json
 import pstats
@@ -28,23 +27,11 @@ from pathlib import Path
 
 import torch
 
-
-def _speed_module():
-    """benchmarks/calibration_speed.py, imported by path (benchmarks/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("calibration_speed", Path(__file__).with_name("calibration_speed.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["calibration_speed"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ is not a package
+import calibration_speed as speed  # noqa: E402  (the family, its data and the device sync, as that benchmark makes them)
 
 
 def main(argv: list[str] | None = None) -> int:
-    speed = _speed_module()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", choices=sorted(speed.PRESETS), default="small")
     p.add_argument("--tasks", type=int, default=4)
@@ -59,10 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="folder for the reports")
     args = p.parse_args(argv)
-    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "image_size",
-                "patch_size"):
-        setattr(args, key, None)
-    args.perturbation, args.merge_scale, args.calib = 0.05, 0.3, None
+    # the family exactly as calibration_speed.py builds it from these settings (its defaults for the rest)
+    family_args = speed.parse_args(["--preset", args.preset, "--tasks", str(args.tasks), "--examples", str(args.examples),
+                                    "--batch-size", str(args.batch_size), "--seed", str(args.seed)])
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -71,8 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     from featcal.io.models import load_model
 
     with tempfile.TemporaryDirectory(prefix="featcal-profile-") as tmp:
-        family = speed.build_family(Path(tmp), args)
-        data = speed.task_batches(family, args)
+        family = speed.build_family(Path(tmp), family_args)
+        data = speed.task_batches(family, family_args)
         base: object = family["base"]
         experts: dict = dict(family["experts"])
         if args.expert_source == "memory":
@@ -83,10 +69,10 @@ def main(argv: list[str] | None = None) -> int:
 
         def once() -> float:
             merged = load_model(family["merged"])
-            _sync(args.device)
+            speed._sync(args.device)
             start = time.perf_counter()
             calibrate(merged, base=base, experts=experts, calibration=data, config=config, progress=False)
-            _sync(args.device)
+            speed._sync(args.device)
             return time.perf_counter() - start
 
         warm = once()
