@@ -10,6 +10,8 @@ import logging
 
 import torch
 
+from featcal.io.validate import all_finite, non_finite_count
+
 log = logging.getLogger("featcal.calibration")
 
 _F64 = torch.float64
@@ -26,7 +28,7 @@ def solve_spd(a: torch.Tensor, b: torch.Tensor, *, what: str = "system") -> torc
     chol, info = torch.linalg.cholesky_ex(a)
     if int(info) == 0:
         x = torch.cholesky_solve(b, chol)
-        if torch.isfinite(x).all():
+        if all_finite(x):
             return x
     log.warning("%s: Cholesky failed (matrix not positive definite); using a pseudo-inverse", what)
     return torch.linalg.pinv(a, hermitian=True) @ b
@@ -137,10 +139,10 @@ def anchor(merged: torch.Tensor, base: torch.Tensor | None, rho: float) -> torch
 
 def check_finite(name: str, tensor: torch.Tensor) -> None:
     """Refuse to load a solved parameter holding NaN/Inf (a degenerate calibration set, or overflow)."""
-    if not torch.isfinite(tensor).all():
+    if not all_finite(tensor):
         from featcal.errors import CalibrationDataError
 
-        bad = int((~torch.isfinite(tensor)).sum())
+        bad = non_finite_count(tensor)
         raise CalibrationDataError(
             f"solved parameter {name} has {bad} non-finite value(s); the calibration statistics are degenerate "
             "(empty or constant inputs, or overflow): check the calibration data and covariance_eps/lambda_ratio"
