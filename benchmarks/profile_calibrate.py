@@ -1,11 +1,12 @@
 #!/usr/bin/env python
-"""Where calibrate()'s time goes: repeated timed runs in one warm process, then cProfile and torch.profiler.
+"""Where calibrate()'s time goes: repeated timed runs in one warm process, then torch.profiler and cProfile.
 
 calibration_speed.py says how long calibrate() takes against its floor; this says why. On one family
 (built as calibration_speed.py builds it, or given) it times calibrate() `--repeats` times in one
 process after a warm-up run (each run on a fresh copy of the merged model), then runs it once under
-cProfile (the Python functions that hold the wall time, sync points included) and once under
-torch.profiler (the operators by host and by device time, and how busy the device was over the run).
+torch.profiler (the operators by host and by device time, and how busy the device was over the run) and
+once under cProfile (the Python functions that hold the wall time, sync points included; --skip-cprofile
+leaves it out).
 Reports are text files under --out; a one-line summary is printed.
 
     python benchmarks/profile_calibrate.py --preset small --tasks 4 --examples 32 --out runs/profile-small
@@ -42,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--offload-blocks", action="store_true")
     p.add_argument("--expert-source", choices=("path", "memory"), default="memory")
+    p.add_argument("--skip-cprofile", action="store_true", help="only the timed runs and torch.profiler")
     p.add_argument("--top", type=int, default=40, help="rows in each report (default: 40)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="folder for the reports")
@@ -79,15 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         timed = [once() for _ in range(args.repeats)]
         print(f"warm-up {warm:.3f} s; timed {', '.join(f'{s:.3f}' for s in timed)} s", flush=True)
 
-        profiler = cProfile.Profile()
-        profiler.enable()
-        profiled = once()
-        profiler.disable()
-        for key in ("tottime", "cumulative"):
-            text = io.StringIO()
-            pstats.Stats(profiler, stream=text).sort_stats(key).print_stats(args.top)
-            (out / f"cprofile-{key}.txt").write_text(text.getvalue())
-
+        # torch.profiler first: on a device it is the report that says where the time goes, and twice a
+        # time limit ended the run before it (2026-12-04); cProfile after it, unless --skip-cprofile
         activities = [torch.profiler.ProfilerActivity.CPU]
         if args.device.startswith("cuda"):
             activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -99,6 +94,17 @@ def main(argv: list[str] | None = None) -> int:
             (out / f"torch-{key}.txt").write_text(events.table(sort_by=key, row_limit=args.top))
         device_busy_s = (sum(e.self_device_time_total for e in events) / 1e6) if len(activities) > 1 else None
         (out / "torch-trace-cpu-ops.txt").write_text(events.table(sort_by="cpu_time_total", row_limit=args.top))
+
+        profiled = None
+        if not args.skip_cprofile:
+            profiler = cProfile.Profile()
+            profiler.enable()
+            profiled = once()
+            profiler.disable()
+            for key in ("tottime", "cumulative"):
+                text = io.StringIO()
+                pstats.Stats(profiler, stream=text).sort_stats(key).print_stats(args.top)
+                (out / f"cprofile-{key}.txt").write_text(text.getvalue())
 
     summary = {"preset": args.preset, "tasks": args.tasks, "examples": args.examples, "batch_size": args.batch_size,
                "device": args.device, "threads": args.threads, "offload_blocks": args.offload_blocks,

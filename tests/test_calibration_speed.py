@@ -35,10 +35,14 @@ def test_quick_run_measures_three_paths_and_they_agree(tmp_path, capsys, monkeyp
     for key in ("floor", "calibrate", "straightforward"):
         assert len(r[key]["seconds_all"]) == 1 and r[key]["peak_rss_mb_median"] > 0
     assert r["ratio_to_straightforward"] > 0 and r["straightforward_ratio"] > 0
+    sf = r["straightforward"]  # its models' loading is timed apart and added back for the like-for-like ratio
+    assert sf["with_loading_seconds_median"] > sf["seconds_median"]
+    assert r["ratio_to_straightforward_with_loading"] < r["ratio_to_straightforward"]
     eq = r["equality"]
     assert eq["equal"] and eq["max_abs_change"] > 1e-3 and eq["max_abs_diff"] < 1e-5
     table = capsys.readouterr().out
     assert "straightforward FeatCal" in table and "calibrate / straightforward" in table and "EQUAL" in table
+    assert "calibrate / straightforward with its loading" in table
     assert "quick check" in table
 
 

@@ -160,3 +160,23 @@ def test_offload_to_a_missing_device_is_refused_before_work(monkeypatch, tmp_pat
     assert main(argv) == 2
     assert "device 'cuda:3' requested (offload_blocks puts each block there)" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_offloaded_chain_entries_are_rewritten_in_their_host_buffer():
+    """Routing only, the roles swapped: 'meta' stands for the host and the CPU for the accelerator. A rewritten
+    entry of the same shape and dtype goes into the buffer it holds (no fresh host tensor per block); another
+    shape or dtype gets a new one."""
+    store = ChainStore("float32", device="cpu", home="meta")
+    key = ("m", "a", 0)
+    store.put_hidden(key, torch.randn(2, 3, 4))
+    first = store.raw_hidden(key)
+    assert first.device.type == "meta"
+    store.put_hidden(key, torch.randn(2, 3, 4))
+    assert store.raw_hidden(key) is first
+    store.put_hidden(key, torch.randn(2, 5, 4))  # T5's decoder chains, say: another shape
+    assert store.raw_hidden(key) is not first and store.raw_hidden(key).shape == (2, 5, 4)
+    kept = ChainStore("float32", device="cpu", home="cpu")  # already at home: stored as given, as before
+    h = torch.randn(2, 3, 4)
+    kept.put_hidden(key, h)
+    kept.put_hidden(key, h2 := torch.randn(2, 3, 4))
+    assert kept.raw_hidden(key).data_ptr() == h2.data_ptr() != h.data_ptr()

@@ -103,9 +103,22 @@ class ChainStore:
         h = hidden.detach().to(self.store_dtype)  # cast where it was computed, then move: the same bits
         self._tokens[key] = h.shape[:-1].numel()
         if self.dir is None:
-            self._ram[key] = h if self.home is None else h.to(self.home)
+            self._ram[key] = h if self.home is None else self._to_home(self._ram.get(key), h)
         else:
             self._write(self._file("h", key), {"h": h})
+
+    def _to_home(self, held: torch.Tensor | None, h: torch.Tensor) -> torch.Tensor:
+        """`h` moved to the host, into the buffer the entry already holds when it has the same shape and dtype.
+
+        Why: offloaded chains are rewritten every block; a fresh host tensor per entry and block costs page
+        faults on every write (buffers past the allocator's mmap threshold, 39 MB for a ViT-B/32 batch of
+        256, go back to the system when freed), several times the copy itself. Nothing else holds the old
+        buffer: `hidden` hands out device copies, and checkpoints read `raw_hidden` synchronously.
+        """
+        if (held is not None and held.device == self.home and held.shape == h.shape and held.dtype == h.dtype
+                and h.device != self.home):
+            return held.copy_(h)
+        return h.to(self.home)
 
     def hidden(self, key: tuple) -> torch.Tensor:
         if self.dir is None:
