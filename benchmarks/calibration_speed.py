@@ -411,6 +411,8 @@ def markdown(result: dict) -> str:
         f"model: {m['model_type']}, {m['parameters'] / 1e6:.2f} M parameters, {m['blocks']} blocks; "
         f"{result['tasks']} tasks x {result['examples_per_task']} examples, batch {result['batch_size']}; "
         f"{result['threads']} thread(s), device {result['device']}; experts as {result['expert_source']}; "
+        + (f"featcal block_statistics {result['block_statistics']}; "
+           if result.get("block_statistics", "as_merged") != "as_merged" else "") +
         f"medians of {result['repeats']}",
         "",
         "| measurement | wall time (s) | peak RSS (MiB) | RSS after loading (MiB) |",
@@ -473,6 +475,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--process-group", choices=("gloo", "nccl"),
                    help="calibrate inside a one-rank default process group of this backend, collectives forced on")
     p.add_argument("--chain-dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--block-statistics", default="as_merged", choices=("as_merged", "sequential", "sequential_one_pass"),
+                   help="featcal's variant (FeatCalConfig.block_statistics); the straightforward implementation runs "
+                        "the paper's method only, so it is skipped for the others")
     p.add_argument("--expert-source", choices=("path", "memory"), default="path",
                    help="give calibrate() the experts as paths (streamed, as the CLI does) or loaded models")
     p.add_argument("--seed", type=int, default=0)
@@ -507,12 +512,16 @@ def main(argv: list[str] | None = None) -> int:
         torch.save(data, root / "batches.pt")
         config = {"num_calibration_examples": args.examples, "calibration_batch_size": args.batch_size,
                   "seed": args.seed, "device": args.device, "chain_dtype": args.chain_dtype,
-                  "offload_blocks": args.offload_blocks}
+                  "offload_blocks": args.offload_blocks, "block_statistics": args.block_statistics}
         from transformers import AutoConfig, AutoModel
 
         cfg = AutoConfig.from_pretrained(family["merged"])
-        straightforward = not args.skip_straightforward and cfg.model_type == "clip_vision_model"
-        if not args.skip_straightforward and not straightforward:
+        straightforward = (not args.skip_straightforward and cfg.model_type == "clip_vision_model"
+                           and args.block_statistics == "as_merged")
+        if not args.skip_straightforward and args.block_statistics != "as_merged":
+            print(f"the straightforward implementation is the paper's method, not block_statistics "
+                  f"{args.block_statistics}: skipped", file=sys.stderr)
+        elif not args.skip_straightforward and not straightforward:
             print(f"the straightforward implementation reads CLIPVisionModel only, not {cfg.model_type}: skipped",
                   file=sys.stderr)
         compare = args.quick and straightforward
@@ -543,6 +552,7 @@ def main(argv: list[str] | None = None) -> int:
         "tasks": len(family["experts"]), "examples_per_task": args.examples, "batch_size": args.batch_size,
         "threads": args.threads, "device": args.device, "expert_source": args.expert_source,
         "chain_dtype": args.chain_dtype, "repeats": args.repeats, "offload_blocks": args.offload_blocks,
+        "block_statistics": args.block_statistics,
         "process_group": args.process_group,
         "quick": args.quick,
         "floor": floor, "calibrate": calib, "ratio": ratio, "ratio_error": ratio_error,

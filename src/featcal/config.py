@@ -294,10 +294,12 @@ class FeatCalConfig(_Strict):
         "sequential", description="Linear biases: sequential (the paper: W without intercept, then b given W) or "
         "joint (W and b in one solve: the exact minimiser of the same objective with an intercept)"
     )
-    block_statistics: Literal["as_merged", "sequential"] = Field(
+    block_statistics: Literal["as_merged", "sequential", "sequential_one_pass"] = Field(
         "as_merged", description="where a block's merged-side statistics are taken: with the whole block as merged "
         "(the paper) or 'sequential': each module's after the modules before it in the block's forward are "
-        "calibrated (one more block forward per group of modules sharing an input; docs/variants.md)"
+        "calibrated (one more block forward per group of modules sharing an input; docs/variants.md), or "
+        "'sequential_one_pass': the same statistics and solution with one forward per batch and side, every batch's "
+        "forward paused at each stage while it is solved (holds all of them at once: more memory)"
     )
     calibrate_final_norm: bool = Field(
         False, description="also solve the norm between the last block and the head (CLIP post_layernorm, DINOv2 / "

@@ -49,7 +49,7 @@ from featcal.blocks.adapters import Adapter, FinalNorm, Stack
 from featcal.blocks.adapters.base import get_path
 from featcal.blocks.capture import _hidden, capture_block_input
 from featcal.blocks.discovery import Calibrated, calibrated_modules, module_kind
-from featcal.calibration import solver
+from featcal.calibration import one_pass, solver
 from featcal.calibration.chains import ChainStore
 from featcal.calibration.distributed import RankGroup, current_group
 from featcal.calibration.hooks import (
@@ -398,19 +398,28 @@ class FeatCalEngine:
         bar = tqdm(total=total, desc=f"featcal {stack.name} block {layer}", disable=not self.progress, leave=False)
         block_m = stack.blocks(self.merged)[layer]
         mods_m = calibrated_modules(block_m, self.adapter)
+        one_pass_stages = None
         with self.place.blocks(block_m, stack.blocks(self.template)[layer]):  # offloading: only these two
-            if self.cfg.block_statistics == "sequential":
-                before = self._gather_and_solve_in_order(stack, layer, n_blocks, mods_m, bar)
+            if self.cfg.block_statistics == "sequential_one_pass":
+                one_pass_stages = self._stages(stack, layer, n_blocks, mods_m) or None
+            if one_pass_stages:  # statistics, solves and propagation in one forward per batch and side
+                before, after = one_pass.calibrate_block(self, stack, layer, n_blocks, one_pass_stages, bar,
+                                                         _masks_to_device, _Drift)
             else:
-                sums, before = self._gather(stack, layer, n_blocks, mods_m, bar)
-                self._solve_and_load(stack, layer, mods_m, sums)
-                del sums
-            after = self._propagate(stack, layer, block_m, bar)
+                if self.cfg.block_statistics != "as_merged":  # sequential (or one pass with nothing to solve)
+                    before = self._gather_and_solve_in_order(stack, layer, n_blocks, mods_m, bar)
+                else:
+                    sums, before = self._gather(stack, layer, n_blocks, mods_m, bar)
+                    self._solve_and_load(stack, layer, mods_m, sums)
+                    del sums
+                after = self._propagate(stack, layer, block_m, bar)
         bar.close()
         record = {
             "block": self._block_counter, "stack": stack.name, "layer": layer,
             "before": before.mean(), "after": after.mean(),
         }
+        if one_pass_stages:
+            record["before_batches"] = "the first of each task"  # one_pass.py: the block as merged is not run on all
         self._block_counter += 1
         self.drift.append(record)
         log.info(

@@ -95,8 +95,10 @@ def register(subparsers) -> None:
                         "(default: the preset's; vision presets average,task_arithmetic,ties; text all but DARE)")
     p.add_argument("--featcal-variants", default="reference",
                    help="FeatCal variants, each a calibrated row per merge and size, comma-separated, from reference "
-                        "(the paper's method), joint_bias (bias_solve joint), final_norm (calibrate_final_norm), stem_norm (calibrate_stem_norm), sequential "
-                        "(block_statistics sequential), tuned (--tune with its defaults, scored through the zoo's "
+                        "(the paper's method), joint_bias (bias_solve joint), final_norm (calibrate_final_norm), "
+                        "stem_norm (calibrate_stem_norm), sequential (block_statistics sequential), sequential_one_pass "
+                        "(the same solution, one forward per batch and side), tuned (--tune with its defaults, scored "
+                        "through the zoo's "
                         "heads), tuned_soft (--tune --tune-tiebreak soft), tuned_auto (--tune --tune-tiebreak auto) "
                         "(default: reference; docs/variants.md)")
     p.add_argument("--baselines", default="",

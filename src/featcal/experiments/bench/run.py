@@ -65,6 +65,7 @@ FEATCAL_VARIANTS: dict[str, dict[str, Any]] = {
     "joint_bias": {"bias_solve": "joint"},
     "final_norm": {"calibrate_final_norm": True},
     "sequential": {"block_statistics": "sequential"},
+    "sequential_one_pass": {"block_statistics": "sequential_one_pass"},  # the same solution, fewer forwards
     "stem_norm": {"calibrate_stem_norm": True},
     "tuned": {"tune": True},
     "tuned_soft": {"tune": True, "tune_tiebreak": "soft"},  # agreement ties broken by the heads' KL, not the drift
