@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--offload-blocks", action="store_true")
     p.add_argument("--expert-source", choices=("path", "memory"), default="memory")
     p.add_argument("--skip-cprofile", action="store_true", help="only the timed runs and torch.profiler")
+    p.add_argument("--block-statistics", default="as_merged", choices=("as_merged", "sequential", "sequential_one_pass"))
     p.add_argument("--top", type=int, default=40, help="rows in each report (default: 40)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="folder for the reports")
@@ -67,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
             base = load_model(family["base"])
             experts = {t: load_model(p) for t, p in experts.items()}
         config = FeatCalConfig(num_calibration_examples=args.examples, calibration_batch_size=args.batch_size,
-                               seed=args.seed, device=args.device, offload_blocks=args.offload_blocks)
+                               seed=args.seed, device=args.device, offload_blocks=args.offload_blocks,
+                               block_statistics=args.block_statistics)
 
         def once() -> float:
             merged = load_model(family["merged"])
@@ -108,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
 
     summary = {"preset": args.preset, "tasks": args.tasks, "examples": args.examples, "batch_size": args.batch_size,
                "device": args.device, "threads": args.threads, "offload_blocks": args.offload_blocks,
-               "expert_source": args.expert_source, "warm_up_s": warm, "timed_s": timed,
+               "expert_source": args.expert_source, "block_statistics": args.block_statistics, "warm_up_s": warm, "timed_s": timed,
                "cprofile_run_s": profiled, "torch_profiler_run_s": traced,
                "device_busy_s_in_profiled_run": device_busy_s}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
