@@ -83,3 +83,15 @@ def test_statistics_flatten_in_a_canonical_order():
     names = [n for n, _ in _sum_tensors(s)]
     assert names == ["grams.q.sw", "grams.q.sx", "grams.q.sxx", "cross.q.sxe", "cross.q.sxxe",
                      "norms.ln.sw", "norms.ln.sz", "norms.ln.szz"]
+
+
+def test_two_gloo_ranks_one_pass_matches_one_process_and_sequential(tmp_path):
+    """block_statistics sequential_one_pass under torchrun: every stage's task sums all-reduced before its solve."""
+    fam = bert_family(tmp_path / "fam", n_texts=6)  # 3 batches per task: rank 0 runs two, rank 1 one
+    one_pass = ["--block-statistics", "sequential_one_pass"]
+    assert main(_argv(fam, tmp_path / "seq", 6) + ["--block-statistics", "sequential"]) == 0
+    assert main(_argv(fam, tmp_path / "one", 6) + one_pass) == 0
+    proc = _torchrun(_argv(fam, tmp_path / "two", 6) + one_pass)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _max_diff(T.BertModel, tmp_path / "one", tmp_path / "seq") == 0.0
+    assert _max_diff(T.BertModel, tmp_path / "one", tmp_path / "two") < 1e-5
