@@ -173,3 +173,21 @@ def test_plan_cli_reports_device_memory_when_offloading(tmp_path, capsys):
     assert re.search(r"block phase: [0-9.]+ (KiB|MiB)", out) and re.search(r"capture phase: [0-9.]+ (KiB|MiB)", out)
     assert main(_argv("plan", fam, tmp_path / "out")) == 0
     assert "device memory" not in capsys.readouterr().out
+
+
+def test_one_pass_plan_holds_every_batch_paused():
+    """block_statistics sequential_one_pass holds every batch's two paused block forwards and an expert block per
+    task (calibration/one_pass.py); the planner counts them, on the device when offloading."""
+    cfg = FeatCalConfig(num_calibration_examples=256, calibration_batch_size=16)
+    one = cfg.model_copy(update={"block_statistics": "sequential_one_pass"})
+    plain = {c.name: c.bytes for c in estimate(_shape(), tasks=8, config=cfg, baseline_bytes=0).components}
+    parts = {c.name: c.bytes for c in estimate(_shape(), tasks=8, config=one, baseline_bytes=0).components}
+    assert "paused forwards" not in plain
+    assert parts["paused forwards"] == plain["activations"] * 8 * 16  # 8 tasks x 16 batches of 16
+    assert parts["expert block copies"] == 8 * 10_000 * 4
+    assert {k: v for k, v in parts.items() if k in plain} == plain
+    off = estimate(_shape(), tasks=8, config=one.model_copy(update={"offload_blocks": True, "device": "cuda"}),
+                   baseline_bytes=0)
+    device = {c.name: c for c in off.device_components if c.phase == "block"}
+    assert device["paused forwards"].bytes == parts["paused forwards"]
+    assert "paused forwards" not in {c.name for c in off.components}

@@ -234,13 +234,14 @@ def estimate(shape: ModelShape, *, tasks: int, config: FeatCalConfig, baseline_b
         return 2 * bs * s.tokens * (per_token + attention)  # expert outputs held while the merged side runs
 
     act = max(activations(s, b) for s, b in blocks)
+    paused = _one_pass_parts(config, tasks, math.ceil(local / bs), act, block_params)
     s0 = max(shape.stacks, key=lambda s: s.tokens * s.hidden)
     settings = {"chain_dtype": config.chain_dtype, "spill_dir": config.spill_dir, "batch_size": bs, "world": world,
                 "offload_blocks": config.offload_blocks, "device": config.device}
     if config.offload_blocks:
         return _offloaded(shape, tasks=tasks, config=config, baseline_bytes=baseline_bytes, local=local,
                           chains_local=chains_local, ctx_local=ctx_local, act=act, stats=(stats, stats_detail),
-                          block_params=block_params, chains_all=chains_all, settings=settings)
+                          block_params=block_params, chains_all=chains_all, settings=settings, paused=paused)
     comps = [
         Component("process baseline", baseline_bytes, "python + torch + transformers + featcal (measured)"),
         Component("merged model", model, f"{shape.param_count:,} parameters and buffers, float32"),
@@ -254,13 +255,27 @@ def estimate(shape: ModelShape, *, tasks: int, config: FeatCalConfig, baseline_b
         Component("base anchors", block_params * 8, "one block, float64"),
         Component("statistics", stats, stats_detail),
         Component("activations", act, f"one batch of {bs} through one block, both sides"),
+        *paused,
     ]
     return MemoryPlan(comps, chains_all, settings)
 
 
+def _one_pass_parts(config: FeatCalConfig, tasks: int, local_batches: int, act: int, block_params: int,
+                    phase: str = "") -> list[Component]:
+    """block_statistics sequential_one_pass holds every batch's paused block forwards (both sides) at once, and
+    a copy of the expert's block per task (calibration/one_pass.py); nothing for the other modes."""
+    if config.block_statistics != "sequential_one_pass":
+        return []
+    return [
+        Component("paused forwards", act * tasks * local_batches,
+                  f"sequential_one_pass: {tasks} task(s) × {local_batches} batch(es), each as 'activations'", phase),
+        Component("expert block copies", tasks * block_params * 4, "sequential_one_pass: one per task", phase),
+    ]
+
+
 def _offloaded(shape: ModelShape, *, tasks: int, config: FeatCalConfig, baseline_bytes: int, local: int,
                chains_local: int, ctx_local: int, act: int, stats: tuple[int, str], block_params: int,
-               chains_all: int, settings: dict) -> MemoryPlan:
+               chains_all: int, settings: dict, paused: list[Component]) -> MemoryPlan:
     """The --offload-blocks plan: host lines as without offloading less the per-block transients, which
     move to the device; device lines per phase (capture, block), of which the larger is the peak."""
     n, bs = config.num_calibration_examples, config.calibration_batch_size
@@ -289,6 +304,7 @@ def _offloaded(shape: ModelShape, *, tasks: int, config: FeatCalConfig, baseline
         Component("statistics", stats[0], stats[1], "block"),
         Component("activations", act, f"one batch of {bs} through one block, both sides", "block"),
         Component("batch chains", batch_chains, batch_detail, "block"),
+        *(Component(c.name, c.bytes, c.detail + ", on the device", "block") for c in paused),
         Component("stems", 2 * shape.stem_count * 4, "embeddings and final norms of both models, float32", "capture"),
         Component("merged block 0", block_params * 4, "run once to check the block context", "capture"),
         Component("activations", act, f"one batch of {bs} (an upper bound for the stem's)", "capture"),
