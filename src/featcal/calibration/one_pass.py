@@ -67,8 +67,10 @@ def _pause() -> None:
     greenlet.getcurrent().parent.switch()
 
 
-def _ours(registry: dict[int, _Forward]) -> _Forward | None:
-    return registry.get(id(greenlet.getcurrent()))
+def _ours() -> _Forward | None:
+    """The forward whose greenlet is running, or None (the driver's own forwards: hooks do nothing there)."""
+    current = greenlet.getcurrent()
+    return current if isinstance(current, _Forward) else None
 
 
 def calibrate_block(engine: Any, stack: Stack, layer: int, n_blocks: int, stages: list[list[Calibrated]], bar,
@@ -115,14 +117,13 @@ def calibrate_block(engine: Any, stack: Stack, layer: int, n_blocks: int, stages
     last_of_stage = {k: stage[-1].name for k, stage in enumerate(stages)}
     with_linears = [k for k, stage in enumerate(stages) if any(c.kind == "linear" for c in stage)]
 
-    # 3. the forwards, paused at every stage by hooks that find their forward from the running greenlet
-    registry: dict[int, _Forward] = {}
+    # 3. the forwards, paused at every stage by hooks that act only inside one of them (the running greenlet)
     merged_fw: dict[tuple[str, int], _Forward] = {}
     expert_fw: dict[tuple[str, int], _Forward] = {}
     stage_modules = {c.name: c for stage in stages for c in stage}
 
     def merged_pre_hook(name: str, args: tuple) -> None:
-        fw = _ours(registry)
+        fw = _ours()
         if fw is None or fw.recorder is not None:  # not one of ours, or an expert forward
             return
         k = stage_of[name]
@@ -142,7 +143,7 @@ def calibrate_block(engine: Any, stack: Stack, layer: int, n_blocks: int, stages
         _pause()
 
     def expert_hook(name: str, x: torch.Tensor, y: torch.Tensor) -> None:
-        fw = _ours(registry)
+        fw = _ours()
         if fw is None or fw.recorder is None:
             return
         if name in linears_e[fw.task]:
@@ -168,7 +169,6 @@ def calibrate_block(engine: Any, stack: Stack, layer: int, n_blocks: int, stages
                 e.recorder = ExpertRecorder(linears_e[t], plan)
                 m = merged_fw[t, b] = _Forward(partial(_run, engine, stack, layer, block_m, ("m", t, b)), t, b)
                 m.folder = MergedFolder([], plan, e.recorder, TaskSums(), weights, teacher[t])
-                registry[id(e)], registry[id(m)] = e, m
 
         # 4. stage by stage: both forwards of every batch up to the stage, its statistics folded; then the solve
         results: dict[tuple[str, str, int], Any] = {}
@@ -202,8 +202,6 @@ def calibrate_block(engine: Any, stack: Stack, layer: int, n_blocks: int, stages
                 for side, fw in (("e", expert_fw[t, b]), ("m", merged_fw[t, b])):
                     while (side, t, b) not in results:
                         _step(fw, (side, t, b), results)
-                registry.pop(id(expert_fw[t, b]), None)
-                registry.pop(id(merged_fw[t, b]), None)
                 raw_e, raw_m = results.pop(("e", t, b)), results.pop(("m", t, b))
                 he, hm = _hidden(raw_e), _hidden(raw_m)
                 mask = engine.adapter.token_mask(stack, masks_to_device(stack, batch, engine.device), he)
