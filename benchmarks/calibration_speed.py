@@ -194,8 +194,12 @@ def warm_device(device: str) -> None:
     the models: the floor and the straightforward implementation start them in their own `warm_up`, on models
     already on the device; calibrate() moves its models itself, so without this its timer would pay the
     libraries' start-up alone. Nothing on the CPU."""
-    if not device.startswith("cuda"):
-        return
+    if device.startswith("cuda"):
+        start_libraries(device)
+
+
+def start_libraries(device: str) -> None:
+    """One small call of each kind calibrate() makes on `device` (runs on any device; tested on the CPU)."""
     x = torch.ones(2, 3, 32, 32, device=device)
     w = torch.ones(8, 3, 16, 16, device=device)
     q = torch.ones(1, 2, 8, 16, device=device)

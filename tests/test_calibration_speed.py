@@ -71,3 +71,11 @@ def test_ratios_below_the_floor_are_measurement_errors_not_results():
               "straightforward_ratio_error": error, "ratio_to_straightforward": 1.0}
     table = cs.markdown(result)
     assert table.count("MEASUREMENT ERROR") == 2 and "| 0.50 |" not in table
+
+
+def test_device_warm_up_calls_run():
+    """warm_device runs its calls only on CUDA; they are checked here on the CPU so that a GPU session does not
+    find a typo first."""
+    cs = _speed()
+    cs.start_libraries("cpu")
+    cs.warm_device("cpu")  # nothing to start on the CPU
