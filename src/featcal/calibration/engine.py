@@ -556,10 +556,7 @@ class FeatCalEngine:
                 if whole:
                     before.add(t, _hidden(raw_m), he_next, self.adapter.token_mask(stack, batch, he_next))
                 if advance_experts:
-                    self.chains.put_hidden(("e", t, b), he_next)
-                    new_ctx = self.adapter.next_context(stack, layer, ctx_e, raw_e)
-                    if new_ctx is not ctx_e:
-                        self.chains.put_context(("e", t, b), new_ctx)
+                    self.put_output(("e", t, b), stack, layer, ctx_e, raw_e)
                 bar.update(1)
             expert_params = {
                 c.name: {"weight": c.module.weight, "bias": getattr(c.module, "bias", None)} for c in mods_e.values()
@@ -591,6 +588,11 @@ class FeatCalEngine:
         """Chain `key` <- block(chain `key`), its context updated as the block passes it on."""
         ctx = self.chains.context(key)
         raw = block(self.chains.hidden(key), **self.adapter.block_kwargs(stack, layer, ctx))
+        self.put_output(key, stack, layer, ctx, raw)
+
+    def put_output(self, key: tuple, stack: Stack, layer: int, ctx: dict[str, Any], raw: Any) -> None:
+        """Chain `key` <- the output `raw` of block `layer` called with context `ctx`, the context updated as
+        the block passes it on (stored only when it changed)."""
         self.chains.put_hidden(key, _hidden(raw))
         new_ctx = self.adapter.next_context(stack, layer, ctx, raw)
         if new_ctx is not ctx:
@@ -640,10 +642,7 @@ class FeatCalEngine:
                 hm = _hidden(raw)
                 he = self.chains.hidden(("e", t, b))
                 after.add(t, hm, he, self.adapter.token_mask(stack, _masks_to_device(stack, batch, self.device), he))
-                self.chains.put_hidden(("m", t, b), hm)
-                new_ctx = self.adapter.next_context(stack, layer, ctx_m, raw)
-                if new_ctx is not ctx_m:
-                    self.chains.put_context(("m", t, b), new_ctx)
+                self.put_output(("m", t, b), stack, layer, ctx_m, raw)
                 bar.update(1)
         return after.reduce(self.group, self.tasks)
 

@@ -160,11 +160,12 @@ def calibrate_block(engine: Any, stack: Stack, layer: int, n_blocks: int, stages
             if name in stage_modules:
                 handles.append(c.module.register_forward_hook(lambda _m, i, o, n=name: expert_hook(n, i[0], o)))
     task_sums: dict[str, TaskSums] = {}
+    on_device: dict[tuple[str, int], Any] = {}  # each batch's token masks, moved once for the folds and the drift
     try:
         for t in engine.tasks:
             for b, batch in batches[t]:
-                on_device = masks_to_device(stack, batch, engine.device)
-                weights = partial(engine._weights, stack, layer, n_blocks, batch=on_device)
+                on_device[t, b] = masks_to_device(stack, batch, engine.device)
+                weights = partial(engine._weights, stack, layer, n_blocks, batch=on_device[t, b])
                 e = expert_fw[t, b] = _Forward(partial(_run, engine, stack, layer, experts[t], ("e", t, b)), t, b)
                 e.recorder = ExpertRecorder(linears_e[t], plan)
                 m = merged_fw[t, b] = _Forward(partial(_run, engine, stack, layer, block_m, ("m", t, b)), t, b)
@@ -198,22 +199,18 @@ def calibrate_block(engine: Any, stack: Stack, layer: int, n_blocks: int, stages
         # 5. the rest of every forward: the calibrated block's output (the propagation) and the expert's
         after = drift_cls()
         for t in engine.tasks:
-            for b, batch in batches[t]:
+            for b, _ in batches[t]:
                 for side, fw in (("e", expert_fw[t, b]), ("m", merged_fw[t, b])):
                     while (side, t, b) not in results:
                         _step(fw, (side, t, b), results)
-                raw_e, raw_m = results.pop(("e", t, b)), results.pop(("m", t, b))
+                (ctx_e, raw_e), (ctx_m, raw_m) = results.pop(("e", t, b)), results.pop(("m", t, b))
                 he, hm = _hidden(raw_e), _hidden(raw_m)
-                mask = engine.adapter.token_mask(stack, masks_to_device(stack, batch, engine.device), he)
+                mask = engine.adapter.token_mask(stack, on_device.pop((t, b)), he)
                 after.add(t, hm, he, mask)
                 if t in as_merged and b == batches[t][0][0]:
                     before.add(t, as_merged.pop(t), he, mask)
-                for side, raw, h in (("e", raw_e, he), ("m", raw_m, hm)):
-                    ctx = engine.chains.context((side, t, b))
-                    engine.chains.put_hidden((side, t, b), h)
-                    new_ctx = engine.adapter.next_context(stack, layer, ctx, raw)
-                    if new_ctx is not ctx:
-                        engine.chains.put_context((side, t, b), new_ctx)
+                engine.put_output(("e", t, b), stack, layer, ctx_e, raw_e)
+                engine.put_output(("m", t, b), stack, layer, ctx_m, raw_m)
                 bar.update(1)
     finally:
         for h in handles:
@@ -224,10 +221,11 @@ def calibrate_block(engine: Any, stack: Stack, layer: int, n_blocks: int, stages
     return before.reduce(engine.group, engine.tasks), after.reduce(engine.group, engine.tasks)
 
 
-def _run(engine: Any, stack: Stack, layer: int, block: nn.Module, key: tuple) -> Any:
-    """A greenlet's body: the block's forward on chain `key` with its context."""
-    ctx = engine.adapter.block_kwargs(stack, layer, engine.chains.context(key))
-    return block(engine.chains.hidden(key), **ctx)
+def _run(engine: Any, stack: Stack, layer: int, block: nn.Module, key: tuple) -> tuple[dict, Any]:
+    """A greenlet's body: the block's forward on chain `key`; returns (the context it was called with, its
+    output), so that the chain advances from the context the block saw, fetched (and moved) once."""
+    ctx = engine.chains.context(key)
+    return ctx, block(engine.chains.hidden(key), **engine.adapter.block_kwargs(stack, layer, ctx))
 
 
 def _step(fw: _Forward, key: tuple, results: dict) -> None:
