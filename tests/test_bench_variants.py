@@ -82,8 +82,13 @@ def test_cli_prints_each_variants_gap(runs, capsys):
 
 @pytest.mark.parametrize(("variants", "message"), [
     (("reference", "magic"), r"unknown FeatCal variants \['magic'\]; choose from reference, joint_bias"),
-    ((), "unknown FeatCal variants"),
+    ((), "no FeatCal variant given"),
     (("tuned", "tuned"), "FeatCal variants given twice: tuned"),
+    (("reference", "tuned+magic"), r"unknown FeatCal variants \['magic'\] in 'tuned\+magic'"),
+    (("sequential+sequential_one_pass",), "two of its parts set block_statistics"),
+    (("tuned+tuned_soft",), "two of its parts set tune"),
+    (("reference+joint_bias",), "'reference' is the configured method and cannot be combined"),
+    (("joint_bias+joint_bias",), "names one variant twice"),
 ])
 def test_bad_variants_are_refused_before_any_work(variants, message, tmp_path, capsys):
     with pytest.raises(ConfigError, match=message):
@@ -92,7 +97,7 @@ def test_bad_variants_are_refused_before_any_work(variants, message, tmp_path, c
         argv = ["bench", "--preset", "tiny", "--zoo-dir", str(tmp_path / "zoo"), "--out", str(tmp_path / "out"),
                 "--featcal-variants", ",".join(variants), "--no-progress", "--base-cache", ""]
         assert main(argv) == 2
-        assert "FeatCal variants" in capsys.readouterr().err
+        assert "FeatCal variant" in capsys.readouterr().err
         assert not (tmp_path / "out").exists() and not (tmp_path / "zoo").exists()
 
 
@@ -101,3 +106,25 @@ def test_variants_are_valid_configs():
 
     for changes in FEATCAL_VARIANTS.values():
         parse(FeatCalConfig, changes)
+
+
+def test_a_combination_takes_every_parts_options():
+    from featcal.experiments.bench.run import variant_options
+
+    assert variant_options("tuned+sequential_one_pass") == {"tune": True, "block_statistics": "sequential_one_pass"}
+    assert variant_options(" joint_bias + final_norm ") == {"bias_solve": "joint", "calibrate_final_norm": True}
+    assert variant_options("reference") == {}
+
+
+def test_a_combined_row_is_both_variants(runs):
+    """joint_bias+final_norm: the final norm's record, and parameters neither part gives alone."""
+    *_, root = runs
+    got = run_bench(BenchSettings(preset="tiny", seed=0, calib_sizes=(8,), methods=("task_arithmetic",),
+                                  zoo_dir=root / "zoo", featcal_variants=("final_norm", "joint_bias",
+                                                                         "joint_bias+final_norm")), progress=False)
+    by = {r["variant"]: r for r in got["rows"] if r["calibrated"]}
+    both = by["joint_bias+final_norm"]
+    assert both["final_norm"]["calibrated"] and both["final_norm"]["module"] == "post_layernorm"
+    assert both["final_norm"] != by["final_norm"]["final_norm"]  # solved on the joint solve's chains
+    assert both["engine_drift"] == by["joint_bias"]["engine_drift"]  # the blocks are the joint solve's
+    assert "joint_bias+final_norm" in got["summary"]["task_arithmetic"]["variants"]

@@ -146,11 +146,36 @@ def validate(settings: BenchSettings) -> None:
             check_vision_inputs(preset, settings.sources)
 
 
+def variant_options(variant: str) -> dict[str, Any]:
+    """The FeatCalConfig changes of one variant: a FEATCAL_VARIANTS name, or several joined by "+"
+    ("tuned+sequential_one_pass": the search with the sequential statistics); parts that set one option (two
+    alternatives), an unknown or repeated part, or "reference" in a combination are refused."""
+    parts = [p.strip() for p in variant.split("+")]
+    bad = [p for p in parts if p not in FEATCAL_VARIANTS]
+    if bad:
+        where = f" in {variant!r}" if len(parts) > 1 else ""
+        raise ConfigError(f"unknown FeatCal variants {bad}{where}; choose from {', '.join(FEATCAL_VARIANTS)}, "
+                          "or join several with '+'")
+    if len(parts) > 1 and "reference" in parts:
+        raise ConfigError(f"FeatCal variant {variant!r}: 'reference' is the configured method and cannot be combined")
+    if len(set(parts)) < len(parts):
+        raise ConfigError(f"FeatCal variant {variant!r} names one variant twice")
+    options: dict[str, Any] = {}
+    for part in parts:
+        for key, value in FEATCAL_VARIANTS[part].items():
+            if key in options:  # alternatives (tuned / tuned_soft, sequential / sequential_one_pass)
+                raise ConfigError(f"FeatCal variant {variant!r}: two of its parts set {key}; combine variants that change "
+                                  "different options")
+            options[key] = value
+    return options
+
+
 def check_variants(variants: Sequence[str]) -> None:
-    """Unknown, repeated or no FeatCal variants are refused before any work."""
-    bad = [v for v in variants if v not in FEATCAL_VARIANTS]
-    if bad or not variants:
-        raise ConfigError(f"unknown FeatCal variants {bad}; choose from {', '.join(FEATCAL_VARIANTS)}")
+    """Unknown, repeated, conflicting or no FeatCal variants are refused before any work."""
+    if not variants:
+        raise ConfigError(f"no FeatCal variant given; choose from {', '.join(FEATCAL_VARIANTS)}")
+    for v in variants:
+        variant_options(v)
     twice = sorted({v for v in variants if list(variants).count(v) > 1})
     if twice:
         raise ConfigError(f"FeatCal variants given twice: {', '.join(twice)}")
@@ -458,28 +483,31 @@ def _tune_arguments(run: _Run, method: str, params: Mapping[str, Any]) -> dict[s
 
 
 def _variant_record(variant: str, result) -> dict[str, Any]:
-    """What a non-reference row adds: the final or stem norm's record, or the search's choice."""
-    if variant == "final_norm":
-        return {"final_norm": result.final_norm}
-    if variant == "stem_norm":
-        return {"stem_norm": result.stem_norm}
+    """What a non-reference row adds: the final or stem norm's record, the search's choice (each part of a
+    "+" combination adds its own)."""
+    options = variant_options(variant)
+    out: dict[str, Any] = {}
+    if options.get("calibrate_final_norm"):
+        out["final_norm"] = result.final_norm
+    if options.get("calibrate_stem_norm"):
+        out["stem_norm"] = result.stem_norm
     if result.tuning is not None:  # the tuned variants
         rec = result.tuning
-        return {"tuning_chosen": rec["chosen"], "tuning_criterion": rec.get("criterion"),
-                "tuning_min_evidence": rec.get("min_evidence"),
-                "tuning_candidates": [{k: v for k, v in c.items() if k != "per_task"} for c in rec["candidates"]],
-                "tuning_comparisons": rec.get("comparisons", [])}
-    return {}
+        out.update({"tuning_chosen": rec["chosen"], "tuning_criterion": rec.get("criterion"),
+                    "tuning_min_evidence": rec.get("min_evidence"),
+                    "tuning_candidates": [{k: v for k, v in c.items() if k != "per_task"} for c in rec["candidates"]],
+                    "tuning_comparisons": rec.get("comparisons", [])})
+    return out
 
 
 def _featcal_row(run: _Run, method: str, params: dict[str, Any], merged, n: int, pools: Mapping[str, Inputs],
                  drift_probe: Mapping[str, list], *, merge_seconds: float, merge_avg: float,
                  variant: str = "reference") -> tuple[dict, list[float]]:
-    """The merge + FeatCal (`variant`, FEATCAL_VARIANTS) on `n` calibration examples per task, timed against
+    """The merge + FeatCal (`variant`, FEATCAL_VARIANTS or a "+" combination) on `n` calibration examples per task, timed against
     its forward floor; (its row, its feature drift per block)."""
     from featcal.calibration.api import calibrate
 
-    cfg = run.settings.featcal.model_copy(update={"num_calibration_examples": n, **FEATCAL_VARIANTS[variant]})
+    cfg = run.settings.featcal.model_copy(update={"num_calibration_examples": n, **variant_options(variant)})
     calibration = {t: _batches(head_rows(pools[t], n), cfg.calibration_batch_size) for t in run.tasks}
     tune = _tune_arguments(run, method, params) if cfg.tune else {}
     floor = forward_floor_seconds(merged, run.experts, calibration)
