@@ -330,10 +330,14 @@ def worker(mode: str, spec_path: str) -> None:
     print("RESULT " + json.dumps(result), flush=True)
 
 
-def run_worker(mode: str, spec_path: Path) -> dict:
+def run_worker(mode: str, spec_path: Path, allocator: str = "tuned") -> dict:
+    """One measurement in a fresh process; every mode gets the same host allocator setting (the floor too)."""
+    from featcal.io import host_allocator
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     proc = subprocess.run(
         [sys.executable, __file__, "--worker", mode, "--spec", str(spec_path)],
-        capture_output=True, text=True, env={**os.environ, "TQDM_DISABLE": "1"},
+        capture_output=True, text=True, env={**env, **host_allocator.environment(allocator), "TQDM_DISABLE": "1"},
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
@@ -415,6 +419,7 @@ def markdown(result: dict) -> str:
         f"model: {m['model_type']}, {m['parameters'] / 1e6:.2f} M parameters, {m['blocks']} blocks; "
         f"{result['tasks']} tasks x {result['examples_per_task']} examples, batch {result['batch_size']}; "
         f"{result['threads']} thread(s), device {result['device']}; experts as {result['expert_source']}; "
+        f"host allocator {result.get('host_allocator', 'default')}; "
         + (f"featcal block_statistics {result['block_statistics']}; "
            if result.get("block_statistics", "as_merged") != "as_merged" else "") +
         f"medians of {result['repeats']}",
@@ -475,6 +480,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "calibrated parameters compared with the straightforward implementation's")
     p.add_argument("--threads", type=int, default=1, help="torch threads in each measurement (default: 1)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--host-allocator", choices=("tuned", "default"), default="tuned",
+                   help="glibc malloc settings of every measured process, the floor's too (featcal.io.host_allocator; "
+                        "default: tuned, what the featcal command runs with)")
     p.add_argument("--offload-blocks", action="store_true", help="calibrate with FeatCalConfig(offload_blocks=True)")
     p.add_argument("--process-group", choices=("gloo", "nccl"),
                    help="calibrate inside a one-rank default process group of this backend, collectives forced on")
@@ -539,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
                                        **({"straightforward": []} if straightforward else {})}
         for r in range(args.repeats):  # interleaved, so slow drifts of the machine hit all alike
             for mode in runs:
-                runs[mode].append(run_worker(mode, spec_path))
+                runs[mode].append(run_worker(mode, spec_path, args.host_allocator))
                 print(f"repeat {r + 1}/{args.repeats} {mode}: {runs[mode][-1]['seconds']:.3f} s", file=sys.stderr)
         equality = compare_parameters(root) if compare else None
         with torch.device("meta"):
@@ -556,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
         "tasks": len(family["experts"]), "examples_per_task": args.examples, "batch_size": args.batch_size,
         "threads": args.threads, "device": args.device, "expert_source": args.expert_source,
         "chain_dtype": args.chain_dtype, "repeats": args.repeats, "offload_blocks": args.offload_blocks,
-        "block_statistics": args.block_statistics,
+        "block_statistics": args.block_statistics, "host_allocator": args.host_allocator,
         "process_group": args.process_group,
         "quick": args.quick,
         "floor": floor, "calibrate": calib, "ratio": ratio, "ratio_error": ratio_error,

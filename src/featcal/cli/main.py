@@ -10,6 +10,7 @@ import sys
 import threading
 
 from featcal.errors import FeatCalError
+from featcal.io import host_allocator
 from featcal.io.atomic import os_error_of
 
 # sub-command modules, each with register(subparsers) setting `func` on its parser
@@ -74,6 +75,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s"
     )
+    try:  # before any model is read: glibc's malloc keeps and reuses freed pages (io/host_allocator.py)
+        applied = host_allocator.apply(host_allocator.requested())
+    except ValueError as exc:
+        print(f"featcal: error: {host_allocator.ENV}: {exc}", file=sys.stderr)
+        return 2
+    logging.getLogger(__name__).debug("host allocator: %s", "tuned" if applied else "unchanged")
     previous = signal.getsignal(signal.SIGTERM)
     in_main_thread = threading.current_thread() is threading.main_thread()
     if in_main_thread:

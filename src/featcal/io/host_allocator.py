@@ -1,0 +1,77 @@
+"""The host allocator's settings for one featcal process (glibc's malloc; elsewhere nothing is changed).
+
+Why: by default glibc serves a request above its mmap threshold (128 KiB, raised dynamically up to 32 MiB)
+with a fresh mapping and gives freed memory at the top of its heap back to the system above its trim
+threshold. A forward over many batches then frees every activation at the end of each batch and faults
+the same pages in again for the next: on the 2-core CPU machine a plain forward of the calibration data
+ran 1.3-1.4x slower under the defaults than with the settings below (docs/scaling.md, "The host
+allocator"). `tuned` fixes the mmap threshold at glibc's ceiling (32 MiB: smaller blocks come from the
+heap and are reused) and trims the heap's top only past 2 GiB of free memory there, so a process keeps the
+pages it has used; its peak RSS is unchanged (what it once held, it held at its peak), only its RSS after a
+peak stays nearer to it.
+
+`featcal`'s command line applies it at start unless FEATCAL_HOST_ALLOCATOR=default; the Python API leaves
+the allocator to the program that imports featcal (call `apply()` yourself). Benchmarks set the same values
+through the environment (`environment()`) for every process they time, the floor's included, so that a
+ratio compares like with like.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import sys
+from typing import Literal
+
+Setting = Literal["tuned", "default"]
+ENV = "FEATCAL_HOST_ALLOCATOR"
+SETTINGS: tuple[Setting, ...] = ("tuned", "default")
+MMAP_THRESHOLD = 32 * 1024 * 1024  # glibc's ceiling for M_MMAP_THRESHOLD on 64-bit systems
+TRIM_THRESHOLD = 2**31 - 1  # give the heap's top back only past 2 GiB free (mallopt takes an int)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+_GLIBC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD), "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD)}
+
+
+def check(setting: str) -> Setting:
+    """A known setting, or a clear error naming the choices."""
+    if setting not in SETTINGS:
+        raise ValueError(f"host allocator setting {setting!r}: choose from {', '.join(SETTINGS)}")
+    return setting  # type: ignore[return-value]
+
+
+def requested(environ: dict[str, str] | None = None) -> Setting:
+    """The setting FEATCAL_HOST_ALLOCATOR asks for (default: tuned)."""
+    value = (os.environ if environ is None else environ).get(ENV, "tuned").strip().lower() or "tuned"
+    return check(value)
+
+
+def _glibc() -> ctypes.CDLL | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.gnu_get_libc_version  # noqa: B018 - present only in glibc (musl has no such symbol)
+        libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+        libc.mallopt.restype = ctypes.c_int
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+def apply(setting: Setting = "tuned") -> bool:
+    """Set this process's malloc to `setting`; True when it was applied (glibc only). `default` leaves the
+    allocator as it is (glibc's settings cannot be put back to their dynamic mode once fixed)."""
+    if check(setting) == "default":
+        return False
+    libc = _glibc()
+    if libc is None:
+        return False
+    return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(libc.mallopt(_M_TRIM_THRESHOLD,
+                                                                                      TRIM_THRESHOLD))
+
+
+def environment(setting: Setting) -> dict[str, str]:
+    """Environment variables that give a child process `setting` from its first allocation (glibc reads
+    them at start; other C libraries ignore them): merge into the child's environment."""
+    return dict(_GLIBC_ENV) if check(setting) == "tuned" else {}

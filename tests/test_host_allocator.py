@@ -1,0 +1,67 @@
+"""The host allocator's settings (io/host_allocator.py): under `tuned` a freed block is reused instead of
+faulted in afresh; the command line applies it unless told not to, and refuses an unknown setting."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from featcal.cli.main import main
+from featcal.io import host_allocator
+
+# 20 rounds of what a forward does: 40 activations of 0.9 MB each, written, then all freed together
+FAULTS = """
+import resource, sys, torch
+from featcal.io import host_allocator
+print(host_allocator.apply(sys.argv[1]))
+def forward():
+    return [torch.empty(225_000).fill_(1.0) for _ in range(40)]
+for _ in range(3):
+    forward()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(20):
+    forward()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def _faults(setting: str, env: dict[str, str] | None = None) -> tuple[bool, int]:
+    out = subprocess.run([sys.executable, "-c", FAULTS, setting], capture_output=True, text=True, check=True,
+                         env=env).stdout.split()
+    return out[0] == "True", int(out[1])
+
+
+@pytest.mark.skipif(host_allocator._glibc() is None, reason="the settings are glibc's; elsewhere nothing changes")
+def test_tuned_reuses_freed_blocks_where_the_default_faults_them_in_again():
+    applied, tuned = _faults("tuned")
+    kept, default = _faults("default")
+    assert applied and not kept
+    assert default > 20 * 1000  # the default gives the freed 36 MB back to the system and faults it in again
+    assert tuned < 50  # tuned: the first round's pages serve every later one
+
+
+@pytest.mark.skipif(host_allocator._glibc() is None, reason="the settings are glibc's; elsewhere nothing changes")
+def test_the_environment_gives_a_child_the_same_setting_from_its_start():
+    import os
+
+    _, inherited = _faults("default", env={**os.environ, **host_allocator.environment("tuned")})
+    assert inherited < 50
+    assert host_allocator.environment("default") == {}
+
+
+def test_the_requested_setting_comes_from_the_environment():
+    assert host_allocator.requested({}) == "tuned"
+    assert host_allocator.requested({host_allocator.ENV: " Default "}) == "default"
+    with pytest.raises(ValueError, match="host allocator setting 'fast': choose from tuned, default"):
+        host_allocator.requested({host_allocator.ENV: "fast"})
+
+
+def test_the_cli_refuses_an_unknown_setting_before_any_work(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv(host_allocator.ENV, "fast")
+    out = tmp_path / "merged"
+    assert main(["merge", "--method", "average", "--base", str(tmp_path / "b"), "--expert", f"a={tmp_path}",
+                 "--out", str(out)]) == 2
+    assert "FEATCAL_HOST_ALLOCATOR: host allocator setting 'fast'" in capsys.readouterr().err
+    assert not out.exists()
