@@ -21,6 +21,7 @@ import cProfile
 import io
 import json
 import pstats
+import resource
 import sys
 import tempfile
 import time
@@ -44,11 +45,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--offload-blocks", action="store_true")
     p.add_argument("--expert-source", choices=("path", "memory"), default="memory")
     p.add_argument("--skip-cprofile", action="store_true", help="only the timed runs and torch.profiler")
+    p.add_argument("--host-allocator", choices=("tuned", "default"), default="tuned",
+                   help="glibc malloc settings of this process (featcal.io.host_allocator; default: tuned, as the "
+                        "featcal command runs)")
     p.add_argument("--block-statistics", default="as_merged", choices=("as_merged", "sequential", "sequential_one_pass"))
     p.add_argument("--top", type=int, default=40, help="rows in each report (default: 40)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="folder for the reports")
     args = p.parse_args(argv)
+    from featcal.io import host_allocator
+
+    host_allocator.apply(args.host_allocator)  # before the family is built: every run sees the same malloc
     # the family exactly as calibration_speed.py builds it from these settings (its defaults for the rest)
     family_args = speed.parse_args(["--preset", args.preset, "--tasks", str(args.tasks), "--examples", str(args.examples),
                                     "--batch-size", str(args.batch_size), "--seed", str(args.seed)])
@@ -71,17 +78,25 @@ def main(argv: list[str] | None = None) -> int:
                                seed=args.seed, device=args.device, offload_blocks=args.offload_blocks,
                                block_statistics=args.block_statistics)
 
+        host: list[dict] = []  # per run: page faults and system seconds (first touches of fresh memory)
+
         def once() -> float:
             merged = load_model(family["merged"])
             speed._sync(args.device)
+            before = resource.getrusage(resource.RUSAGE_SELF)
             start = time.perf_counter()
             calibrate(merged, base=base, experts=experts, calibration=data, config=config, progress=False)
             speed._sync(args.device)
-            return time.perf_counter() - start
+            seconds = time.perf_counter() - start
+            after = resource.getrusage(resource.RUSAGE_SELF)
+            host.append({"page_faults": after.ru_minflt - before.ru_minflt,
+                         "system_s": round(after.ru_stime - before.ru_stime, 3)})
+            return seconds
 
         warm = once()
         timed = [once() for _ in range(args.repeats)]
-        print(f"warm-up {warm:.3f} s; timed {', '.join(f'{s:.3f}' for s in timed)} s", flush=True)
+        print(f"warm-up {warm:.3f} s; timed {', '.join(f'{s:.3f}' for s in timed)} s; page faults / system s per run: "
+              + ", ".join(f"{h['page_faults']} / {h['system_s']}" for h in host), flush=True)
 
         # torch.profiler first: on a device it is the report that says where the time goes, and twice a
         # time limit ended the run before it (2026-12-04); cProfile after it, unless --skip-cprofile
@@ -112,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                "device": args.device, "threads": args.threads, "offload_blocks": args.offload_blocks,
                "expert_source": args.expert_source, "block_statistics": args.block_statistics, "warm_up_s": warm, "timed_s": timed,
                "cprofile_run_s": profiled, "torch_profiler_run_s": traced,
+               "host_allocator": args.host_allocator, "host_per_run": host,
                "device_busy_s_in_profiled_run": device_busy_s}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     busy = f"; device busy {device_busy_s:.3f} s of the profiled run's {traced:.3f} s" if device_busy_s else ""

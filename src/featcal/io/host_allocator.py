@@ -6,9 +6,9 @@ threshold. A forward over many batches then frees every activation at the end of
 the same pages in again for the next: on the 2-core CPU machine a plain forward of the calibration data
 ran 1.3-1.4x slower under the defaults than with the settings below (docs/scaling.md, "The host
 allocator"). `tuned` fixes the mmap threshold at glibc's ceiling (32 MiB: smaller blocks come from the
-heap and are reused) and trims the heap's top only past 2 GiB of free memory there, so a process keeps the
-pages it has used; its peak RSS is unchanged (what it once held, it held at its peak), only its RSS after a
-peak stays nearer to it.
+heap and are reused) and never trims the heap's top, so a process keeps the pages it has used (the one-pass
+variant's few GB of paused activations are faulted in once, not once per block); its peak RSS is unchanged
+(what it once held, it held at its peak), only its RSS after a peak stays there.
 
 `featcal`'s command line applies it at start unless FEATCAL_HOST_ALLOCATOR=default; the Python API leaves
 the allocator to the program that imports featcal (call `apply()` yourself). Benchmarks set the same values
@@ -28,9 +28,10 @@ Setting = Literal["tuned", "default"]
 ENV = "FEATCAL_HOST_ALLOCATOR"
 SETTINGS: tuple[Setting, ...] = ("tuned", "default")
 MMAP_THRESHOLD = 32 * 1024 * 1024  # glibc's ceiling for M_MMAP_THRESHOLD on 64-bit systems
-TRIM_THRESHOLD = 2**31 - 1  # give the heap's top back only past 2 GiB free (mallopt takes an int)
+TRIM_NEVER = -1  # mallopt(M_TRIM_THRESHOLD, -1): "disables trimming completely" (mallopt(3))
+TRIM_THRESHOLD_ENV = 1 << 62  # the environment's form of the same: a threshold no heap reaches
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
-_GLIBC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD), "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD)}
+_GLIBC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD), "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD_ENV)}
 
 
 def check(setting: str) -> Setting:
@@ -68,7 +69,7 @@ def apply(setting: Setting = "tuned") -> bool:
     if libc is None:
         return False
     return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(libc.mallopt(_M_TRIM_THRESHOLD,
-                                                                                      TRIM_THRESHOLD))
+                                                                                      TRIM_NEVER))
 
 
 def environment(setting: Setting) -> dict[str, str]:
