@@ -89,6 +89,7 @@ def test_cli_prints_each_variants_gap(runs, capsys):
     (("tuned+tuned_soft",), "two of its parts set tune"),
     (("reference+joint_bias",), "'reference' is the configured method and cannot be combined"),
     (("joint_bias+joint_bias",), "names one variant twice"),
+    (("fixed_lambda",), "fixed_lambda changes what a tuned variant searches; combine it with one"),
 ])
 def test_bad_variants_are_refused_before_any_work(variants, message, tmp_path, capsys):
     with pytest.raises(ConfigError, match=message):
@@ -114,6 +115,8 @@ def test_a_combination_takes_every_parts_options():
     assert variant_options("tuned+sequential_one_pass") == {"tune": True, "block_statistics": "sequential_one_pass"}
     assert variant_options(" joint_bias + final_norm ") == {"bias_solve": "joint", "calibrate_final_norm": True}
     assert variant_options("reference") == {}
+    assert variant_options("tuned_soft+fixed_lambda") == {"tune": True, "tune_tiebreak": "soft",
+                                                          "tune_fixed": ("lambda_ratio",)}
 
 
 def test_a_combined_row_is_both_variants(runs):

@@ -163,6 +163,21 @@ def test_tune_beats_the_defaults_where_they_are_poor_and_respects_the_budget(fam
     assert len(small.tuning["candidates"]) == tuning.max_candidates(3.0, 0.25) == 2
 
 
+def test_fixed_knobs_keep_their_configured_values_in_every_candidate(family):
+    base, experts, merged, data = family
+    cfg = FeatCalConfig(tune=True, tune_budget=5.0, lambda_ratio=0.1, tune_fixed=("lambda_ratio", "merge_scaling"))
+    rec = calibrate(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False,
+                    merge_scaling=0.05, return_result=True).tuning
+    assert rec["searched"] == ["anchor_blend_rho", "teacher_interp_alpha"]
+    assert len(rec["candidates"]) > 1
+    assert {c["lambda_ratio"] for c in rec["candidates"]} == {0.1}
+    assert {c["merge_scaling"] for c in rec["candidates"]} == {0.05}
+    free = calibrate(merged, base=base, experts=experts, calibration=data, progress=False, merge_scaling=0.05,
+                     config=cfg.model_copy(update={"tune_fixed": ()}), return_result=True).tuning
+    assert free["searched"][0] == "merge_scaling"  # the control: without the option the same search moves them
+    assert len({c["merge_scaling"] for c in free["candidates"]}) > 1
+
+
 def test_budget_arithmetic():
     assert tuning.max_candidates(10.0, 0.25) == 10
     assert tuning.max_candidates(3.0, 0.25) == 2
@@ -360,12 +375,17 @@ def test_cli_tune_without_a_featcal_merge_searches_the_three_knobs(on_disk, tmp_
     rec = json.loads((out / "featcal.json").read_text())["tuning"]
     assert rec["searched"] == ["anchor_blend_rho", "lambda_ratio", "teacher_interp_alpha"]
     assert "no featcal.json" in rec["merge_scaling_from"] and rec["start"]["merge_scaling"] is None
+    fixed = tmp_path / "fixed"
+    argv[argv.index(str(out))] = str(fixed)
+    assert main([*argv, "--tune-fixed", "lambda_ratio,teacher_interp_alpha"]) == 0
+    assert json.loads((fixed / "featcal.json").read_text())["tuning"]["searched"] == ["anchor_blend_rho"]
 
 
 @pytest.mark.parametrize(("flags", "message"), [
     (("--tune-budget", "2"), "tune_budget: Input should be greater than or equal to 3"),
     (("--tune-holdout", "0.6"), "tune_holdout: Input should be less than or equal to 0.5"),
     (("--tune-budget", "nan"), "tune_budget: Input should be a finite number"),
+    (("--tune-fixed", "lambda"), "tune_fixed.0: Input should be 'merge_scaling', 'anchor_blend_rho'"),
 ])
 def test_cli_refuses_bad_tune_values_in_one_line(on_disk, tmp_path, capsys, flags, message):
     argv = ["calibrate", "--base", str(on_disk["base"]), "--merged", str(on_disk["merged"]), "--out",

@@ -32,6 +32,7 @@ MAX_SEED = 2**63 - 1
 MAX_LAMBDA_RATIO = 100.0
 MAX_COVARIANCE_EPS = 0.01
 DEFAULT_TUNE_BUDGET = 10.0  # --tune-budget default: at most ~10 calibrations' cost, the refit included
+TuneKnob = Literal["merge_scaling", "anchor_blend_rho", "lambda_ratio", "teacher_interp_alpha"]  # what --tune searches
 
 
 def seed_field(description: str) -> Any:
@@ -335,10 +336,22 @@ class FeatCalConfig(_Strict):
         "to the candidate's on the held-out examples (needs a head for every task), or 'auto': soft where every task "
         "has a head and at most 4 examples per task are held out, else drift (docs/tuning.md)",
     )
+    tune_fixed: tuple[TuneKnob, ...] = Field(
+        (), description="tune: knobs held at their configured values instead of searched, comma-separated, from "
+        "merge_scaling, anchor_blend_rho, lambda_ratio, teacher_interp_alpha (default: none; docs/tuning.md)",
+    )
     tune_head_pooling: Literal["auto", "pooler", "mean"] = Field(
         "auto", description="tune: what a task head (a layer, not a callable) reads: the model's pooler_output, the "
         "attention-masked mean of last_hidden_state, or auto (pooler_output where the model has one, else the mean)"
     )
+
+    @field_validator("tune_fixed", mode="before")
+    @classmethod
+    def _knob_list(cls, v: Any) -> Any:
+        """A comma-separated string (the command line's, a YAML scalar) is a list; a knob named twice is one."""
+        if isinstance(v, str):
+            v = [k.strip() for k in v.split(",") if k.strip()]
+        return tuple(dict.fromkeys(v)) if isinstance(v, (list, tuple)) else v
 
     @field_validator("device")
     @classmethod

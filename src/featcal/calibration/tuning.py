@@ -587,8 +587,9 @@ def calibrate_tuned(
     limit = max_candidates(config.tune_budget, config.tune_holdout)
     start = Setting(config.anchor_blend_rho, config.lambda_ratio, config.teacher_interp_alpha,
                     None if merge_scaling is None else float(merge_scaling))
-    knobs = (["merge_scaling"] if start.merge_scaling is not None else []) + (
+    knobs = [k for k in (["merge_scaling"] if start.merge_scaling is not None else []) + (
         ["anchor_blend_rho"] if base is not None else []) + ["lambda_ratio", "teacher_interp_alpha"]
+        if k not in config.tune_fixed]
     base_src = _base_source(base, model, allow_pickle) if start.merge_scaling is not None else None
     template = model  # the search never modifies it: candidates calibrate copies
     # held-out forwards run where calibration runs (calibrate hands its result back where the merge was)

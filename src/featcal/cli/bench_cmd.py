@@ -99,7 +99,8 @@ def register(subparsers) -> None:
                         "stem_norm (calibrate_stem_norm), sequential (block_statistics sequential), sequential_one_pass "
                         "(the same solution, one forward per batch and side), tuned (--tune with its defaults, scored "
                         "through the zoo's "
-                        "heads), tuned_soft (--tune --tune-tiebreak soft), tuned_auto (--tune --tune-tiebreak auto) "
+                        "heads), tuned_soft (--tune --tune-tiebreak soft), tuned_auto (--tune --tune-tiebreak auto), fixed_lambda "
+                        "(with a tuned one: --tune-fixed lambda_ratio) "
                         "; join several with '+' (tuned+sequential_one_pass) (default: reference; docs/variants.md)")
     p.add_argument("--baselines", default="",
                    help="comparison baselines, comma-separated, from surgery, probsurgery, regmean, regmean++, wudi, "

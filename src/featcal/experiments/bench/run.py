@@ -70,6 +70,7 @@ FEATCAL_VARIANTS: dict[str, dict[str, Any]] = {
     "tuned": {"tune": True},
     "tuned_soft": {"tune": True, "tune_tiebreak": "soft"},  # agreement ties broken by the heads' KL, not the drift
     "tuned_auto": {"tune": True, "tune_tiebreak": "auto"},  # soft on tiny held-out parts, else drift
+    "fixed_lambda": {"tune_fixed": ("lambda_ratio",)},  # with a tuned variant (tuned+fixed_lambda): λ not searched
 }
 
 
@@ -167,6 +168,9 @@ def variant_options(variant: str) -> dict[str, Any]:
                 raise ConfigError(f"FeatCal variant {variant!r}: two of its parts set {key}; combine variants that change "
                                   "different options")
             options[key] = value
+    if options.get("tune_fixed") and not options.get("tune"):
+        raise ConfigError(f"FeatCal variant {variant!r}: fixed_lambda changes what a tuned variant searches; "
+                          "combine it with one (tuned+fixed_lambda)")
     return options
 
 
