@@ -273,6 +273,7 @@ BAD_FEATCAL = {
     "tune_holdout": [0.0, 0.04, 0.51, math.nan],
     "tune_min_evidence": [-0.1, 10.5, math.nan, math.inf],
     "tune_tiebreak": ["kl", 1],
+    "tune_fixed": ["lambda", ["rho"], "auto,lambda_ratio", 3],
     "tune_head_pooling": ["cls", 1],
 }
 BAD_MERGE = {

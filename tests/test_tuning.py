@@ -385,7 +385,8 @@ def test_cli_tune_without_a_featcal_merge_searches_the_three_knobs(on_disk, tmp_
     (("--tune-budget", "2"), "tune_budget: Input should be greater than or equal to 3"),
     (("--tune-holdout", "0.6"), "tune_holdout: Input should be less than or equal to 0.5"),
     (("--tune-budget", "nan"), "tune_budget: Input should be a finite number"),
-    (("--tune-fixed", "lambda"), "tune_fixed.0: Input should be 'merge_scaling', 'anchor_blend_rho'"),
+    (("--tune-fixed", "lambda"), "tune_fixed: Value error, unknown knob(s) lambda; choose from merge_scaling, "
+                                 "anchor_blend_rho, lambda_ratio, teacher_interp_alpha, or 'auto'"),
 ])
 def test_cli_refuses_bad_tune_values_in_one_line(on_disk, tmp_path, capsys, flags, message):
     argv = ["calibrate", "--base", str(on_disk["base"]), "--merged", str(on_disk["merged"]), "--out",
@@ -577,3 +578,28 @@ def test_auto_tiebreak_runs_and_is_recorded(n_batches, expected):
     bare = calibrate(merged, base=base, experts=experts, calibration=data, progress=False, config=cfg,
                      return_result=True).tuning
     assert bare["tiebreak"] == "drift" and bare["tiebreak_why"] == "auto: not every task has a head"
+
+
+def test_auto_fixed_holds_lambda_on_tiny_held_out_parts_only():
+    small = tuning.AUTO_SOFT_MAX_HELD
+    assert tuning.resolve_fixed("auto", 2)[0] == ("lambda_ratio",)
+    assert tuning.resolve_fixed("auto", small)[0] == ("lambda_ratio",)
+    assert tuning.resolve_fixed("auto", small + 1)[0] == ()
+    assert tuning.resolve_fixed(("teacher_interp_alpha",), 2) == (("teacher_interp_alpha",), "as configured")
+
+
+@pytest.mark.parametrize("n_batches, held", [(3, True), (12, False)])
+def test_auto_fixed_runs_and_is_recorded(n_batches, held, caplog):
+    """6 examples per task hold out 2: λ is held, and a warning says the held-out part is tiny; 24 hold out 6: λ is
+    searched like the rest, no warning."""
+    base, experts, _ = noisy_family("clip", n_experts=2)
+    merged = _ta(base, experts, 0.05)
+    data = family_data("clip", experts, n_batches=n_batches)
+    cfg = FeatCalConfig(tune=True, tune_budget=4.0, tune_fixed="auto")
+    with caplog.at_level("WARNING", logger="featcal"):
+        rec = calibrate(merged, base=base, experts=experts, calibration=data, progress=False, config=cfg,
+                        merge_scaling=0.05, return_result=True).tuning
+    assert any("held-out example(s) per task score the candidates" in r.message for r in caplog.records) is held
+    assert rec["fixed_setting"] == "auto" and rec["fixed"] == (["lambda_ratio"] if held else [])
+    assert ("lambda_ratio" in rec["searched"]) is not held
+    assert rec["fixed_why"].startswith("auto: ")

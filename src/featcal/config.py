@@ -6,6 +6,7 @@ value is rejected with the same message whichever way it arrived, before any wor
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -336,9 +337,10 @@ class FeatCalConfig(_Strict):
         "to the candidate's on the held-out examples (needs a head for every task), or 'auto': soft where every task "
         "has a head and at most 4 examples per task are held out, else drift (docs/tuning.md)",
     )
-    tune_fixed: tuple[TuneKnob, ...] = Field(
+    tune_fixed: Literal["auto"] | tuple[TuneKnob, ...] = Field(
         (), description="tune: knobs held at their configured values instead of searched, comma-separated, from "
-        "merge_scaling, anchor_blend_rho, lambda_ratio, teacher_interp_alpha (default: none; docs/tuning.md)",
+        "merge_scaling, anchor_blend_rho, lambda_ratio, teacher_interp_alpha; or 'auto': lambda_ratio where at most "
+        "4 examples per task are held out, else none (docs/tuning.md)",
     )
     tune_head_pooling: Literal["auto", "pooler", "mean"] = Field(
         "auto", description="tune: what a task head (a layer, not a callable) reads: the model's pooler_output, the "
@@ -350,8 +352,17 @@ class FeatCalConfig(_Strict):
     def _knob_list(cls, v: Any) -> Any:
         """A comma-separated string (the command line's, a YAML scalar) is a list; a knob named twice is one."""
         if isinstance(v, str):
+            if v.strip() == "auto":
+                return "auto"
             v = [k.strip() for k in v.split(",") if k.strip()]
-        return tuple(dict.fromkeys(v)) if isinstance(v, (list, tuple)) else v
+        if isinstance(v, (list, tuple)):
+            knobs = typing.get_args(TuneKnob)
+            bad = [k for k in v if k not in knobs]
+            if bad:
+                raise ValueError(f"unknown knob(s) {', '.join(map(str, bad))}; choose from {', '.join(knobs)}, "
+                                 "or 'auto'")
+            return tuple(dict.fromkeys(v))
+        raise ValueError(f"a comma-separated list of knobs or 'auto', not {v!r}")
 
     @field_validator("device")
     @classmethod

@@ -527,6 +527,23 @@ def resolve_tiebreak(setting: str, heads: Mapping[str, Any], tasks: Iterable[str
     return "drift", f"auto: {held_out} held-out examples per task (> {AUTO_SOFT_MAX_HELD})"
 
 
+# tune_fixed "auto": λ is held at its configured value where a task holds out at most AUTO_SOFT_MAX_HELD examples.
+# At 8 per task (2 held out) the held-out drift rewarded smaller λ with strong paired evidence (z 2.8-4.0) and
+# accuracy fell (text seed 2: 26.6 % of the gap against the defaults' 38.3 %); with λ held, the search closed
+# 80.6 / 53.3 / 55.7 % on text seeds 0 / 1 / 2 and stayed above the defaults on every preset measured (docs/tuning.md).
+AUTO_FIXED_SMALL = ("lambda_ratio",)
+
+
+def resolve_fixed(setting: str | tuple[str, ...], held_out: int) -> tuple[tuple[str, ...], str]:
+    """(the knobs held at their configured values, why) for tune_fixed `setting`, given the fewest held-out examples."""
+    if setting != "auto":
+        return tuple(setting), "as configured"
+    if held_out <= AUTO_SOFT_MAX_HELD:
+        return AUTO_FIXED_SMALL, (f"auto: {held_out} held-out example(s) per task (<= {AUTO_SOFT_MAX_HELD}): "
+                                  "lambda_ratio is not searched")
+    return (), f"auto: {held_out} held-out examples per task (> {AUTO_SOFT_MAX_HELD}): every knob is searched"
+
+
 def check_request(config: FeatCalConfig, base: Any, experts: Mapping[str, Any], heads: Mapping[str, Head] | None,
                   merge_scaling: float | None) -> None:
     """Everything about a tune request that can be refused before any work."""
@@ -582,14 +599,19 @@ def calibrate_tuned(
     main = adapter.main_input(model, adapter.stacks(model)[0])
     data = {t: normalise_batches(t, calibration[t], main) for t in experts}
     split = split_calibration(data, config.tune_holdout, config.seed)
-    tiebreak, tiebreak_why = resolve_tiebreak(config.tune_tiebreak, heads, experts,
-                                              min(r["held_out"] for r in split.record.values()))
+    fewest_held = min(r["held_out"] for r in split.record.values())
+    tiebreak, tiebreak_why = resolve_tiebreak(config.tune_tiebreak, heads, experts, fewest_held)
+    fixed, fixed_why = resolve_fixed(config.tune_fixed, fewest_held)
+    if fewest_held <= AUTO_SOFT_MAX_HELD:  # measured: no search rule stayed above the defaults on every preset here
+        log.warning("featcal tune: only %d held-out example(s) per task score the candidates: at this size every "
+                    "search rule measured fell below the paper's defaults on some preset; prefer >= 32 calibration "
+                    "examples per task with --tune (docs/tuning.md)", fewest_held)
     limit = max_candidates(config.tune_budget, config.tune_holdout)
     start = Setting(config.anchor_blend_rho, config.lambda_ratio, config.teacher_interp_alpha,
                     None if merge_scaling is None else float(merge_scaling))
     knobs = [k for k in (["merge_scaling"] if start.merge_scaling is not None else []) + (
         ["anchor_blend_rho"] if base is not None else []) + ["lambda_ratio", "teacher_interp_alpha"]
-        if k not in config.tune_fixed]
+        if k not in fixed]
     base_src = _base_source(base, model, allow_pickle) if start.merge_scaling is not None else None
     template = model  # the search never modifies it: candidates calibrate copies
     # held-out forwards run where calibration runs (calibrate hands its result back where the merge was)
@@ -698,6 +720,9 @@ def calibrate_tuned(
         "budget": {"calibrations": config.tune_budget, "max_candidates": limit, "candidates": len(records),
                    "candidate_cost": round(candidate_cost(config.tune_holdout), 4)},
         "searched": knobs,
+        "fixed": list(fixed),
+        "fixed_setting": config.tune_fixed if config.tune_fixed == "auto" else list(config.tune_fixed),
+        "fixed_why": fixed_why,
         "start": start.as_dict(),
         "candidates": records,
         "min_evidence": config.tune_min_evidence,
