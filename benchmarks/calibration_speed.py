@@ -482,7 +482,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu")
     p.add_argument("--host-allocator", choices=("tuned", "default"), default="tuned",
                    help="glibc malloc settings of every measured process, the floor's too (featcal.io.host_allocator; "
-                        "default: tuned, what the featcal command runs with)")
+                        "default: tuned: the floor at its fastest, so the ratios are not flattered)")
     p.add_argument("--offload-blocks", action="store_true", help="calibrate with FeatCalConfig(offload_blocks=True)")
     p.add_argument("--process-group", choices=("gloo", "nccl"),
                    help="calibrate inside a one-rank default process group of this backend, collectives forced on")

@@ -46,8 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--expert-source", choices=("path", "memory"), default="memory")
     p.add_argument("--skip-cprofile", action="store_true", help="only the timed runs and torch.profiler")
     p.add_argument("--host-allocator", choices=("tuned", "default"), default="tuned",
-                   help="glibc malloc settings of this process (featcal.io.host_allocator; default: tuned, as the "
-                        "featcal command runs)")
+                   help="glibc malloc settings of this process (featcal.io.host_allocator; default: tuned, as "
+                        "calibration_speed.py times)")
     p.add_argument("--block-statistics", default="as_merged", choices=("as_merged", "sequential", "sequential_one_pass"))
     p.add_argument("--top", type=int, default=40, help="rows in each report (default: 40)")
     p.add_argument("--seed", type=int, default=0)

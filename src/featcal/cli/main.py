@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s"
     )
-    try:  # before any model is read: glibc's malloc keeps and reuses freed pages (io/host_allocator.py)
+    try:  # before any model is read: FEATCAL_HOST_ALLOCATOR=tuned keeps and reuses freed pages (io/host_allocator.py)
         applied = host_allocator.apply(host_allocator.requested())
     except ValueError as exc:
         print(f"featcal: error: {host_allocator.ENV}: {exc}", file=sys.stderr)
