@@ -3,19 +3,18 @@
 Why: by default glibc serves a request above its mmap threshold (128 KiB, raised dynamically up to 32 MiB)
 with a fresh mapping and gives freed memory at the top of its heap back to the system above its trim
 threshold. A forward over many batches then frees every activation at the end of each batch and faults
-the same pages in again for the next: on the 2-core CPU machine a plain forward of the calibration data
-ran 1.3-1.4x slower under the defaults than with the settings below (docs/scaling.md, "The host
+the same pages in again for the next: on the 2-core CPU machine, paired, a plain forward over 128 batches
+took 0.91x the time with the settings below and calibrate() 0.97x (docs/scaling.md, "The host
 allocator"). `tuned` fixes the mmap threshold at glibc's ceiling (32 MiB: smaller blocks come from the
 heap and are reused) and never trims the heap's top, so a process keeps the pages it has used (the one-pass
-variant's few GB of paused activations are faulted in once, not once per block); its peak RSS is unchanged
-(what it once held, it held at its peak), only its RSS after a peak stays there.
+variant's few GB of paused activations are faulted in once, not once per block).
 
 `featcal`'s command line applies it at start when FEATCAL_HOST_ALLOCATOR=tuned. It is not the default: over a
 whole `featcal bench` (text preset, 256 per task) it saved 1 % of the wall time and raised the peak RSS 10 %
 (2.87 -> 3.16 GB: memory a phase freed stays with the process into the next), and featcal's memory matters as
-much as its speed. The Python API leaves the allocator to the program that imports featcal (call `apply()`). Benchmarks set the same values
-through the environment (`environment()`) for every process they time, the floor's included, so that a
-ratio compares like with like.
+much as its speed. The Python API leaves the allocator to the program that imports featcal (call `apply()`).
+Benchmarks set the same values through the environment (`environment()`) for every process they time, the
+floor's included, so that a ratio compares like with like.
 """
 
 from __future__ import annotations
