@@ -530,7 +530,8 @@ def resolve_tiebreak(setting: str, heads: Mapping[str, Any], tasks: Iterable[str
 # tune_fixed "auto": λ is held at its configured value where a task holds out at most AUTO_SOFT_MAX_HELD examples.
 # At 8 per task (2 held out) the held-out drift rewarded smaller λ with strong paired evidence (z 2.8-4.0) and
 # accuracy fell (text seed 2: 26.6 % of the gap against the defaults' 38.3 %); with λ held, the search closed
-# 80.6 / 53.3 / 55.7 % on text seeds 0 / 1 / 2 and stayed above the defaults on every preset measured (docs/tuning.md).
+# 80.6 / 53.3 / 55.7 % on text seeds 0 / 1 / 2, but fell 1.7 points below the defaults on vision-real seed 2, so
+# it is not the default (docs/tuning.md).
 AUTO_FIXED_SMALL = ("lambda_ratio",)
 
 
@@ -609,9 +610,9 @@ def calibrate_tuned(
     limit = max_candidates(config.tune_budget, config.tune_holdout)
     start = Setting(config.anchor_blend_rho, config.lambda_ratio, config.teacher_interp_alpha,
                     None if merge_scaling is None else float(merge_scaling))
-    knobs = [k for k in (["merge_scaling"] if start.merge_scaling is not None else []) + (
+    searchable = (["merge_scaling"] if start.merge_scaling is not None else []) + (
         ["anchor_blend_rho"] if base is not None else []) + ["lambda_ratio", "teacher_interp_alpha"]
-        if k not in fixed]
+    knobs = [k for k in searchable if k not in fixed]
     base_src = _base_source(base, model, allow_pickle) if start.merge_scaling is not None else None
     template = model  # the search never modifies it: candidates calibrate copies
     # held-out forwards run where calibration runs (calibrate hands its result back where the merge was)
