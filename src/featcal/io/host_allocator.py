@@ -3,8 +3,8 @@
 Why: by default glibc serves a request above its mmap threshold (128 KiB, raised dynamically up to 32 MiB)
 with a fresh mapping and gives freed memory at the top of its heap back to the system above its trim
 threshold. A forward over many batches then frees every activation at the end of each batch and faults
-the same pages in again for the next: on the 2-core CPU machine, paired, a plain forward over 128 batches
-took 0.91x the time with the settings below and calibrate() 0.97x (docs/scaling.md, "The host
+the same pages in again for the next: on the 2-core CPU machine, run alternately, the forward floor took
+0.89x the time with the settings below and calibrate() 0.97x (docs/scaling.md, "The host
 allocator"). `tuned` fixes the mmap threshold at glibc's ceiling (32 MiB: smaller blocks come from the
 heap and are reused) and never trims the heap's top, so a process keeps the pages it has used (the one-pass
 variant's few GB of paused activations are faulted in once, not once per block).
