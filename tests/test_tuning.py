@@ -15,6 +15,7 @@ import yaml
 from featcal import FeatCalConfig, calibrate
 from featcal.calibration import core, tuning
 from featcal.cli.main import main
+from featcal.config import parse
 from featcal.errors import CalibrationDataError, ConfigError
 from reference_featcal import family_data, max_abs_diff, noisy_family
 
@@ -74,6 +75,48 @@ def test_split_refuses_a_task_it_cannot_split():
         tuning.split_calibration({"a": [{"input_ids": torch.zeros(2, 4), "attention_mask": torch.zeros(3, 4)}]}, 0.25, 0)
 
 
+def test_folds_hold_every_example_out_exactly_once(family):
+    _, _, _, data = family
+    splits = tuning.split_folds(data, 3, seed=0)
+    again = tuning.split_folds(data, 3, seed=0)
+    other = tuning.split_folds(data, 3, seed=1)
+    assert len(splits) == 3
+    for t, batches in data.items():
+        rows = _rows(batches)
+        held = [s.record[t]["held_out_indices"] for s in splits]
+        assert sorted(i for fold in held for i in fold) == list(range(6))  # every example once, no fold empty
+        assert all(len(fold) == 2 for fold in held)
+        for s, fold in zip(splits, held, strict=True):
+            assert _same_rows(_rows(s.held[t]), [rows[i] for i in fold])
+            assert _same_rows(_rows(s.fit[t]), [rows[i] for i in range(6) if i not in fold])
+        assert [s.record[t] for s in again] == [s.record[t] for s in splits]
+    assert [s.record for s in other] != [s.record for s in splits]
+    record = tuning.folds_record(splits)
+    assert record["task0"]["folds"] == 3 and record["task0"]["held_out"] == 6 and record["task0"]["fit"] == [4, 4, 4]
+    with pytest.raises(CalibrationDataError, match=r"task 'task0' has 6 calibration example\(s\); tune needs at least 7 "
+                                                   r"\(one per fold of tune_folds 7\)"):
+        tuning.split_folds(data, 7, seed=0)
+
+
+def test_folds_pool_the_held_out_examples_of_every_fold():
+    def sc(drift, agree, soft):
+        samples = {"a": {"drift": torch.tensor(drift, dtype=torch.float64),
+                         "agreement": torch.tensor(agree, dtype=torch.float64),
+                         "soft": torch.tensor(soft, dtype=torch.float64)}}
+        per_task = {"a": {k: float(v.mean()) for k, v in samples["a"].items()}}
+        return tuning.Score(per_task["a"]["drift"], 1 - per_task["a"]["agreement"], per_task, samples,
+                            per_task["a"]["soft"])
+
+    one, two = sc([1.0, 3.0], [1.0, 0.0], [0.5, 0.5]), sc([2.0], [1.0], [0.2])
+    both = tuning.combine_folds([one, two])
+    assert both.drift == pytest.approx(2.0) and both.disagreement == pytest.approx(1 / 3)
+    assert both.soft == pytest.approx(0.4)
+    assert both.samples["a"]["agreement"].tolist() == [1.0, 0.0, 1.0]
+    assert tuning.combine_folds([one]) is one
+    no_head = tuning.Score(2.0, None, {"a": {"drift": 2.0}}, {"a": {"drift": torch.tensor([2.0])}})
+    assert tuning.combine_folds([one, no_head]).disagreement is None
+
+
 # --- selection sees calibration data only, and the refit sees all of it ---------------------------------
 def test_selection_sees_only_calibration_data_and_refit_uses_all(family, monkeypatch):
     base, experts, merged, data = family
@@ -120,6 +163,78 @@ def test_selection_sees_only_calibration_data_and_refit_uses_all(family, monkeyp
     assert max_abs_diff(out, plain)[0] == 0.0
     assert rec["chosen"]["disagreement"] is not None and rec["heads"] == ["task0", "task1"]
     assert all(0.0 <= c["per_task"][t]["agreement"] <= 1.0 for c in rec["candidates"] for t in data)
+
+
+def test_cross_fitted_candidates_are_scored_only_on_the_fold_they_were_not_fitted_on(family, monkeypatch):
+    base, experts, merged, data = family
+    one_setting = core.calibrate_setting
+    calls: list[dict] = []
+
+    def recording(*args, **kwargs):
+        calls.append(kwargs["calibration"])
+        return one_setting(*args, **kwargs)
+
+    shown: list[torch.Tensor] = []
+
+    def head(model, batch):  # records what each candidate model is shown, and which examples fitted it
+        shown.extend(batch["pixel_values"])
+        return model(**batch).pooler_output[:, :3]
+
+    monkeypatch.setattr(core, "calibrate_setting", recording)
+    cfg = FeatCalConfig(tune=True, tune_budget=6.0, tune_folds=2)
+    result = calibrate(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False,
+                       heads={"task0": head, "task1": head}, merge_scaling=0.05, return_result=True)
+    rec = result.tuning
+    *search, refit = calls
+    assert rec["folds"] == 2 and rec["holdout"] is None
+    assert rec["budget"]["max_candidates"] == tuning.max_candidates(6.0, 0.25, 2) == 3
+    assert len(search) == 2 * len(rec["candidates"]) == 6  # two calibrations per candidate
+    for t, batches in data.items():
+        rows = _rows(batches)
+        folds = rec["split"][t]["fold_indices"]
+        assert sorted(i for f in folds for i in f) == list(range(6))
+        for n, call in enumerate(search):  # the k-th calibration of each candidate leaves fold k out
+            fold = folds[n % 2]
+            assert _same_rows(_rows(call[t]), [rows[i] for i in range(6) if i not in fold])
+        assert _same_rows(_rows(refit[t]), rows)
+    # the expert's references: every example once, then each candidate's two fits: every example once each
+    calib_rows = [r for b in data.values() for r in _rows(b)]
+    assert len(shown) == 12 * (1 + len(rec["candidates"]))
+    assert all(any(torch.equal(x, r) for r in calib_rows) for x in shown)
+    for c in rec["candidates"]:  # the pooled score: mean over tasks of each task's mean over its 6 examples
+        assert c["disagreement"] == pytest.approx(sum(1 - c["per_task"][t]["agreement"] for t in data) / 2)
+        assert all(c["per_task"][t]["agreement"] * 6 == pytest.approx(round(c["per_task"][t]["agreement"] * 6))
+                   for t in data)
+    chosen = rec["chosen"]
+    again = calibrate(merged, base=base, experts=experts, calibration=data, progress=False, merge_scaling=0.05,
+                      heads={"task0": head, "task1": head}, config=FeatCalConfig(tune=True, tune_budget=6.0, tune_folds=2),
+                      return_result=True)
+    assert _strip(again.tuning["candidates"]) == _strip(rec["candidates"])  # deterministic
+    assert max_abs_diff(again.model, result.model)[0] == 0.0
+    assert again.tuning["chosen"] == chosen
+
+
+def test_auto_folds_cross_fit_only_where_one_split_holds_out_a_few_examples(family):
+    assert tuning.resolve_folds("auto", 8, 0.25)[0] == 2  # one split: 2 held out per task
+    assert tuning.resolve_folds("auto", 16, 0.25)[0] == 2  # 4
+    assert tuning.resolve_folds("auto", 20, 0.25)[0] == 1  # 5
+    assert tuning.resolve_folds("auto", 256, 0.25) == (1, "auto: one split holds out 64 example(s) per task")
+    assert tuning.resolve_folds(3, 8, 0.25) == (3, "as configured")
+    base, experts, merged, data = family
+    rec = calibrate(merged, base=base, experts=experts, calibration=data, progress=False, return_result=True,
+                    config=FeatCalConfig(tune=True, tune_budget=4.0, tune_folds="auto")).tuning
+    assert rec["folds"] == 2 and rec["folds_setting"] == "auto" and "2 folds score every example" in rec["folds_why"]
+    assert all(s["held_out"] == 6 for s in rec["split"].values())
+
+
+def test_tune_folds_and_tune_holdout_are_alternatives(family):
+    base, experts, merged, data = family
+    with pytest.raises(ConfigError, match="tune_holdout 0.3 and tune_folds 2 are alternatives"):
+        parse(FeatCalConfig, {"tune": True, "tune_folds": 2, "tune_holdout": 0.3})
+    assert parse(FeatCalConfig, {"tune": True, "tune_folds": 2, "tune_holdout": 0.25}).tune_folds == 2  # the default
+    with pytest.raises(CalibrationDataError, match="tune needs at least 7"):
+        calibrate(merged, base=base, experts=experts, calibration=data, progress=False,
+                  config=FeatCalConfig(tune=True, tune_folds=7))
 
 
 # --- determinism, budget, and a family where the defaults are poor ---------------------------------------
@@ -186,6 +301,11 @@ def test_budget_arithmetic():
         for holdout in (0.05, 0.25, 0.5):
             n = tuning.max_candidates(budget, holdout)
             assert 1 + holdout / 3 + n * tuning.candidate_cost(holdout) <= budget + 1e-9
+        for folds in (2, 3, 5):  # cross-fitting: folds calibrations on (folds - 1) / folds, every example scored
+            n, cost = tuning.max_candidates(budget, 0.25, folds), tuning.candidate_cost(0.25, folds)
+            assert 1 + 1 / 3 + (n + 1) * cost > budget  # as many as fit ...
+            assert n == 1 or 1 + 1 / 3 + n * cost <= budget + 1e-9  # ... and never fewer than the start itself
+    assert tuning.max_candidates(10.0, 0.25, 2) == 6 and tuning.candidate_cost(0.25, 2) == pytest.approx(4 / 3)
 
 
 # --- the evidence a step needs --------------------------------------------------------------------------
@@ -379,11 +499,18 @@ def test_cli_tune_without_a_featcal_merge_searches_the_three_knobs(on_disk, tmp_
     argv[argv.index(str(out))] = str(fixed)
     assert main([*argv, "--tune-fixed", "lambda_ratio,teacher_interp_alpha"]) == 0
     assert json.loads((fixed / "featcal.json").read_text())["tuning"]["searched"] == ["anchor_blend_rho"]
+    folded = tmp_path / "folded"
+    argv[argv.index(str(fixed))] = str(folded)
+    assert main([*argv, "--tune-folds", "2"]) == 0
+    rec = json.loads((folded / "featcal.json").read_text())["tuning"]
+    assert rec["folds"] == 2 and all(s["held_out"] == 6 and len(s["fold_indices"]) == 2 for s in rec["split"].values())
 
 
 @pytest.mark.parametrize(("flags", "message"), [
     (("--tune-budget", "2"), "tune_budget: Input should be greater than or equal to 3"),
     (("--tune-holdout", "0.6"), "tune_holdout: Input should be less than or equal to 0.5"),
+    (("--tune-folds", "0"), "tune_folds: Value error, a number of folds from 1 to 10, or 'auto', not 0"),
+    (("--tune-folds", "2", "--tune-holdout", "0.3"), "tune_holdout 0.3 and tune_folds 2 are alternatives"),
     (("--tune-budget", "nan"), "tune_budget: Input should be a finite number"),
     (("--tune-fixed", "lambda"), "tune_fixed: Value error, unknown knob(s) lambda; choose from merge_scaling, "
                                  "anchor_blend_rho, lambda_ratio, teacher_interp_alpha, or 'auto'"),

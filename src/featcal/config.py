@@ -33,6 +33,7 @@ MAX_SEED = 2**63 - 1
 MAX_LAMBDA_RATIO = 100.0
 MAX_COVARIANCE_EPS = 0.01
 DEFAULT_TUNE_BUDGET = 10.0  # --tune-budget default: at most ~10 calibrations' cost, the refit included
+DEFAULT_TUNE_HOLDOUT = 0.25  # --tune-holdout default: the share of each task's examples held out (one split)
 TuneKnob = Literal["merge_scaling", "anchor_blend_rho", "lambda_ratio", "teacher_interp_alpha"]  # what --tune searches
 
 
@@ -323,7 +324,15 @@ class FeatCalConfig(_Strict):
         description="tune: cost of the search and the final refit together, in calibrations on all the data",
     )
     tune_holdout: float = Field(
-        0.25, ge=0.05, le=0.5, description="tune: fraction of each task's calibration examples held out for scoring"
+        DEFAULT_TUNE_HOLDOUT, ge=0.05, le=0.5,
+        description="tune: fraction of each task's calibration examples held out for scoring (one split: tune_folds 1)"
+    )
+    tune_folds: Literal["auto"] | int = Field(
+        1,
+        description="tune: 1 scores candidates on one held-out part (tune_holdout); k >= 2 cross-fits: each task's "
+        "examples are dealt into k folds, every candidate is calibrated k times, each time without one fold, and "
+        "scored on the fold it did not see, so every example is held out once; 'auto': 2 where one split would "
+        "hold out at most 4 examples per task, else 1 (docs/tuning.md)",
     )
     tune_min_evidence: float = Field(
         0.0, ge=0.0, le=10.0,
@@ -363,6 +372,26 @@ class FeatCalConfig(_Strict):
                                  "or 'auto'")
             return tuple(dict.fromkeys(v))
         raise ValueError(f"a comma-separated list of knobs or 'auto', not {v!r}")
+
+    @field_validator("tune_folds", mode="before")
+    @classmethod
+    def _folds(cls, v: Any) -> Any:
+        """1 to 10 folds, or 'auto'; the command line's string is read as a number."""
+        if isinstance(v, str) and v.strip() == "auto":
+            return "auto"
+        if isinstance(v, str) and v.strip().isdigit():
+            v = int(v.strip())
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 10:
+            raise ValueError(f"a number of folds from 1 to 10, or 'auto', not {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _one_way_to_hold_out(self) -> FeatCalConfig:
+        """Cross-fitting holds every example out once: a held-out fraction beside it would be silently ignored."""
+        if self.tune_folds != "auto" and self.tune_folds > 1 and self.tune_holdout != DEFAULT_TUNE_HOLDOUT:
+            raise ValueError(f"tune_holdout {self.tune_holdout:g} and tune_folds {self.tune_folds} are alternatives: "
+                             "cross-fitting holds every example out once; drop one of them")
+        return self
 
     @field_validator("device")
     @classmethod

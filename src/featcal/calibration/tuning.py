@@ -95,15 +95,22 @@ CRITERION = (
 
 
 # --- budget ------------------------------------------------------------------------------------------
-def candidate_cost(holdout: float) -> float:
-    """One candidate's cost in calibrations on all the data: a calibration on the fit part plus scoring."""
-    return (1.0 - holdout) + holdout / FORWARDS_PER_CALIBRATION
+def candidate_cost(holdout: float, folds: int = 1) -> float:
+    """One candidate's cost in calibrations on all the data: its calibrations on the fit parts plus scoring.
+
+    With one split: a calibration on the fit part (1 − holdout) and a forward over the held-out part; with
+    `folds` ≥ 2 (cross-fitting): `folds` calibrations on (folds − 1)/folds of the data each, and a forward
+    over every example (each is held out once)."""
+    if folds == 1:
+        return (1.0 - holdout) + holdout / FORWARDS_PER_CALIBRATION
+    return (folds - 1) + 1.0 / FORWARDS_PER_CALIBRATION
 
 
-def max_candidates(budget: float, holdout: float) -> int:
+def max_candidates(budget: float, holdout: float, folds: int = 1) -> int:
     """How many candidates fit in `budget` calibrations once the refit and the experts' scoring are paid."""
-    fixed = 1.0 + holdout / FORWARDS_PER_CALIBRATION
-    return max(1, math.floor((budget - fixed) / candidate_cost(holdout) + 1e-9))
+    held = holdout if folds == 1 else 1.0
+    fixed = 1.0 + held / FORWARDS_PER_CALIBRATION
+    return max(1, math.floor((budget - fixed) / candidate_cost(holdout, folds) + 1e-9))
 
 
 # --- the split ---------------------------------------------------------------------------------------
@@ -131,6 +138,31 @@ def _batch_size(task: str, index: int, batch: Batch) -> int:
     return next(iter(sizes.values()))
 
 
+def _task_sizes(t: str, batches: list[Batch], needed: int, why: str) -> tuple[list[int], int]:
+    sizes = [_batch_size(t, i, b) for i, b in enumerate(batches)]
+    n = sum(sizes)
+    if n < needed:
+        raise CalibrationDataError(
+            f"task {t!r} has {n} calibration example(s); tune needs at least {needed} ({why})"
+        )
+    return sizes, n
+
+
+def _cut(batches: list[Batch], sizes: list[int], is_held: torch.Tensor) -> tuple[list[Batch], list[Batch]]:
+    """(fit batches, held-out batches): each batch's rows cut by `is_held` (padding stays that of the batch)."""
+    fit: list[Batch] = []
+    held: list[Batch] = []
+    offset = 0
+    for batch, size in zip(batches, sizes, strict=True):
+        rows = is_held[offset:offset + size]
+        offset += size
+        for keep, dest in ((~rows, fit), (rows, held)):
+            idx = keep.nonzero().flatten()
+            if len(idx):
+                dest.append({k: v.index_select(0, idx.to(v.device)) for k, v in batch.items()})
+    return fit, held
+
+
 def split_calibration(data: Mapping[str, list[Batch]], holdout: float, seed: int) -> Split:
     """Hold out round(holdout·n) of each task's n examples (at least one, leaving at least one to fit).
 
@@ -142,28 +174,48 @@ def split_calibration(data: Mapping[str, list[Batch]], holdout: float, seed: int
     held: dict[str, list[Batch]] = {}
     record: dict[str, dict[str, Any]] = {}
     for t, batches in data.items():
-        sizes = [_batch_size(t, i, b) for i, b in enumerate(batches)]
-        n = sum(sizes)
-        if n < 2:
-            raise CalibrationDataError(
-                f"task {t!r} has {n} calibration example(s); tune needs at least 2 (one to fit, one held out)"
-            )
-        n_held = min(n - 1, max(1, round(holdout * n)))
+        sizes, n = _task_sizes(t, batches, 2, "one to fit, one held out")
+        n_held = one_split_held_out(n, holdout)
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(_task_seed(seed, t)))
         is_held = torch.zeros(n, dtype=torch.bool)
         is_held[perm[:n_held]] = True
-        fit[t], held[t] = [], []
-        offset = 0
-        for batch, size in zip(batches, sizes, strict=True):
-            rows = is_held[offset:offset + size]
-            offset += size
-            for keep, dest in ((~rows, fit[t]), (rows, held[t])):
-                idx = keep.nonzero().flatten()
-                if len(idx):
-                    dest.append({k: v.index_select(0, idx.to(v.device)) for k, v in batch.items()})
+        fit[t], held[t] = _cut(batches, sizes, is_held)
         record[t] = {"examples": n, "fit": n - n_held, "held_out": n_held,
                      "held_out_indices": sorted(int(i) for i in perm[:n_held])}
     return Split(fit, held, record)
+
+
+def split_folds(data: Mapping[str, list[Batch]], folds: int, seed: int) -> list[Split]:
+    """Cross-fitting (tune_folds ≥ 2): each task's examples dealt, in a seeded order, into `folds` folds; split
+    k holds fold k out and fits on the others, so every example is held out exactly once.
+
+    Why: at 8 examples per task one split holds out 2 per task, and the search stepped on one-example
+    differences (docs/tuning.md); folds score every candidate on all 8, at the cost of `folds` calibrations on
+    (folds − 1)/folds of the data. The order is split_calibration's (seed, task name, n): fold k takes the
+    examples at positions k, k + folds, ... of it.
+    """
+    splits = [Split({}, {}, {}) for _ in range(folds)]
+    for t, batches in data.items():
+        sizes, n = _task_sizes(t, batches, folds, f"one per fold of tune_folds {folds}")
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(_task_seed(seed, t)))
+        for k, split in enumerate(splits):
+            chosen = perm[k::folds]
+            is_held = torch.zeros(n, dtype=torch.bool)
+            is_held[chosen] = True
+            split.fit[t], split.held[t] = _cut(batches, sizes, is_held)
+            split.record[t] = {"examples": n, "fit": n - len(chosen), "held_out": len(chosen),
+                               "held_out_indices": sorted(int(i) for i in chosen)}
+    return splits
+
+
+def folds_record(splits: list[Split]) -> dict[str, dict[str, Any]]:
+    """featcal.json's `split` for cross-fitting: per task, every fold's held-out indices; each example is
+    held out once, so `held_out` is every example."""
+    if len(splits) == 1:
+        return splits[0].record
+    return {t: {"examples": rec["examples"], "folds": len(splits), "fit": [s.record[t]["fit"] for s in splits],
+                "held_out": rec["examples"], "fold_indices": [s.record[t]["held_out_indices"] for s in splits]}
+            for t, rec in splits[0].record.items()}
 
 
 # --- settings and scores -----------------------------------------------------------------------------
@@ -411,6 +463,28 @@ def score(model: nn.Module, adapter: Adapter, held: Mapping[str, list[Batch]], r
     return Score(drift, disagreement, per_task, samples, soft)
 
 
+def combine_folds(scores: list[Score]) -> Score:
+    """A candidate's cross-fitted score: its folds' held-out examples pooled, each one scored by the candidate
+    fitted without it. Per task, the drift and agreement are means over all of them (each fold's drift samples
+    already average to that fold's drift), so the paired evidence reads every example once."""
+    if len(scores) == 1:
+        return scores[0]
+    per_task: dict[str, dict[str, float]] = {}
+    samples: dict[str, dict[str, torch.Tensor]] = {}
+    for t in scores[0].per_task:
+        parts = [s.samples[t] for s in scores]
+        keys = [k for k in parts[0] if all(k in p for p in parts)]
+        samples[t] = {k: torch.cat([p[k] for p in parts]) for k in keys}
+        per_task[t] = {k: float(v.mean()) for k, v in samples[t].items()}
+    drift = sum(r["drift"] for r in per_task.values()) / len(per_task)
+    disagreement = soft = None
+    if all(s.disagreement is not None for s in scores):
+        disagreement = sum(1.0 - r["agreement"] for r in per_task.values()) / len(per_task)
+    if all(s.soft is not None for s in scores):
+        soft = sum(r["soft"] for r in per_task.values()) / len(per_task)
+    return Score(drift, disagreement, per_task, samples, soft)
+
+
 # --- the starting merge ------------------------------------------------------------------------------
 @torch.no_grad()
 def rescale_merge(model: nn.Module, base: ParamSource, factor: float) -> None:
@@ -545,6 +619,27 @@ def resolve_fixed(setting: str | tuple[str, ...], held_out: int) -> tuple[tuple[
     return (), f"auto: {held_out} held-out examples per task (> {AUTO_SOFT_MAX_HELD}): every knob is searched"
 
 
+# tune_folds "auto": cross-fitting (2 folds) where one split would hold out at most AUTO_SOFT_MAX_HELD examples
+# of a task. Measured at 8 per task (docs/tuning.md): ...
+AUTO_FOLDS_SMALL = 2
+
+
+def one_split_held_out(n: int, holdout: float) -> int:
+    """How many of a task's n examples one split holds out (split_calibration's rule)."""
+    return min(n - 1, max(1, round(holdout * n)))
+
+
+def resolve_folds(setting: str | int, fewest_examples: int, holdout: float) -> tuple[int, str]:
+    """(the folds that run, why) for tune_folds `setting`, given the smallest task's number of examples."""
+    if setting != "auto":
+        return int(setting), "as configured"
+    held = one_split_held_out(fewest_examples, holdout)
+    if held <= AUTO_SOFT_MAX_HELD and fewest_examples >= AUTO_FOLDS_SMALL:
+        return AUTO_FOLDS_SMALL, (f"auto: one split would hold out {held} example(s) per task (<= "
+                                  f"{AUTO_SOFT_MAX_HELD}): {AUTO_FOLDS_SMALL} folds score every example")
+    return 1, f"auto: one split holds out {held} example(s) per task"
+
+
 def check_request(config: FeatCalConfig, base: Any, experts: Mapping[str, Any], heads: Mapping[str, Head] | None,
                   merge_scaling: float | None) -> None:
     """Everything about a tune request that can be refused before any work."""
@@ -599,15 +694,18 @@ def calibrate_tuned(
     adapter = adapter_for(model)
     main = adapter.main_input(model, adapter.stacks(model)[0])
     data = {t: normalise_batches(t, calibration[t], main) for t in experts}
-    split = split_calibration(data, config.tune_holdout, config.seed)
-    fewest_held = min(r["held_out"] for r in split.record.values())
+    fewest_examples = min(sum(_batch_size(t, i, b) for i, b in enumerate(data[t])) for t in data)
+    folds, folds_why = resolve_folds(config.tune_folds, fewest_examples, config.tune_holdout)
+    splits = ([split_calibration(data, config.tune_holdout, config.seed)] if folds == 1
+              else split_folds(data, folds, config.seed))
+    fewest_held = min(sum(s.record[t]["held_out"] for s in splits) for t in data)
     tiebreak, tiebreak_why = resolve_tiebreak(config.tune_tiebreak, heads, experts, fewest_held)
     fixed, fixed_why = resolve_fixed(config.tune_fixed, fewest_held)
     if fewest_held <= AUTO_SOFT_MAX_HELD:  # measured: no search rule stayed above the defaults on every preset here
         log.warning("featcal tune: only %d held-out example(s) per task score the candidates: at this size every "
                     "search rule measured fell below the paper's defaults on some preset; prefer >= 32 calibration "
                     "examples per task with --tune (docs/tuning.md)", fewest_held)
-    limit = max_candidates(config.tune_budget, config.tune_holdout)
+    limit = max_candidates(config.tune_budget, config.tune_holdout, folds)
     start = Setting(config.anchor_blend_rho, config.lambda_ratio, config.teacher_interp_alpha,
                     None if merge_scaling is None else float(merge_scaling))
     searchable = (["merge_scaling"] if start.merge_scaling is not None else []) + (
@@ -627,7 +725,7 @@ def calibrate_tuned(
         rescale_merge(m, base_src, s.merge_scaling / start.merge_scaling)
         return m
 
-    refs: dict[str, _Reference] = {}
+    refs: list[dict[str, _Reference]] = [{} for _ in splits]  # per split: the experts' held-out references
     scores: dict[Setting, Score] = {}
     records: list[dict[str, Any]] = []
     index_of: dict[Setting, int] = {}
@@ -642,21 +740,25 @@ def calibrate_tuned(
             return None
         clock = Timer()
         cfg = search_cfg.model_copy(update={k: v for k, v in s.as_dict().items() if k != "merge_scaling"})
-        first = not scores
-        m = start_model(s)
-        out = core.calibrate_setting(m, base=base, experts=experts, calibration=split.fit, config=cfg, progress=False,
-                                     inplace=m is not template, allow_pickle=allow_pickle,
-                                     check_finite=check_finite and first).model
-        if first:  # the first calibration validated every input: now the experts' references, once
-            for t in experts:
-                expert = _expert_model(t, experts[t], base, template, allow_pickle)
-                if expert is not experts[t]:  # featcal's own copy (a caller's model is not moved)
-                    expert.to(where)
-                refs[t] = _reference(t, expert, adapter, split.held[t], heads.get(t), config.tune_head_pooling,
-                                     keep_log_probs=tiebreak == "soft")
-                del expert
-        sc = score(out.to(where), adapter, split.held, refs, heads, config.tune_head_pooling)
-        del out
+        fold_scores = []
+        for k, split in enumerate(splits):  # one split, or each fold held out in turn (tune_folds)
+            first = not scores and k == 0
+            m = start_model(s)
+            out = core.calibrate_setting(m, base=base, experts=experts, calibration=split.fit, config=cfg,
+                                         progress=False, inplace=m is not template, allow_pickle=allow_pickle,
+                                         check_finite=check_finite and first).model
+            if first:  # the first calibration validated every input: now the experts' references, once
+                for t in experts:
+                    expert = _expert_model(t, experts[t], base, template, allow_pickle)
+                    if expert is not experts[t]:  # featcal's own copy (a caller's model is not moved)
+                        expert.to(where)
+                    for held_refs, held_split in zip(refs, splits, strict=True):
+                        held_refs[t] = _reference(t, expert, adapter, held_split.held[t], heads.get(t),
+                                                  config.tune_head_pooling, keep_log_probs=tiebreak == "soft")
+                    del expert
+            fold_scores.append(score(out.to(where), adapter, split.held, refs[k], heads, config.tune_head_pooling))
+            del out
+        sc = combine_folds(fold_scores)
         scores[s] = sc
         index_of[s] = len(records)
         records.append({"index": len(records), **s.as_dict(), "drift": sc.drift, "disagreement": sc.disagreement,
@@ -715,11 +817,14 @@ def calibrate_tuned(
     record = {
         "criterion": CRITERION,
         "heads": sorted(heads),
-        "holdout": config.tune_holdout,
+        "holdout": config.tune_holdout if folds == 1 else None,  # cross-fitting holds every example out once
         "seed": config.seed,
-        "split": split.record,
+        "folds": folds,
+        "folds_setting": config.tune_folds,
+        "folds_why": folds_why,
+        "split": folds_record(splits),
         "budget": {"calibrations": config.tune_budget, "max_candidates": limit, "candidates": len(records),
-                   "candidate_cost": round(candidate_cost(config.tune_holdout), 4)},
+                   "candidate_cost": round(candidate_cost(config.tune_holdout, folds), 4)},
         "searched": knobs,
         "fixed": list(fixed),
         "fixed_setting": config.tune_fixed if config.tune_fixed == "auto" else list(config.tune_fixed),

@@ -71,6 +71,7 @@ FEATCAL_VARIANTS: dict[str, dict[str, Any]] = {
     "tuned_soft": {"tune": True, "tune_tiebreak": "soft"},  # agreement ties broken by the heads' KL, not the drift
     "tuned_auto": {"tune": True, "tune_tiebreak": "auto"},  # soft on tiny held-out parts, else drift
     "fixed_lambda": {"tune_fixed": ("lambda_ratio",)},  # with a tuned variant (tuned+fixed_lambda): λ not searched
+    "cross_fit": {"tune_folds": 2},  # with a tuned variant (tuned+cross_fit): candidates scored on every example
 }
 
 
@@ -168,9 +169,10 @@ def variant_options(variant: str) -> dict[str, Any]:
                 raise ConfigError(f"FeatCal variant {variant!r}: two of its parts set {key}; combine variants that change "
                                   "different options")
             options[key] = value
-    if options.get("tune_fixed") and not options.get("tune"):
-        raise ConfigError(f"FeatCal variant {variant!r}: fixed_lambda changes what a tuned variant searches; "
-                          "combine it with one (tuned+fixed_lambda)")
+    for key, part in (("tune_fixed", "fixed_lambda"), ("tune_folds", "cross_fit")):
+        if options.get(key) and not options.get("tune"):
+            raise ConfigError(f"FeatCal variant {variant!r}: {part} changes how a tuned variant searches; "
+                              f"combine it with one (tuned+{part})")
     return options
 
 
