@@ -220,6 +220,7 @@ def test_auto_folds_cross_fit_only_where_one_split_holds_out_a_few_examples(fami
     assert tuning.resolve_folds("auto", 20, 0.25)[0] == 1  # 5
     assert tuning.resolve_folds("auto", 256, 0.25) == (1, "auto: one split holds out 64 example(s) per task")
     assert tuning.resolve_folds(3, 8, 0.25) == (3, "as configured")
+    assert tuning.resolve_folds("auto", 8, 0.3) == (1, "auto: tune_holdout 0.3 asks for one split")
     base, experts, merged, data = family
     rec = calibrate(merged, base=base, experts=experts, calibration=data, progress=False, return_result=True,
                     config=FeatCalConfig(tune=True, tune_budget=4.0, tune_folds="auto")).tuning
@@ -255,7 +256,7 @@ def test_candidates_and_choice_are_deterministic_for_a_seed(family):
 
 def test_tune_beats_the_defaults_where_they_are_poor_and_respects_the_budget(family):
     base, experts, merged, data = family
-    cfg = FeatCalConfig(tune=True)
+    cfg = FeatCalConfig(tune=True, tune_folds=1)  # one split: 10 candidates in the default budget
     result = calibrate(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False,
                        merge_scaling=0.05, return_result=True)
     out, rec = result.model, result.tuning
@@ -351,7 +352,7 @@ def test_a_step_without_evidence_is_not_taken_and_the_drift_decides_instead():
 def test_min_evidence_zero_takes_every_improvement_and_a_high_bar_takes_fewer(family):
     base, experts, merged, data = family
     runs = {z: calibrate(merged, base=base, experts=experts, calibration=data, progress=False, merge_scaling=0.05,
-                         config=FeatCalConfig(tune=True, tune_min_evidence=z),
+                         config=FeatCalConfig(tune=True, tune_min_evidence=z, tune_folds=1),
                          return_result=True).tuning for z in (0.0, 2.0)}
     plain = runs[0.0]
     assert plain["chosen"]["drift"] == min(c["drift"] for c in plain["candidates"])
@@ -665,7 +666,7 @@ def test_tune_reads_lora_experts_as_calibrate_does(tmp_path, tmp_path_factory):
 def test_the_callers_merge_is_left_as_given_unless_inplace(family):
     base, experts, merged, data = family
     before = {k: v.clone() for k, v in merged.state_dict().items()}
-    cfg = FeatCalConfig(tune=True, tune_budget=3.0)
+    cfg = FeatCalConfig(tune=True, tune_budget=3.0, tune_folds=1)
     result = calibrate(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False,
                        merge_scaling=0.05, return_result=True)
     out = result.model
@@ -696,7 +697,7 @@ def test_auto_tiebreak_runs_and_is_recorded(n_batches, expected):
     data = family_data("clip", experts, n_batches=n_batches)
     torch.manual_seed(0)
     heads = {t: torch.nn.Linear(32, 4) for t in experts}
-    cfg = FeatCalConfig(tune=True, tune_budget=3.0, tune_tiebreak="auto")
+    cfg = FeatCalConfig(tune=True, tune_budget=3.0, tune_tiebreak="auto", tune_folds=1)  # one split: 2 held out
     rec = calibrate(merged, base=base, experts=experts, calibration=data, progress=False, heads=heads,
                     config=cfg, return_result=True).tuning
     assert (rec["tiebreak"], rec["tiebreak_setting"]) == (expected, "auto")
@@ -722,7 +723,7 @@ def test_auto_fixed_runs_and_is_recorded(n_batches, held, caplog):
     base, experts, _ = noisy_family("clip", n_experts=2)
     merged = _ta(base, experts, 0.05)
     data = family_data("clip", experts, n_batches=n_batches)
-    cfg = FeatCalConfig(tune=True, tune_budget=4.0, tune_fixed="auto")
+    cfg = FeatCalConfig(tune=True, tune_budget=4.0, tune_fixed="auto", tune_folds=1)  # one split: 2 held out
     with caplog.at_level("WARNING", logger="featcal"):
         rec = calibrate(merged, base=base, experts=experts, calibration=data, progress=False, config=cfg,
                         merge_scaling=0.05, return_result=True).tuning

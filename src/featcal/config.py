@@ -328,11 +328,11 @@ class FeatCalConfig(_Strict):
         description="tune: fraction of each task's calibration examples held out for scoring (one split: tune_folds 1)"
     )
     tune_folds: Literal["auto"] | int = Field(
-        1,
+        "auto",
         description="tune: 1 scores candidates on one held-out part (tune_holdout); k >= 2 cross-fits: each task's "
         "examples are dealt into k folds, every candidate is calibrated k times, each time without one fold, and "
         "scored on the fold it did not see, so every example is held out once; 'auto': 2 where one split would "
-        "hold out at most 4 examples per task, else 1 (docs/tuning.md)",
+        "hold out at most 4 examples per task, else 1 (the default; docs/tuning.md)",
     )
     tune_min_evidence: float = Field(
         0.0, ge=0.0, le=10.0,

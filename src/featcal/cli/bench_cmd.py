@@ -100,7 +100,7 @@ def register(subparsers) -> None:
                         "(the same solution, one forward per batch and side), tuned (--tune with its defaults, scored "
                         "through the zoo's "
                         "heads), tuned_soft (--tune --tune-tiebreak soft), tuned_auto (--tune --tune-tiebreak auto), fixed_lambda "
-                        "(with a tuned one: --tune-fixed lambda_ratio), cross_fit (with a tuned one: --tune-folds 2) "
+                        "(with a tuned one: --tune-fixed lambda_ratio), cross_fit (with a tuned one: --tune-folds 2), one_split (with a tuned one: --tune-folds 1) "
                         "; join several with '+' (tuned+sequential_one_pass) (default: reference; docs/variants.md)")
     p.add_argument("--baselines", default="",
                    help="comparison baselines, comma-separated, from surgery, probsurgery, regmean, regmean++, wudi, "

@@ -72,6 +72,7 @@ FEATCAL_VARIANTS: dict[str, dict[str, Any]] = {
     "tuned_auto": {"tune": True, "tune_tiebreak": "auto"},  # soft on tiny held-out parts, else drift
     "fixed_lambda": {"tune_fixed": ("lambda_ratio",)},  # with a tuned variant (tuned+fixed_lambda): λ not searched
     "cross_fit": {"tune_folds": 2},  # with a tuned variant (tuned+cross_fit): candidates scored on every example
+    "one_split": {"tune_folds": 1},  # with a tuned variant: one held-out split at every size (before tune_folds)
 }
 
 
@@ -169,10 +170,10 @@ def variant_options(variant: str) -> dict[str, Any]:
                 raise ConfigError(f"FeatCal variant {variant!r}: two of its parts set {key}; combine variants that change "
                                   "different options")
             options[key] = value
-    for key, part in (("tune_fixed", "fixed_lambda"), ("tune_folds", "cross_fit")):
-        if options.get(key) and not options.get("tune"):
+    for key, part in (("tune_fixed", "fixed_lambda"), ("tune_folds", "cross_fit or one_split")):
+        if key in options and not options.get("tune"):
             raise ConfigError(f"FeatCal variant {variant!r}: {part} changes how a tuned variant searches; "
-                              f"combine it with one (tuned+{part})")
+                              f"combine it with one (tuned+{part.split()[0]})")
     return options
 
 
