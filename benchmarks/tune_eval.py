@@ -9,7 +9,8 @@ label-free score; only the test split, never seen by the choice, says whether th
 `--criterion drift` scores candidates by final-feature drift only; `heads` adds agreement with each
 expert's predictions through the zoo's frozen heads (the Python API's `heads=`). One row per setting;
 `--json` keeps every candidate. `--candidate-accuracy` (analysis only) also evaluates every candidate's
-model on the test split, to see how well the label-free score ranks candidates; the choice never sees it.
+model on the test split, to see how well the label-free score ranks candidates; the choice never sees it
+(one split only: cross-fitted, a candidate is k models; `--tune-folds 1` forces one split at small sizes).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help="the split's seed")
     ap.add_argument("--criterion", default="drift,heads", help="comma-separated: drift, heads")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--tune-folds", default="auto", help="tune_folds (auto: 2 folds at <= 4 held-out examples per task)")
     ap.add_argument("--candidate-accuracy", action="store_true",
                     help="analysis only: test accuracy of every candidate (fit on the fit part), never used to choose")
     ap.add_argument("--json")
@@ -75,7 +77,8 @@ def main() -> None:
     runs = [("FeatCal, paper defaults", FeatCalConfig(num_calibration_examples=args.calib), {})]
     for crit in args.criterion.split(","):
         kwargs = {"merge_scaling": args.scaling, **({"heads": head_fns} if crit == "heads" else {})}
-        cfg = FeatCalConfig(num_calibration_examples=args.calib, tune=True, tune_budget=args.budget, seed=args.seed)
+        cfg = FeatCalConfig(num_calibration_examples=args.calib, tune=True, tune_budget=args.budget, seed=args.seed,
+                            tune_folds=args.tune_folds)
         runs.append((f"FeatCal --tune ({crit})", cfg, kwargs))
     seen_accuracy: list[float] = []
     if args.candidate_accuracy:  # wrap the scorer: the search still ranks by the label-free score alone
@@ -101,7 +104,9 @@ def main() -> None:
         if tuning is not None:
             rec["chosen"] = tuning["chosen"]
             rec["candidates"] = tuning["candidates"]
-            if args.candidate_accuracy:
+            if args.candidate_accuracy and tuning["folds"] > 1:  # k models per candidate: no one accuracy
+                print("--candidate-accuracy needs one split (--tune-folds 1); not recorded", flush=True)
+            elif args.candidate_accuracy:
                 for c, acc_c in zip(rec["candidates"], seen_accuracy, strict=True):
                     c["test_accuracy_analysis_only"] = acc_c
                 rec["spearman_drift_vs_accuracy"] = _spearman([-c["drift"] for c in rec["candidates"]], seen_accuracy)
