@@ -21,6 +21,10 @@ scaling where the merge can be rebuilt, then ρ, λ, α), from the configured va
 the first candidate IS the configured setting, so the choice never scores worse on the held-out part.
 The chosen setting is then refit on ALL calibration examples by a plain calibration.
 
+Cross-fitting (`tune_folds` k ≥ 2; `auto`, the default, where one split would hold out ≤ 4 examples per task):
+each task's examples are dealt into k folds, a candidate is calibrated k times, each time without one fold,
+and every example is scored by the calibration that did not see it; the scores are pooled (combine_folds).
+
 Reuse: the experts' held-out features and predictions are computed once for all candidates. Statistics
 are not shared between candidates: past block 1 every block's statistics are taken on the chain calibrated
 with the candidate's own values, so the identity that makes α free (statistics.py) holds within one block
