@@ -176,7 +176,7 @@ def test_cross_fitted_candidates_are_scored_only_on_the_fold_they_were_not_fitte
 
     shown: list[torch.Tensor] = []
 
-    def head(model, batch):  # records what each candidate model is shown, and which examples fitted it
+    def head(model, batch):  # records every example it is shown, in order
         shown.extend(batch["pixel_values"])
         return model(**batch).pooler_output[:, :3]
 
@@ -197,10 +197,13 @@ def test_cross_fitted_candidates_are_scored_only_on_the_fold_they_were_not_fitte
             fold = folds[n % 2]
             assert _same_rows(_rows(call[t]), [rows[i] for i in range(6) if i not in fold])
         assert _same_rows(_rows(refit[t]), rows)
-    # the expert's references: every example once, then each candidate's two fits: every example once each
-    calib_rows = [r for b in data.values() for r in _rows(b)]
-    assert len(shown) == 12 * (1 + len(rec["candidates"]))
-    assert all(any(torch.equal(x, r) for r in calib_rows) for x in shown)
+    # what the heads were shown, in order: the experts' references (each task's folds), then for each candidate
+    # and fold k, fold k's examples of every task: each scored by the calibration that left fold k out
+    folds_of = {t: [[_rows(data[t])[i] for i in f] for f in rec["split"][t]["fold_indices"]] for t in data}
+    expected = [r for t in data for fold in folds_of[t] for r in fold]
+    for _ in rec["candidates"]:
+        expected += [r for k in range(2) for t in data for r in folds_of[t][k]]
+    assert _same_rows(shown, expected)
     for c in rec["candidates"]:  # the pooled score: mean over tasks of each task's mean over its 6 examples
         assert c["disagreement"] == pytest.approx(sum(1 - c["per_task"][t]["agreement"] for t in data) / 2)
         assert all(c["per_task"][t]["agreement"] * 6 == pytest.approx(round(c["per_task"][t]["agreement"] * 6))
