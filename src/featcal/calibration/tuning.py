@@ -132,6 +132,11 @@ def _task_seed(seed: int, task: str) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
+def _held_out_order(seed: int, task: str, n: int) -> torch.Tensor:
+    """The seeded order of a task's n examples that both the one split and the folds hold out from."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(_task_seed(seed, task)))
+
+
 def _batch_size(task: str, index: int, batch: Batch) -> int:
     sizes = {k: (int(v.shape[0]) if v.dim() else None) for k, v in batch.items()}
     if len(set(sizes.values())) != 1 or None in sizes.values():
@@ -180,7 +185,7 @@ def split_calibration(data: Mapping[str, list[Batch]], holdout: float, seed: int
     for t, batches in data.items():
         sizes, n = _task_sizes(t, batches, 2, "one to fit, one held out")
         n_held = one_split_held_out(n, holdout)
-        perm = torch.randperm(n, generator=torch.Generator().manual_seed(_task_seed(seed, t)))
+        perm = _held_out_order(seed, t, n)
         is_held = torch.zeros(n, dtype=torch.bool)
         is_held[perm[:n_held]] = True
         fit[t], held[t] = _cut(batches, sizes, is_held)
@@ -201,7 +206,7 @@ def split_folds(data: Mapping[str, list[Batch]], folds: int, seed: int) -> list[
     splits = [Split({}, {}, {}) for _ in range(folds)]
     for t, batches in data.items():
         sizes, n = _task_sizes(t, batches, folds, f"one per fold of tune_folds {folds}")
-        perm = torch.randperm(n, generator=torch.Generator().manual_seed(_task_seed(seed, t)))
+        perm = _held_out_order(seed, t, n)
         for k, split in enumerate(splits):
             chosen = perm[k::folds]
             is_held = torch.zeros(n, dtype=torch.bool)
@@ -624,10 +629,10 @@ def resolve_fixed(setting: str | tuple[str, ...], held_out: int) -> tuple[tuple[
 
 
 # tune_folds "auto" (the default): cross-fitting (2 folds) where one split would hold out at most AUTO_SOFT_MAX_HELD
-# examples of a task. Measured at 8 per task on the seven bench zoos (docs/tuning.md): never below the paper's
-# defaults (one split fell 1.0 and 0.9 points below them on text seed 2 and vision-real seed 2) and above one split
-# on six of the seven (vision-real seed 1: 73.8 against 75.1 % of the gap). From 5 held-out examples per task one
-# split runs, as measured at 32 and 256 per task.
+# examples of a task. Measured at 8 per task on nine bench zoos (docs/tuning.md): never below the paper's defaults
+# (one split fell 1.0 and 0.9 points below them on text seed 2 and vision-real seed 2) and above one split on eight
+# of the nine (vision-real seed 1: 73.8 against 75.1 % of the gap). From 5 held-out examples per task one split
+# runs, as measured at 32 and 256 per task.
 AUTO_FOLDS_SMALL = 2
 
 
