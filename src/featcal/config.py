@@ -449,6 +449,10 @@ class RunOptions(_Strict):
     allow_fewer: bool = Field(
         False, description="use all examples of a task holding fewer than num_calibration_examples (with a warning)"
     )
+    expert_kind: dict[str, Literal["full", "adapter"]] = Field(
+        default_factory=dict, description="task -> full or adapter: how to read an expert folder holding both full "
+        "weights and a LoRA / PEFT adapter (refused without it)"
+    )
 
     @field_validator("max_length")
     @classmethod
@@ -468,6 +472,14 @@ class RunConfig(RunOptions):
 
     def run_options(self) -> RunOptions:
         return RunOptions(**{k: getattr(self, k) for k in RunOptions.model_fields})
+
+
+def check_expert_kinds(kinds: Mapping[str, str], experts: Mapping[str, Any]) -> None:
+    """Every task named by `expert_kind` (--expert-kind NAME=KIND) must be an expert: a typo would leave the
+    folder it meant ambiguous."""
+    unknown = [t for t in kinds if t not in experts]
+    if unknown:
+        raise ConfigError(f"expert_kind names {unknown[0]!r}, which is not an expert (experts are {list(experts)})")
 
 
 def run_options(**values: Any) -> RunOptions:

@@ -568,7 +568,8 @@ def _base_source(base: nn.Module | str | os.PathLike, model: nn.Module, allow_pi
                             reader=adapter_reader(base, None, "base", allow_pickle))
 
 
-def _expert_model(task: str, expert: Any, base: Any, template: nn.Module, allow_pickle: bool) -> nn.Module:
+def _expert_model(task: str, expert: Any, base: Any, template: nn.Module, allow_pickle: bool,
+                  kind: str | None = None) -> nn.Module:
     """Expert t as a whole model for its held-out forwards (a path, LoRA adapter or GGUF file is read as
     calibrate reads it, into a copy of the merged model)."""
     if isinstance(expert, nn.Module):
@@ -576,7 +577,7 @@ def _expert_model(task: str, expert: Any, base: Any, template: nn.Module, allow_
     model = copy.deepcopy(template)
     label = f"expert {task!r}"
     src = CheckpointSource(expert, model, label, allow_pickle=allow_pickle,
-                           reader=adapter_reader(expert, base, label, allow_pickle))
+                           reader=adapter_reader(expert, base, label, allow_pickle, kind))
     held = [n for n, p in model.named_parameters(remove_duplicate=False) if src.shape(n) == tuple(p.shape)]
     load_into(model, held, src)
     return model.eval()
@@ -692,7 +693,7 @@ def calibrate_tuned(
     merged: Any, *, base: Any, experts: Mapping[str, Any], calibration: Mapping[str, Iterable[Any]],
     config: FeatCalConfig, heads: Mapping[str, Head] | None = None, merge_scaling: float | None = None,
     progress: bool = True, inplace: bool = False, allow_pickle: bool = False, keep_resume_state: bool = False,
-    check_finite: bool = True,
+    check_finite: bool = True, expert_kind: Mapping[str, str] | None = None,
 ) -> CalibrationResult:
     """Search, score on the held-out part, refit the choice on all data; see the module docstring.
 
@@ -760,10 +761,10 @@ def calibrate_tuned(
             m = start_model(s)
             out = core.calibrate_setting(m, base=base, experts=experts, calibration=split.fit, config=cfg,
                                          progress=False, inplace=m is not template, allow_pickle=allow_pickle,
-                                         check_finite=check_finite and first).model
+                                         check_finite=check_finite and first, expert_kind=expert_kind).model
             if first:  # the first calibration validated every input: now the experts' references, once
                 for t in experts:
-                    expert = _expert_model(t, experts[t], base, template, allow_pickle)
+                    expert = _expert_model(t, experts[t], base, template, allow_pickle, (expert_kind or {}).get(t))
                     if expert is not experts[t]:  # featcal's own copy (a caller's model is not moved)
                         expert.to(where)
                     for held_refs, held_split in zip(refs, splits, strict=True):
@@ -824,7 +825,7 @@ def calibrate_tuned(
         m, in_place = start_model(best, model if may_modify else copy.deepcopy(model)), True
     result = core.calibrate_setting(m, base=base, experts=experts, calibration=data, config=final_cfg,
                                     progress=progress, inplace=in_place, allow_pickle=allow_pickle,
-                                    keep_resume_state=keep_resume_state,
+                                    keep_resume_state=keep_resume_state, expert_kind=expert_kind,
                                     check_finite=False)  # every input was scanned by the first candidate
     refit_seconds = refit.seconds
     chosen = index_of[best]

@@ -90,8 +90,9 @@ class CheckpointReader:
         elif single.exists():
             self._files = {k: single for k in self._handle(single).keys()}
         else:
-            others = sorted(p.name for p in self.path.glob("*.safetensors"))
-            if others:  # non-standard single-file name
+            # a non-standard single-file name; never a LoRA adapter's weights beside them (io/lora.py)
+            others = sorted(p.name for p in self.path.glob("*.safetensors") if not p.name.startswith("adapter_model"))
+            if others:
                 for name in others:
                     f = self.path / name
                     self._files.update({k: f for k in self._handle(f).keys()})

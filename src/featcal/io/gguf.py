@@ -40,7 +40,7 @@ def gguf_file(path: Any) -> Path | None:
     p = Path(path).expanduser()
     if p.is_file() and p.suffix.lower() == ".gguf":
         return p
-    if not p.is_dir() or any(p.glob("*.safetensors")):
+    if not p.is_dir() or any(not f.name.startswith("adapter_model") for f in p.glob("*.safetensors")):
         return None
     found = sorted(f for f in p.iterdir() if f.is_file() and f.suffix.lower() == ".gguf")
     if len(found) > 1:

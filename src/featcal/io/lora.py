@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from featcal.errors import CheckpointError
+from featcal.errors import CheckpointError, ConfigError
 from featcal.io.layouts import RenamedSource
 
 log = logging.getLogger(__name__)
@@ -53,12 +53,70 @@ _LORA_KEY = re.compile(r"^(?P<module>.+)\.(?P<kind>lora_A|lora_B|lora_embedding_
 _LORA_EMBEDDING_KEY = re.compile(r"^(?P<module>.+)\.(?P<kind>lora_embedding_A|lora_embedding_B)(?:\.[^.]+)?$")
 
 
+EXPERT_KINDS = ("full", "adapter")  # --expert-kind NAME=KIND: how a folder holding both is read
+_FULL_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                 "pytorch_model.bin.index.json")
+
+
 def is_adapter_dir(path: Any) -> bool:
     """A local folder holding a PEFT adapter (its config file is what marks it)."""
     if not isinstance(path, (str, Path)):
         return False
     p = Path(path).expanduser()
     return p.is_dir() and (p / ADAPTER_CONFIG).is_file()
+
+
+def full_weight_files(path: Any) -> list[str]:
+    """The files of a folder that hold a whole model's weights (not the adapter's, nor a Trainer's
+    `training_args.bin` / `optimizer.pt`): what a checkpoint reader would read instead of the adapter."""
+    if not isinstance(path, (str, Path)) or not Path(path).expanduser().is_dir():
+        return []
+    found = []
+    for f in sorted(Path(path).expanduser().iterdir()):
+        if not f.is_file() or f.name.startswith("adapter_model"):
+            continue
+        if f.name in _FULL_WEIGHTS or f.suffix.lower() in (".safetensors", ".gguf"):
+            found.append(f.name)
+    return found
+
+
+def reads_as_adapter(path: Any, label: str, kind: str | None = None, *, may_be_adapter: bool = True) -> bool:
+    """Whether input `path` is read as a LoRA adapter over the base (else as a checkpoint of its own).
+
+    The one place merge and calibrate decide it. A folder holding an adapter AND full weights (PEFT's
+    `merge_and_unload()` saved beside the adapter, a hub repo shipping both) is ambiguous: the two readings
+    give different experts, so it is refused unless `kind` ("full" / "adapter", --expert-kind NAME=KIND)
+    says which. `may_be_adapter=False` (the base, the merged model): such a folder is read as its full
+    weights, the only reading a model that is no expert has; featcal.json says so (`kind_record`).
+    """
+    if kind is not None and kind not in EXPERT_KINDS:
+        raise ConfigError(f"{label}: expert kind {kind!r} is not one of {', '.join(EXPERT_KINDS)}")
+    adapter = is_adapter_dir(path)
+    full = full_weight_files(path) if adapter else []
+    if kind == "adapter" and not adapter:
+        raise ConfigError(f"{label}: --expert-kind adapter, but {path} holds no {ADAPTER_CONFIG}")
+    if kind == "full" and adapter and not full:
+        raise ConfigError(f"{label}: --expert-kind full, but {path} holds only a LoRA/PEFT adapter, no full weights")
+    if not adapter or kind == "adapter":
+        return adapter
+    if not full:
+        return True  # an adapter only (where a model is needed, the caller refuses it)
+    if kind == "full" or not may_be_adapter:
+        return False
+    name = label.removeprefix("expert ").strip("'")
+    raise CheckpointError(
+        f"{label}: {path} holds both full weights ({', '.join(full)}) and a LoRA/PEFT adapter ({ADAPTER_CONFIG}); "
+        f"featcal cannot tell which is the expert: pass --expert-kind {name}=full or {name}=adapter "
+        "(expert_kind in a run file, featcal.merge or featcal.calibrate)"
+    )
+
+
+def kind_record(path: Any, as_adapter: bool) -> dict[str, Any]:
+    """What featcal.json says of how an input folder holding adapter files was read ({} for any other)."""
+    if as_adapter or not is_adapter_dir(path):
+        return {}
+    return {"read_as_kind": "full", "not_applied": sorted(
+        f.name for f in Path(path).expanduser().iterdir() if f.name == ADAPTER_CONFIG or f.name.startswith("adapter_model"))}
 
 
 def _pattern_key(patterns: Mapping[str, Any], module: str) -> str | None:

