@@ -162,3 +162,61 @@ def test_calibrate_and_run_refuse_the_ambiguous_folder_and_take_expert_kind(llam
     assert main(["run", str(tmp_path / "run.yaml"), "--no-progress"]) == 0
     report = json.loads((tmp_path / "run" / "featcal.json").read_text())
     assert report["inputs"]["experts"]["a"]["lora_adapter"] is True
+
+
+# --- adapter configs: strict types, valid and bounded patterns ---------------------------------------------
+def _adapter_with(llama, tmp_path, name, **config):
+    d = tmp_path / name
+    shutil.copytree(llama["adapter"], d)
+    cfg = json.loads((d / "adapter_config.json").read_text())
+    cfg.update(config)
+    (d / "adapter_config.json").write_text(json.dumps(cfg))
+    return d
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"lora_alpha": "16"}, "lora_alpha is '16'"),
+    ({"lora_alpha": None}, "lora_alpha is None"),
+    ({"r": True}, "no valid rank r (True)"),
+    ({"use_rslora": "false"}, "use_rslora is 'false'"),
+    ({"fan_in_fan_out": 1}, "fan_in_fan_out is 1"),
+    ({"target_modules": "q_proj(("}, "target_modules 'q_proj((' is not a valid regular expression"),
+    ({"target_modules": [1, 2]}, "target_modules is [1, 2]"),
+    ({"rank_pattern": {"q_proj[": 2}}, "rank_pattern key 'q_proj[' is not a valid regular expression"),
+    ({"alpha_pattern": {"(": 2}}, "alpha_pattern key '(' is not a valid regular expression"),
+    ({"rank_pattern": {"q_proj": True}}, "rank_pattern['q_proj'] is True"),
+    ({"rank_pattern": ["q_proj"]}, "rank_pattern is a list"),
+])
+def test_adapter_config_values_of_the_wrong_type_are_one_line(llama, tmp_path, capsys, config, message):
+    d = _adapter_with(llama, tmp_path, "bad", **config)
+    out = tmp_path / "out"
+    rc = main(["merge", "--base", str(llama["base"]), "--expert", f"a={d}", "--out", str(out), "--no-progress"])
+    err = _one_line_error(capsys)
+    assert rc == 2 and message in err and str(d) in err
+    assert not out.exists()
+
+
+def test_an_adapter_config_holding_a_list_or_nested_deep_is_one_line(llama, tmp_path, capsys):
+    for name, text in (("list", "[1, 2]"), ("deep", "[" * 100_000 + "]" * 100_000)):
+        d = _adapter_with(llama, tmp_path, name)
+        (d / "adapter_config.json").write_text(text)
+        rc = main(["merge", "--base", str(llama["base"]), "--expert", f"a={d}", "--out", str(tmp_path / "o"),
+                   "--no-progress"])
+        err = _one_line_error(capsys)
+        assert rc == 2 and "adapter_config.json" in err
+
+
+def test_a_catastrophically_backtracking_pattern_is_refused_in_bounded_time(llama, tmp_path, capsys):
+    """`(.|.|..)+\\d` against `model.layers.0.self_attn.q_proj` never ends under `re`; featcal gives up after
+    its bound and says why."""
+    import time
+
+    for config in ({"target_modules": r"(.|.|..)+\d"}, {"rank_pattern": {r"(.|.|..)+\d": 2}}):
+        d = _adapter_with(llama, tmp_path, "redos" + str(len(config["rank_pattern"]) if "rank_pattern" in config else ""),
+                          **config)
+        start = time.monotonic()
+        rc = main(["merge", "--base", str(llama["base"]), "--expert", f"a={d}", "--out", str(tmp_path / "o"),
+                   "--no-progress"])
+        assert time.monotonic() - start < 20
+        err = _one_line_error(capsys)
+        assert rc == 2 and "backtracks catastrophically" in err
