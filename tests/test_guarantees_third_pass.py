@@ -220,3 +220,138 @@ def test_a_catastrophically_backtracking_pattern_is_refused_in_bounded_time(llam
         assert time.monotonic() - start < 20
         err = _one_line_error(capsys)
         assert rc == 2 and "backtracks catastrophically" in err
+
+
+# --- 3. configs that disagree with the base; 5./6. crafted GGUF headers ------------------------------------
+def _with_config(src, dst, **changes):
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(changes)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.mark.parametrize("changes, field", [
+    ({"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 4}, "num_attention_heads is 8 but"),
+    ({"rope_theta": 500000.0}, "rope_theta is 500000.0"),
+    ({"rms_norm_eps": 1e-3}, "rms_norm_eps is 0.001 but the base has 1e-06"),
+    ({"max_position_embeddings": 4096}, "max_position_embeddings is 4096 but the base has 64"),
+    ({"hidden_act": "gelu"}, "hidden_act is 'gelu' but the base has 'silu'"),
+])
+def test_an_expert_whose_config_defines_another_architecture_is_refused(llama, tmp_path, capsys, changes, field):
+    """Same tensor names and shapes, another computation: refused by merge and calibrate, naming the field and
+    both values, before any work."""
+    odd = _with_config(llama["full"], tmp_path / "odd", **changes)
+    out = tmp_path / "out"
+    assert main(["merge", "--base", str(llama["base"]), "--expert", f"a={odd}", "--out", str(out),
+                 "--no-progress"]) == 2
+    err = _one_line_error(capsys)
+    assert field in err and str(odd) in err and not out.exists()
+    merged = tmp_path / "merged"
+    merge(llama["base"], {"a": llama["full"]}, out=merged, progress=False)
+    assert main(["calibrate", "--base", str(llama["base"]), "--merged", str(merged), "--expert", f"a={odd}",
+                 "--calib", f"a={_texts(tmp_path / 'a.jsonl')}", "--out", str(out), "--no-progress"]) == 2
+    assert field.split(" but")[0] in _one_line_error(capsys) and not out.exists()
+
+
+def test_config_fields_that_may_differ_are_accepted(llama, tmp_path):
+    """A head's labels, dropout, initialisation, token ids, use_cache, names and versions change nothing the
+    weights compute."""
+    odd = _with_config(llama["full"], tmp_path / "odd", id2label={"0": "neg", "1": "pos"},
+                       label2id={"neg": 0, "pos": 1}, attention_dropout=0.1, initializer_range=0.5, use_cache=False,
+                       pad_token_id=3, _name_or_path="someone/else", transformers_version="4.40.0")
+    got = merge(llama["base"], {"a": odd}, scaling=0.5, progress=False)
+    want = merge(llama["base"], {"a": llama["full"]}, scaling=0.5, progress=False)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def _write_gguf(model, path, *, heads=None, kv=None, hidden=None, blocks=None, short_tensor=None):
+    """`model` (a tiny LlamaForCausalLM) as a float32 GGUF; the keyword arguments forge its header or a tensor."""
+    import numpy as np
+
+    gguf = pytest.importorskip("gguf")
+    cfg = model.config
+
+    def permute(w, n):
+        return w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(hidden or cfg.hidden_size)
+    w.add_block_count(blocks or cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(heads or cfg.num_attention_heads)
+    w.add_head_count_kv(kv or cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(10000.0)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_tokenizer_model("llama")
+    tokens = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(cfg.vocab_size - 3)]
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * len(tokens))
+    w.add_token_types([2, 3, 3] + [1] * (len(tokens) - 3))
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.num_hidden_layers)
+    for key, value in model.state_dict().items():
+        a = value.detach().float().numpy()
+        module, suffix = key.rsplit(".", 1)
+        if key.endswith("q_proj.weight"):
+            a = permute(a, heads or cfg.num_attention_heads)
+        elif key.endswith("k_proj.weight"):
+            a = permute(a, kv or cfg.num_key_value_heads)
+        if key == short_tensor:
+            a = a[:-1]
+        w.add_tensor(f"{names.get_name(module)}.{suffix}", np.ascontiguousarray(a))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_crafted_gguf_headers_are_refused_by_merge_before_anything_is_built(llama, tmp_path, capsys):
+    """A GGUF expert whose header disagrees with the base (a head count that would un-permute q/k otherwise, a
+    width that would build a 16384-wide model), claims 100000 blocks, or holds a tensor of the wrong shape:
+    one line each, quickly, small memory."""
+    import time
+
+    import transformers as T
+
+    expert = T.LlamaForCausalLM.from_pretrained(llama["full"])
+    capsys.readouterr()  # its loading bar
+    cases = {
+        "heads": ({"heads": 8, "kv": 4}, "num_attention_heads is 8 but the base has 4"),
+        "wide": ({"hidden": 16384}, "hidden_size is 16384 but the base has 32"),
+        "blocks": ({"blocks": 100000}, "claims 100000 blocks in its header but holds tensors of 2"),
+        "shape": ({"short_tensor": "model.layers.0.mlp.up_proj.weight"},
+                  "holds 'model.layers.0.mlp.up_proj.weight' with shape (63, 32)"),
+    }
+    for name, (forge, message) in cases.items():
+        path = _write_gguf(expert, tmp_path / f"{name}.gguf", **forge)
+        start = time.monotonic()
+        rc = main(["merge", "--base", str(llama["base"]), "--expert", f"a={path}", "--out", str(tmp_path / "o"),
+                   "--no-progress"])
+        err = _one_line_error(capsys)
+        assert rc == 2 and message in err, (name, err)
+        assert time.monotonic() - start < 30, name
+    good = _write_gguf(expert, tmp_path / "good.gguf")
+    got = merge(llama["base"], {"a": good}, scaling=1.0, progress=False)
+    want = merge(llama["base"], {"a": llama["full"]}, scaling=1.0, progress=False)
+    assert all(torch.allclose(got[k], want[k], atol=1e-6) for k in want)
+
+
+def test_a_gguf_header_that_cannot_be_parsed_is_named_as_such(llama, tmp_path, capsys):
+    """An entry claiming 2**40 bytes: transformers says 'not a valid JSON file'; featcal says what it is."""
+    import struct
+
+    import transformers as T
+
+    path = _write_gguf(T.LlamaForCausalLM.from_pretrained(llama["full"]), tmp_path / "long.gguf")
+    data = bytearray(path.read_bytes())
+    at = data.find(b"llama.context_length") - 8  # its key's length field, then the key: patch the key length
+    struct.pack_into("<Q", data, at, 1 << 40)
+    path.write_bytes(bytes(data))
+    capsys.readouterr()  # the loading bar
+    assert main(["merge", "--base", str(llama["base"]), "--expert", f"a={path}", "--out", str(tmp_path / "o"),
+                 "--no-progress"]) == 2
+    err = _one_line_error(capsys)
+    assert "GGUF header" in err and "cannot be parsed" in err and "JSON" not in err

@@ -57,6 +57,7 @@ from featcal.io.sources import UnmappedReader
 from featcal.io.validate import (
     check_finite_state,
     check_same_config,
+    check_same_fields,
     check_same_tensors,
     scan_finite,
 )
@@ -157,6 +158,7 @@ def _check_same_tensors(inputs: Mapping[str, Path], reference: str, allow_pickle
             pair[label] = vocab_rows_view(pair[reference], reference, label, pair[label])  # grown vocabularies
             check_same_config(pair[reference], label, pair[label], what=label, reference=f"the {reference} model")
             check_same_tensors(pair[reference], label, pair[label], what=label, reference=f"the {reference} model")
+            check_same_fields(pair[reference], label, pair[label], what=label, reference=f"the {reference} model")
             del pair
 
 
