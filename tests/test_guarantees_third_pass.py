@@ -355,3 +355,79 @@ def test_a_gguf_header_that_cannot_be_parsed_is_named_as_such(llama, tmp_path, c
                  "--no-progress"]) == 2
     err = _one_line_error(capsys)
     assert "GGUF header" in err and "cannot be parsed" in err and "JSON" not in err
+
+
+# --- 2. grown vocabularies: the tokenizers are compared ----------------------------------------------------
+def _grown_expert(base_dir, directory, rows: int, added: list[str] | None, *, tokenizer=None, seed: int = 0):
+    import transformers as T
+
+    model = perturbed(T.LlamaForCausalLM.from_pretrained(base_dir), 300 + seed)
+    model.resize_token_embeddings(rows)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(seed)
+        model.get_input_embeddings().weight[100:] = torch.randn(rows - 100, 32, generator=g)
+        model.get_output_embeddings().weight[100:] = torch.randn(rows - 100, 32, generator=g)
+    model.save_pretrained(directory)
+    if tokenizer is None:
+        tokenizer = T.AutoTokenizer.from_pretrained(base_dir)
+        tokenizer.add_tokens(added)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def vocab_base(tmp_path_factory):
+    """A 100-row Llama base whose tokenizer defines all 100 ids (3 specials and 97 words)."""
+    root = tmp_path_factory.mktemp("vocab")
+    base = root / "base"
+    tiny_model("llama").save_pretrained(base)
+    word_tokenizer([f"w{i}" for i in range(97)], eos=False).save_pretrained(base)
+    return base
+
+
+def test_experts_adding_different_tokens_at_the_same_ids_are_refused(vocab_base, tmp_path, capsys):
+    a = _grown_expert(vocab_base, tmp_path / "a", 104, ["<a0>", "<a1>", "<a2>", "<a3>"], seed=1)
+    b = _grown_expert(vocab_base, tmp_path / "b", 104, ["<b0>", "<b1>", "<b2>", "<b3>"], seed=2)
+    out = tmp_path / "out"
+    capsys.readouterr()
+    assert main(["merge", "--base", str(vocab_base), "--expert", f"a={a}", "--expert", f"b={b}", "--out", str(out),
+                 "--no-progress"]) == 2
+    err = _one_line_error(capsys)
+    assert "'<b0>' at id 100 but expert 'a' has '<a0>'" in err and "different tokens at the same ids" in err
+    assert not out.exists()
+
+
+def test_an_expert_ordering_the_base_tokens_differently_is_refused(vocab_base, tmp_path, capsys):
+    """Its shared rows are merged by the base's ids: a reordered tokenizer would make them other tokens' rows."""
+    import transformers as T
+
+    words = [f"w{i}" for i in range(97)]
+    reordered = word_tokenizer(words[1:] + ["zz"], eos=False)  # every word one id off
+    reordered.add_tokens(["<x0>", "<x1>", "<x2>", "<x3>"])
+    assert T.AutoTokenizer.from_pretrained(vocab_base).get_vocab() != reordered.get_vocab()
+    d = _grown_expert(vocab_base, tmp_path / "r", 104, None, tokenizer=reordered)
+    out = tmp_path / "out"
+    capsys.readouterr()
+    assert main(["merge", "--base", str(vocab_base), "--expert", f"r={d}", "--out", str(out), "--no-progress"]) == 2
+    err = _one_line_error(capsys)
+    assert "orders the base's tokens differently" in err and not out.exists()
+
+
+def test_the_output_tokenizer_holds_every_token_the_experts_add(vocab_base, tmp_path, capsys):
+    """Two experts of 104 rows, one adding 2 tokens, the other the same 2 and 2 more: the output takes the
+    tokenizer holding all 4, whichever comes first; when none holds them all, the merge is refused."""
+    import transformers as T
+
+    a = _grown_expert(vocab_base, tmp_path / "a", 104, ["<t0>", "<t1>"], seed=1)
+    b = _grown_expert(vocab_base, tmp_path / "b", 104, ["<t0>", "<t1>", "<t2>", "<t3>"], seed=2)
+    out = tmp_path / "out"
+    merge(vocab_base, {"a": a, "b": b}, out=out, progress=False)
+    assert len(T.AutoTokenizer.from_pretrained(out)) == 104
+    assert json.loads((out / "featcal.json").read_text())["vocabulary"]["tokenizer_from"] == "expert 'b'"
+    c = _grown_expert(vocab_base, tmp_path / "c", 104, ["<t0>", "<t1>", "<t2>"], seed=3)
+    d = _grown_expert(vocab_base, tmp_path / "d", 103, ["<t0>", "<t1>", "<t2>"], seed=4)
+    e = _grown_expert(vocab_base, tmp_path / "e", 104, ["<t0>", "<t1>"], seed=5)
+    with pytest.raises(CheckpointError, match="no tokenizer of the 104 rows holds every token"):
+        merge(vocab_base, {"e": e, "d": d}, progress=False)
+    merge(vocab_base, {"e": e, "c": c}, out=tmp_path / "out2", progress=False)  # c holds what e adds
+    assert len(T.AutoTokenizer.from_pretrained(tmp_path / "out2")) == 103
