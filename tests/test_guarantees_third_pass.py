@@ -431,3 +431,27 @@ def test_the_output_tokenizer_holds_every_token_the_experts_add(vocab_base, tmp_
         merge(vocab_base, {"e": e, "d": d}, progress=False)
     merge(vocab_base, {"e": e, "c": c}, out=tmp_path / "out2", progress=False)  # c holds what e adds
     assert len(T.AutoTokenizer.from_pretrained(tmp_path / "out2")) == 103
+
+
+def test_a_grown_expert_merges_and_calibrates_when_vocab_size_equals_the_hidden_size(tmp_path):
+    """vocab_size 32 = hidden_size 32: the square projections and norms are no vocabulary tensors."""
+    import transformers as T
+
+    cfg = T.LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    base = T.LlamaForCausalLM(cfg).eval()
+    base.save_pretrained(tmp_path / "base")
+    expert = perturbed(base, 1)
+    expert.resize_token_embeddings(40, mean_resizing=False)
+    expert.save_pretrained(tmp_path / "e")
+    merged = merge(tmp_path / "base", {"a": tmp_path / "e", "b": tmp_path / "base"}, out=tmp_path / "m",
+                   progress=False)
+    assert merged["model.embed_tokens.weight"].shape == (40, 32)
+    assert merged["model.layers.0.self_attn.q_proj.weight"].shape == (32, 32)
+    from featcal.calibration.api import calibrate
+
+    ids = torch.randint(0, 32, (4, 6), generator=torch.Generator().manual_seed(0))
+    model = T.LlamaForCausalLM.from_pretrained(tmp_path / "m")
+    calibrate(model, base=str(tmp_path / "base"), experts={"a": str(tmp_path / "e"), "b": str(tmp_path / "base")},
+              calibration={"a": [{"input_ids": ids}], "b": [{"input_ids": ids}]}, progress=False)

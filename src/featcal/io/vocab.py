@@ -4,8 +4,8 @@ Why: fine-tunes often add tokens (chat templates, padding to a multiple of 64); 
 experts carry 128320 rows against their base's 128256. Such experts cannot be merged row for row, yet
 every row the base has is an ordinary fine-tune of it. So:
 
-- the vocabulary tensors are the floating tensors whose first dimension is the base config's
-  `vocab_size` (embeddings, LM head, its bias); an expert may hold more rows in all of them (the
+- the vocabulary tensors are the parameters of the model's input and output embeddings (the LM head and
+  its bias), as its class names them, with the base config's `vocab_size` rows; an expert may hold more rows in all of them (the
   same number in each, the other dimensions equal to the base's). Fewer rows than the base, another
   hidden size, or rows that disagree between the tensors of one expert are refused before any work;
 - the method merges the base's rows: each grown expert is read through `RowsView`, which shows its
@@ -67,16 +67,59 @@ def _set_vocab_size(config: dict, rows: int) -> dict:
 
 
 def vocab_tensors(source: Any) -> list[str]:
-    """The floating tensors of `source` with one row per token of its config's vocabulary."""
+    """The floating tensors of `source` with one row per token of its config's vocabulary: those of the model's
+    input and output embeddings (as its transformers class names them), or, for a class that cannot be built,
+    every floating tensor with `vocab_size` rows. The shape alone is not enough: where `vocab_size` equals a
+    hidden size, square projections and norms would count as vocabulary tensors."""
     vocab = config_vocab_size(source.config)
     if vocab is None:
         return []
+    embeddings = embedding_names(source.config)
     names = []
     for name in sorted(source.keys()):
         shape, dtype = source.meta(name)
         if dtype.is_floating_point and len(shape) >= 1 and shape[0] == vocab:
-            names.append(name)
+            if embeddings is None or any(_same_name(name, e) for e in embeddings):
+                names.append(name)
     return names
+
+
+def _same_name(key: str, name: str) -> bool:
+    """A checkpoint key and a model parameter name for one tensor (saved with or without the head's prefix)."""
+    return key == name or key.endswith("." + name) or name.endswith("." + key)
+
+
+_EMBEDDINGS: dict[str, frozenset[str] | None] = {}
+
+
+def embedding_names(config: Mapping[str, Any]) -> frozenset[str] | None:
+    """Every name (tied aliases included) of the parameters of the model's input and output embeddings, from
+    a model of the config's class on the meta device; None when the class cannot be built or says nothing."""
+    from featcal.io.layouts import _template
+
+    key = json.dumps(config, sort_keys=True, default=str)
+    if key not in _EMBEDDINGS:
+        if len(_EMBEDDINGS) >= 32:
+            _EMBEDDINGS.clear()
+        _EMBEDDINGS[key] = _embedding_names(_template(dict(config)))
+    return _EMBEDDINGS[key]
+
+
+def _embedding_names(model: torch.nn.Module | None) -> frozenset[str] | None:
+    if model is None:
+        return None
+    modules = []
+    for get in ("get_input_embeddings", "get_output_embeddings"):
+        try:
+            found = getattr(model, get)()
+        except Exception:  # not implemented by this class
+            found = None
+        if isinstance(found, torch.nn.Module):
+            modules.append(found)
+    names = {f"{prefix}.{p}" if prefix else p
+             for prefix, module in model.named_modules(remove_duplicate=False) if any(module is m for m in modules)
+             for p, _ in module.named_parameters(recurse=False)}
+    return frozenset(names) or None
 
 
 def _where(source: Any) -> str:
@@ -372,7 +415,10 @@ class PaddedRows:
         self.label = source.label
         self._params = dict(model.named_parameters(remove_duplicate=False))
         self.padded: list[str] = []
+        embeddings = _embedding_names(model)  # not a square projection where vocab_size is a hidden size
         for name, p in self._params.items():
+            if embeddings is not None and name not in embeddings:
+                continue
             got = source.shape(name)
             if got is not None and p.dim() >= 1 and len(got) == p.dim() and got[0] < p.shape[0] \
                     and tuple(got[1:]) == tuple(p.shape[1:]):  # scalars (CLIP logit_scale) have no rows
