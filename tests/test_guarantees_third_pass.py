@@ -455,3 +455,109 @@ def test_a_grown_expert_merges_and_calibrates_when_vocab_size_equals_the_hidden_
     model = T.LlamaForCausalLM.from_pretrained(tmp_path / "m")
     calibrate(model, base=str(tmp_path / "base"), experts={"a": str(tmp_path / "e"), "b": str(tmp_path / "base")},
               calibration={"a": [{"input_ids": ids}], "b": [{"input_ids": ids}]}, progress=False)
+
+
+# --- 4. --overwrite never deletes what the run reads or writes; --tune options and heads -------------------
+@pytest.fixture(scope="module")
+def llama_merged(llama, tmp_path_factory):
+    root = tmp_path_factory.mktemp("merged")
+    merged = root / "merged"
+    merge(llama["base"], {"a": llama["full"]}, scaling=0.5, out=merged, progress=False)
+    return merged, _texts(root / "a.jsonl")
+
+
+def _head(path, in_features=32, classes=3, nan=False):
+    from featcal.blocks.heads import LinearHead
+
+    head = LinearHead(in_features, classes)
+    if nan:
+        with torch.no_grad():
+            head.weight[0, 0] = float("nan")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    head.save(path)
+    return path
+
+
+def _calibrate_argv(llama, merged, calib, out, *extra):
+    return ["calibrate", "--base", str(llama["base"]), "--merged", str(merged), "--expert", f"a={llama['full']}",
+            "--calib", f"a={calib}", "--out", str(out), "--no-progress", "--num-calibration-examples", "8",
+            "--calibration-batch-size", "4", *extra]
+
+
+def test_overwrite_never_deletes_a_head_or_a_spill_dir_inside_the_output(llama, llama_merged, tmp_path, capsys):
+    import yaml
+
+    merged, calib = llama_merged
+    out = tmp_path / "out"
+    assert main(_calibrate_argv(llama, merged, calib, out)) == 0  # an output featcal wrote: --overwrite may replace it
+    head = _head(out / "heads" / "a.safetensors")
+    capsys.readouterr()
+    assert main(_calibrate_argv(llama, merged, calib, out, "--overwrite", "--tune", f"--tune-head=a={head}")) == 2
+    err = _one_line_error(capsys)
+    assert "head of task 'a'" in err and head.is_file()
+    spill = out / "spill"
+    spill.mkdir()
+    (spill / "mine.txt").write_text("the user's")
+    assert main(_calibrate_argv(llama, merged, calib, out, "--overwrite", "--spill-dir", str(spill))) == 2
+    assert "spill directory" in _one_line_error(capsys) and (spill / "mine.txt").is_file() and head.is_file()
+    run = {"merge": {"base": str(llama["base"]), "experts": {"a": str(llama["full"])}},
+           "calibrate": {"calibration": {"a": str(calib)}, "heads": {"a": str(head)},
+                         "config": {"num_calibration_examples": 8, "tune": True}},
+           "out": str(out), "overwrite": True}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(run))
+    assert main(["run", str(tmp_path / "run.yaml"), "--no-progress"]) == 2
+    assert "head of task 'a'" in _one_line_error(capsys) and head.is_file()
+    run["calibrate"] = {"calibration": {"a": str(calib)}, "config": {"num_calibration_examples": 8,
+                                                                    "spill_dir": str(spill)}}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(run))
+    assert main(["run", str(tmp_path / "run.yaml"), "--no-progress"]) == 2
+    assert "spill directory" in _one_line_error(capsys) and (spill / "mine.txt").is_file()
+
+
+def test_tune_options_without_tune_are_refused(llama, llama_merged, tmp_path, capsys):
+    import yaml
+
+    merged, calib = llama_merged
+    for flag in (["--tune-budget", "5"], ["--tune-folds", "2"], ["--tune-head-pooling", "mean"]):
+        assert main(_calibrate_argv(llama, merged, calib, tmp_path / "out", *flag)) == 2
+        err = _one_line_error(capsys)
+        assert "without tune" in err and flag[0][2:].replace("-", "_") in err
+    run = {"merge": {"base": str(llama["base"]), "experts": {"a": str(llama["full"])}},
+           "calibrate": {"calibration": {"a": str(calib)}, "config": {"tune_holdout": 0.3}}, "out": str(tmp_path / "r")}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(run))
+    assert main(["run", str(tmp_path / "run.yaml"), "--no-progress"]) == 2
+    assert "tune_holdout given without tune" in _one_line_error(capsys)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("head, message", [
+    ({"in_features": 16}, "reads 16 features but the model's pooled output has 32"),
+    ({"classes": 0}, "it has no class"),
+    ({"nan": True}, "NaN or Inf"),
+])
+def test_a_head_that_cannot_score_is_refused_before_any_model_loads(llama, llama_merged, tmp_path, capsys,
+                                                                     monkeypatch, head, message):
+    import featcal.calibration.pipeline as pipeline
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("a model was loaded before the head was checked")
+
+    monkeypatch.setattr(pipeline, "load_model", no_work)
+    merged, calib = llama_merged
+    path = _head(tmp_path / "head.safetensors", **head)
+    assert main(_calibrate_argv(llama, merged, calib, tmp_path / "out", "--tune", f"--tune-head=a={path}")) == 2
+    assert message in _one_line_error(capsys) and not (tmp_path / "out").exists()
+
+
+def test_tune_trusts_a_merges_scaling_only_when_its_files_are_the_ones_recorded(llama, tmp_path):
+    from featcal.calibration.tuning import merge_scaling_from_report
+
+    merged = tmp_path / "merged"
+    merge(llama["base"], {"a": llama["full"]}, scaling=0.5, out=merged, progress=False)
+    scaling, why = merge_scaling_from_report(merged, llama["base"], {"a": llama["full"]})
+    assert scaling == 0.5
+    weights = load_file(merged / "model.safetensors")
+    weights["model.norm.weight"] = weights["model.norm.weight"] * 2  # edited after the merge
+    save_file(weights, merged / "model.safetensors", metadata={"format": "pt"})
+    scaling, why = merge_scaling_from_report(merged, llama["base"], {"a": llama["full"]})
+    assert scaling is None and "not those its featcal.json records" in why

@@ -386,6 +386,15 @@ class FeatCalConfig(_Strict):
         return v
 
     @model_validator(mode="after")
+    def _tune_options_need_tune(self) -> FeatCalConfig:
+        """The tune_* options only change how the search runs: given without `tune`, they would be ignored."""
+        given = sorted(f for f in self.model_fields_set if f.startswith("tune_"))
+        if given and not self.tune:
+            raise ValueError(f"{', '.join(given)} given without tune: they only change how tune searches, so they "
+                             "would be ignored; add tune (--tune, tune: true) or drop them")
+        return self
+
+    @model_validator(mode="after")
     def _one_way_to_hold_out(self) -> FeatCalConfig:
         """Cross-fitting holds every example out once: a held-out fraction beside it would be silently ignored."""
         if self.tune_folds != "auto" and self.tune_folds > 1 and self.tune_holdout != DEFAULT_TUNE_HOLDOUT:

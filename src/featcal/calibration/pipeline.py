@@ -215,6 +215,7 @@ def check_calibration_inputs(
     progress: bool = False,
     check_device: bool = True,
     expert_kind: Mapping[str, str] | None = None,
+    heads: Mapping[str, str | Path] | None = None,
 ) -> CheckedInputs:
     """Every check that needs no model loaded, cheapest first; raises a FeatCalError naming the culprit.
 
@@ -223,7 +224,8 @@ def check_calibration_inputs(
     shapes, the config loads without custom code, each task's data exists and fits the model's
     modality and size, and (`check_finite`) no checkpoint holds NaN/Inf. `merged=None` checks
     everything but the merged model, against the base (what `featcal run` does before merging).
-    `expert_kind`: task -> full / adapter, for expert folders holding both (refused without it).
+    `expert_kind`: task -> full / adapter, for expert folders holding both (refused without it). `heads`
+    (--tune-head files) and the spill directory must not lie in the output either: replacing it would delete them.
     """
     tasks = check_task_names(experts, calibration_sources)
     expert_kind = dict(run_options(expert_kind=expert_kind or {}).expert_kind)
@@ -239,8 +241,10 @@ def check_calibration_inputs(
         inputs = {"merged": merged_dir, **inputs}
     reference = "merged" if merged_dir is not None else "base"
     _check_same_architecture(inputs, reference, kinds)
-    refuse_output_over_inputs(out_path, {**inputs, **{f"calibration data {t!r}": calibration_sources[t] for t in tasks}})
+    refuse_output_over_inputs(out_path, {**inputs, **{f"calibration data {t!r}": calibration_sources[t] for t in tasks},
+                                         **{f"head of task {t!r}": h for t, h in (heads or {}).items()}})
     check_resume_dir(config, out_path, inputs)
+    check_spill_dir(config, out_path, inputs)
     check_replaceable(out_path, overwrite)
     _check_same_tensors(inputs, reference, allow_pickle, kinds)
     if reference == "base" and _input_kind("base", base_dir, kinds).get("dequantised_from_gguf"):  # no tokenizer files to check with
@@ -277,6 +281,27 @@ def check_resume_dir(config: FeatCalConfig, out: Path, inputs: Mapping[str, Path
             where = "is" if state == d else "lies inside"
             raise ConfigError(f"the resume directory {config.resume_dir} {where} the {label} directory {d}; "
                               "choose another --resume-dir")
+
+
+def check_spill_dir(config: FeatCalConfig, out: Path, inputs: Mapping[str, Path]) -> None:
+    """A `--spill-dir` must not be (or lie inside) the output, which replacing would delete with the chains
+    in it, nor a checkpoint featcal reads."""
+    if config.spill_dir is None:
+        return
+    spill = Path(config.spill_dir).expanduser().resolve()
+    for label, d in {**inputs, "output": out}.items():
+        d = Path(d).expanduser().resolve()
+        if spill == d or d in spill.parents:
+            where = "is" if spill == d else "lies inside"
+            raise ConfigError(f"the spill directory {config.spill_dir} {where} the {label} directory {d}; "
+                              "choose another --spill-dir")
+
+
+def feature_width(config: Any) -> int | None:
+    """The width of the features a task head reads (pooler_output or the mean of last_hidden_state): the
+    config's hidden size; None where it declares none."""
+    width = getattr(config, "hidden_size", None)
+    return width if isinstance(width, int) and not isinstance(width, bool) else None
 
 
 def processor_dir(merged: Path, base: Path, config=None) -> Path:
@@ -382,9 +407,10 @@ def _calibrate_to_dir(
         checked = check_calibration_inputs(
             merged, base=base, experts=experts, calibration_sources=calibration_sources, config=config, out=out,
             overwrite=overwrite, allow_pickle=allow_pickle, max_length=max_length, allow_fewer=allow_fewer,
-            check_finite=check_finite, progress=progress, expert_kind=expert_kind,
+            check_finite=check_finite, progress=progress, expert_kind=expert_kind, heads=heads,
         )
-        head_layers = load_heads(heads or {}, checked.tasks, config.tune)  # refused here, before any work
+        head_layers = load_heads(heads or {}, checked.tasks, config.tune,  # refused here, before any work
+                                 feature_width(load_config(checked.merged or merged)))
         config = _with_resume_dir(config, checked.out)
         merged_dir = Path(checked.merged or merged)
 

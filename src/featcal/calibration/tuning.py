@@ -529,6 +529,11 @@ def merge_scaling_from_report(merged_dir: str | os.PathLike, base_dir: str | os.
         return None, f"the merged checkpoint is not a featcal task-vector merge ({report.get('command')}, {method})"
     if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not 0 < scaling <= MAX_MERGE_SCALING:
         return None, f"{path}: no usable scaling ({scaling!r})"
+    recorded_output = (report.get("output") or {}).get("sha256")
+    current = {k: v for k, v in checkpoint_hashes(merged_dir).items() if k != REPORT_NAME}
+    if recorded_output != current:  # rebuilding "the merge at another scaling" needs the merge the report describes
+        return None, (f"the merged checkpoint's files are not those its {REPORT_NAME} records (changed after the "
+                      "merge), so its scaling is not trusted")
     inputs = report.get("inputs") or {}
     recorded_base = (inputs.get("base") or {}).get("sha256")
     recorded_experts = sorted(repr(e.get("sha256")) for e in (inputs.get("experts") or {}).values())
@@ -539,9 +544,12 @@ def merge_scaling_from_report(merged_dir: str | os.PathLike, base_dir: str | os.
     return float(scaling), f"{REPORT_NAME} of the merged checkpoint: {method}, scaling {scaling:g}"
 
 
-def load_heads(paths: Mapping[str, str | os.PathLike], tasks: Iterable[str], tune: bool) -> dict[str, nn.Module]:
+def load_heads(paths: Mapping[str, str | os.PathLike], tasks: Iterable[str], tune: bool,
+               width: int | None = None) -> dict[str, nn.Module]:
     """Heads saved by featcal (LinearHead / CosineHead safetensors) for `featcal calibrate --tune-head` and
-    a run file's `calibrate.heads`; refused in one line before any work (unknown task, no tune, bad file)."""
+    a run file's `calibrate.heads`; refused in one line before any work (unknown task, no tune, bad file, no
+    class, NaN / Inf, or, given the model's feature `width`, another input width: found otherwise only once
+    the search has run its first candidate)."""
     if not paths:
         return {}
     if not tune:
@@ -558,7 +566,21 @@ def load_heads(paths: Mapping[str, str | os.PathLike], tasks: Iterable[str], tun
             raise CheckpointError(f"head of task {t!r}: {exc}") from None
         except Exception as exc:  # a file that is not safetensors at all
             raise CheckpointError(f"head of task {t!r}: cannot read {p}: {exc}") from None
+        _check_head(f"head of task {t!r} ({p})", heads[t], width)
     return heads
+
+
+def _check_head(label: str, head: nn.Module, width: int | None) -> None:
+    """At least one class, finite values, and (when known) the input width of the model's pooled features."""
+    matrix = next((v for v in head.state_dict().values() if v.dim() == 2), None)
+    if matrix is None or matrix.shape[0] < 1:
+        raise CheckpointError(f"{label}: it has no class (a {tuple(matrix.shape) if matrix is not None else 'missing'} "
+                              "weight); a head scores at least one")
+    values = [*head.state_dict().values(), torch.tensor([float(getattr(head, "scale", 1.0))])]
+    if not all(bool(torch.isfinite(v.float()).all()) for v in values):
+        raise CheckpointError(f"{label}: it holds NaN or Inf values")
+    if width is not None and matrix.shape[1] != width:
+        raise CheckpointError(f"{label}: it reads {matrix.shape[1]} features but the model's pooled output has {width}")
 
 
 def _base_source(base: nn.Module | str | os.PathLike, model: nn.Module, allow_pickle: bool) -> ParamSource:
