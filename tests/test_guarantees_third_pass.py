@@ -561,3 +561,25 @@ def test_tune_trusts_a_merges_scaling_only_when_its_files_are_the_ones_recorded(
     save_file(weights, merged / "model.safetensors", metadata={"format": "pt"})
     scaling, why = merge_scaling_from_report(merged, llama["base"], {"a": llama["full"]})
     assert scaling is None and "not those its featcal.json records" in why
+
+
+# --- 6. one-line errors of the experiment commands ---------------------------------------------------------
+def test_negative_threads_are_one_line(tmp_path, capsys):
+    for argv in (["bench", "--preset", "tiny", "--out", str(tmp_path / "b"), "--threads", "-1", "--no-progress"],
+                 ["zoo", "build", "--preset", "tiny", "--out", str(tmp_path / "z"), "--threads", "-1",
+                  "--no-progress"]):
+        assert main(argv) == 2
+        assert "--threads must be 0" in _one_line_error(capsys)
+    assert torch.get_num_threads() >= 1
+    assert not (tmp_path / "b").exists() and not (tmp_path / "z").exists()
+
+
+def test_rebuild_zoo_on_a_folder_that_is_no_zoo_says_why_not_to_pass_it(tmp_path, capsys):
+    other = tmp_path / "not-a-zoo"
+    other.mkdir()
+    (other / "keep.txt").write_text("mine")
+    assert main(["bench", "--preset", "tiny", "--out", str(tmp_path / "out"), "--zoo-dir", str(other),
+                 "--rebuild-zoo", "--no-progress"]) == 2
+    err = _one_line_error(capsys)
+    assert "holds no zoo.json" in err and "pass --rebuild-zoo" not in err
+    assert (other / "keep.txt").read_text() == "mine"

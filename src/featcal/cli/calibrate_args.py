@@ -84,6 +84,17 @@ def add_expert_kind(p: argparse.ArgumentParser) -> None:
                    "adapter (refused without it; repeat per task)")
 
 
+def apply_threads(threads: int) -> None:
+    """--threads N (bench, zoo build): torch's CPU threads; 0 keeps torch's default. A negative count is refused
+    here, in one line (torch would raise deep inside, or run single-threaded)."""
+    if threads < 0:
+        raise ConfigError(f"--threads must be 0 (torch's default) or a positive number of threads, got {threads}")
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
 def parse_pairs(pairs: list[str] | None, flag: str) -> dict[str, str]:
     """NAME=VALUE pairs into an ordered dict, refusing malformed and repeated names."""
     out: dict[str, str] = {}
