@@ -583,3 +583,19 @@ def test_rebuild_zoo_on_a_folder_that_is_no_zoo_says_why_not_to_pass_it(tmp_path
     err = _one_line_error(capsys)
     assert "holds no zoo.json" in err and "pass --rebuild-zoo" not in err
     assert (other / "keep.txt").read_text() == "mine"
+
+
+def test_crafted_run_files_are_one_line(tmp_path, capsys):
+    """Nested 20,000 levels deep (the YAML parser's recursion), an alias bomb, a self-referencing alias."""
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("merge: " + "[" * 20000 + "]" * 20000 + "\n")
+    bomb = tmp_path / "bomb.yaml"
+    lines = ['l0: &l0 ["x", "x", "x", "x", "x", "x", "x", "x", "x"]']
+    lines += [f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]" for i in range(1, 8)]
+    bomb.write_text("\n".join(lines) + "\nmerge: {base: b, experts: {a: e}, params: {method_options: *l7}}\nout: o\n")
+    loop = tmp_path / "loop.yaml"
+    loop.write_text("merge: &m {base: b, experts: {a: e}, params: {x: *m}}\nout: o\n")
+    for path, message in ((deep, "nests its values too deeply"), (bomb, "once its YAML aliases are expanded"),
+                          (loop, "nests its values too deeply")):
+        assert main(["run", str(path), "--no-progress"]) == 2
+        assert message in _one_line_error(capsys), path
