@@ -599,3 +599,76 @@ def test_crafted_run_files_are_one_line(tmp_path, capsys):
                           (loop, "nests its values too deeply")):
         assert main(["run", str(path), "--no-progress"]) == 2
         assert message in _one_line_error(capsys), path
+
+
+# --- resume state that cannot be trusted --------------------------------------------------------------------
+@pytest.fixture
+def resume_run(llama, tmp_path):
+    """A finished calibration whose resume state is kept (every block checkpointed), and how to rerun it."""
+    import transformers as T
+
+    from featcal.calibration.api import calibrate
+    from featcal.config import FeatCalConfig
+
+    merged = T.LlamaForCausalLM.from_pretrained(llama["base"])
+    state = tmp_path / "state"
+    ids = torch.randint(3, 100, (4, 6), generator=torch.Generator().manual_seed(0))
+    kwargs = dict(base=str(llama["base"]), experts={"a": str(llama["full"])}, calibration={"a": [{"input_ids": ids}]},
+                  config=FeatCalConfig(resume_dir=state), progress=False)
+    calibrate(merged, keep_resume_state=True, **kwargs)
+    assert (state / "state.json").is_file() and (state / "block-0001.safetensors").is_file()
+
+    def rerun():
+        return calibrate(merged, **kwargs)
+
+    return state, rerun
+
+
+def _edit_state(state, change):
+    data = json.loads((state / "state.json").read_text())
+    change(data)
+    (state / "state.json").write_text(json.dumps(data))
+
+
+def test_a_state_without_generations_is_refused(resume_run):
+    from featcal.calibration.resume import ResumeStateError
+
+    state, rerun = resume_run
+    _edit_state(state, lambda d: d.pop("generations"))
+    with pytest.raises(ResumeStateError, match="has no list of generations"):
+        rerun()
+
+
+def test_a_state_claiming_more_finished_blocks_than_the_model_has_is_refused(resume_run):
+    """Six blocks done on a two-block model, or one done but continuing after the second: never skipped."""
+    from featcal.calibration.resume import ResumeStateError
+
+    state, rerun = resume_run
+    gen = json.loads((state / "state.json").read_text())["generations"][-1]
+    (state / gen["chains"]).rename(state / "chains-0006")
+    _edit_state(state, lambda d: d["generations"][-1].update(chains="chains-0006", drift=gen["drift"] * 3))
+    with pytest.raises(ResumeStateError, match="claims 6 finished block"):
+        rerun()
+    (state / "chains-0006").rename(state / "chains-0001")
+    _edit_state(state, lambda d: d["generations"][-1].update(chains="chains-0001", drift=gen["drift"][:1],
+                                                               stack=0, layer=2))
+    with pytest.raises(ResumeStateError, match="continuing at stack 0 layer 2"):
+        rerun()
+    _edit_state(state, lambda d: d["generations"][-1].update(chains="chains-0003"))
+    with pytest.raises(ResumeStateError, match="do not follow its 1 block"):
+        rerun()
+
+
+@pytest.mark.parametrize("target", ["block", "chain", "index"])
+def test_a_truncated_resume_file_is_named(resume_run, target):
+    from featcal.calibration.resume import ResumeStateError
+
+    state, rerun = resume_run
+    chains = state / json.loads((state / "state.json").read_text())["generations"][-1]["chains"]
+    path = {"block": state / "block-0000.safetensors", "index": chains / "index.json",
+            "chain": next(p for p in sorted(chains.iterdir()) if p.suffix == ".safetensors")}[target]
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ResumeStateError, match="cannot be read back") as info:
+        rerun()
+    assert str(path) in str(info.value)

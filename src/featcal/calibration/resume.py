@@ -207,7 +207,7 @@ class ResumeStore:
         if state is None:
             return []
         out = []
-        for gen in state["generations"]:
+        for gen in _generations(self.dir / STATE, state):
             if (self.dir / gen["chains"]).is_dir():
                 out.append(Position(gen["stack"], gen["layer"], gen["drift"]))
         return out
@@ -216,15 +216,23 @@ class ResumeStore:
                 put_chain: Callable[[tuple, torch.Tensor, Any], None], device: torch.device) -> None:
         """Load the calibrated parameters of every finished block and the chains of `position`."""
         for k in range(position.blocks_done):
-            put_block(k, load_file(str(self.dir / _block_name(k))))
+            path = self.dir / _block_name(k)
+            with _unreadable(path, self.dir):
+                put_block(k, load_file(str(path)))
             self._blocks.add(k)
         chains = self.dir / _chains_name(position.blocks_done)
-        index = json.loads((chains / "index.json").read_text())
+        with _unreadable(chains / "index.json", self.dir):
+            index = json.loads((chains / "index.json").read_text())
+            if not isinstance(index, list):
+                raise ValueError("not a list of chain entries")
         for entry in index:
-            key = tuple(entry["key"])
-            tensors = load_file(str(chains / f"{_key_name(key)}.safetensors"))
-            ctx = decode_context(entry["context"], tensors, device)
-            put_chain(key, tensors["__hidden__"], ctx)
+            with _unreadable(chains / "index.json", self.dir):
+                key = tuple(entry["key"])
+            path = chains / f"{_key_name(key)}.safetensors"
+            with _unreadable(path, self.dir):
+                tensors = load_file(str(path))
+                ctx = decode_context(entry["context"], tensors, device)
+                put_chain(key, tensors["__hidden__"], ctx)
         self._cleanup(keep=_chains_name(position.blocks_done))
 
     # writing
@@ -305,6 +313,41 @@ class ResumeStore:
         for d in (self.dir, *self.dir.parents):
             if not _remove_if_created_and_empty(d):
                 break
+
+
+@contextlib.contextmanager
+def _unreadable(path: Path, directory: Path) -> Iterator[None]:
+    """A resume file that cannot be read back (truncated by a full disk or a crash in another tool, edited,
+    missing) is one ResumeStateError naming it, not a library traceback."""
+    try:
+        yield
+    except (FeatCalError, KeyboardInterrupt):
+        raise
+    except Exception as exc:
+        reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:200]
+        raise ResumeStateError(f"resume file {path} cannot be read back ({reason}); delete {directory} (or choose "
+                               "another --resume-dir) to start again") from None
+
+
+def _generations(path: Path, state: dict[str, Any]) -> list[dict[str, Any]]:
+    """state.json's generations, each checked: its chains directory named after its count of finished blocks,
+    a (stack, layer) to continue at, one drift record per finished block."""
+    gens = state.get("generations")
+    bad = "has no list of generations" if not isinstance(gens, list) else None
+    for gen in gens if bad is None else []:
+        if not isinstance(gen, dict) or not isinstance(gen.get("drift"), list) \
+                or not all(isinstance(r, dict) for r in gen["drift"]):
+            bad = f"holds a generation that is no mapping with a list of drift records ({str(gen)[:80]})"
+        elif not all(isinstance(gen.get(k), int) and not isinstance(gen.get(k), bool) and gen[k] >= 0
+                     for k in ("stack", "layer")):
+            bad = f"holds a generation without a valid stack and layer ({str(gen)[:80]})"
+        elif gen.get("chains") != _chains_name(len(gen["drift"])):
+            bad = f"holds a generation whose chains {gen.get('chains')!r} do not follow its {len(gen['drift'])} block(s)"
+        if bad:
+            break
+    if bad:
+        raise ResumeStateError(f"resume state {path} {bad}; delete that file to start again")
+    return gens
 
 
 _CHAINS = re.compile(r"\.?chains-\d{4,}(-\w+)?")  # a generation, or its temporary directory (mkdtemp suffix)
