@@ -672,3 +672,103 @@ def test_a_truncated_resume_file_is_named(resume_run, target):
     with pytest.raises(ResumeStateError, match="cannot be read back") as info:
         rerun()
     assert str(path) in str(info.value)
+
+
+# --- SIGTERM: a flag the loops check, not only an exception -------------------------------------------------
+_SIGTERM_IN_A_FINALISER = r"""
+import os, signal, sys
+import featcal.merging.api as api
+from featcal.cli.main import main
+
+class Finaliser:
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGTERM)
+        total = 0
+        for i in range(1000):  # the handler runs between these bytecodes: its exception is swallowed here
+            total += i
+
+merge_family = api.merge_family
+
+def merge_with_a_finaliser(*args, **kwargs):
+    Finaliser()  # collected at once, its __del__ running the SIGTERM handler
+    return merge_family(*args, **kwargs)
+
+api.merge_family = merge_with_a_finaliser
+sys.exit(main(sys.argv[1:]))
+"""
+
+_SIGTERM_REPEATEDLY = r"""
+import json, os, signal, sys, threading, time
+from featcal.cli.main import main
+from featcal.io import interrupts
+
+signal.signal(signal.SIGTERM, lambda *a: None)  # a late signal (after main restored this) is no failure
+argv, out, tries = sys.argv[1:-2], sys.argv[-2], int(sys.argv[-1])
+
+install = interrupts.install
+
+def run(delay=None):
+    def fire():
+        time.sleep(delay)
+        for _ in range(3):  # repeated: the second and third must not cut the first one's cleanup short
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.002)
+
+    def install_then_fire():  # the clock starts once featcal handles SIGTERM (main's first step)
+        previous = install()
+        if delay is not None:
+            threading.Thread(target=fire, daemon=True).start()
+        return previous
+
+    interrupts.install = install_then_fire
+    start = time.monotonic()
+    rc = main([*argv, "--out", out])
+    return rc, time.monotonic() - start
+
+import shutil
+for _ in range(2):  # warm: imports and first-call costs out of the way, and the run's length measured
+    rc, seconds = run()
+    assert rc == 0, rc
+    shutil.rmtree(out)
+results = []
+for i in range(tries):
+    rc, _ = run(delay=seconds * 0.5 * i / tries)
+    time.sleep(0.05)
+    left = sorted(p for p in os.listdir(os.path.dirname(out)) if p.startswith(".featcal-tmp-"))
+    results.append({"rc": rc, "out": os.path.exists(out), "left": left})
+    shutil.rmtree(out, ignore_errors=True)
+print(json.dumps({"seconds": seconds, "results": results}))
+"""
+
+
+def test_a_sigterm_swallowed_in_a_finaliser_still_stops_the_run(llama, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(p) for p in sys.path if p])}
+    proc = subprocess.run([sys.executable, "-c", _SIGTERM_IN_A_FINALISER, "merge", "--base", str(llama["base"]),
+                           "--expert", f"a={llama['full']}", "--out", str(out), "--no-progress"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert "Exception ignored" in proc.stderr  # the handler's exception was swallowed, as the defect needs
+    assert proc.returncode == 130, proc.stderr[-2000:]
+    assert "terminated (SIGTERM)" in proc.stderr and not out.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".featcal-tmp-")]
+
+
+def test_sigterm_sent_repeatedly_at_twenty_moments_never_leaves_an_output(llama, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(p) for p in sys.path if p])}
+    proc = subprocess.run([sys.executable, "-c", _SIGTERM_REPEATEDLY, "merge", "--base", str(llama["base"]),
+                           "--expert", f"a={llama['full']}", "--no-progress", str(out), "20"],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(report["results"]) == 20
+    for i, r in enumerate(report["results"]):
+        assert r["rc"] != 0 and not r["out"] and not r["left"], (i, r, report["seconds"])

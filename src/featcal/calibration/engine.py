@@ -66,6 +66,7 @@ from featcal.calibration.statistics import NormalisedSums, NormNormalised, TaskS
 from featcal.config import FeatCalConfig
 from featcal.data.batch import Batch
 from featcal.errors import FeatCalError
+from featcal.io import interrupts
 from featcal.io.param_sources import ParamSource, load_into
 
 log = logging.getLogger("featcal.calibration")
@@ -264,6 +265,7 @@ class FeatCalEngine:
                         self.stem_norm = self._calibrate_stem_norm(stack)
                 n_blocks = len(stack.blocks(self.merged))
                 for layer in range(first, n_blocks):
+                    interrupts.check()  # SIGTERM: stop at a block boundary even if its exception was swallowed
                     self._calibrate_block(stack, layer, n_blocks)
                     self._commit(si, layer, n_blocks)
             if self.cfg.calibrate_final_norm:  # from the committed final chains: a resumed run re-solves it alike

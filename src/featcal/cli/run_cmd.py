@@ -30,7 +30,8 @@ from featcal.config import RunConfig, load_run_file
 from featcal.io.atomic import (
     check_output_dir,
     check_replaceable,
-    owned_tempdir,
+    make_owned,
+    owned_name,
     refuse_output_over_inputs,
     sweep_stale,
 )
@@ -102,8 +103,9 @@ def execute(run: RunConfig, *, progress: bool = True) -> Path:
                feature_width(_base_config(run.merge.base)))
     out.parent.mkdir(parents=True, exist_ok=True)
     sweep_stale(out.parent, f".featcal-merge-{out.name}-")  # a killed run's scratch merge (a whole checkpoint)
-    scratch = owned_tempdir(f".featcal-merge-{out.name}-", out.parent)
+    scratch = owned_name(f".featcal-merge-{out.name}-", out.parent)
     try:
+        make_owned(scratch)
         merged_dir = scratch / "merged"
         merge(run.merge.base, run.merge.experts, config=merge_config, out=merged_dir, progress=progress,
               calibration=calibration, **{**options, "overwrite": False})
