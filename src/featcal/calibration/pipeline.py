@@ -51,7 +51,7 @@ from featcal.io.checkpoint import CheckpointReader, copy_side_files, read_json, 
 from featcal.io.gguf import gguf_config, gguf_file, open_gguf
 from featcal.io.layouts import harmonise
 from featcal.io.lora import kind_record, open_adapter, reads_as_adapter
-from featcal.io.models import hf_progress_bars, load_config, load_model
+from featcal.io.models import check_loadable, hf_progress_bars, load_config, load_model
 from featcal.io.report import Timer, build_report, checkpoint_hashes, peak_rss_mb, write_report
 from featcal.io.sources import UnmappedReader
 from featcal.io.validate import (
@@ -90,6 +90,8 @@ def _checkpoint(label: str, path_or_id: str | Path, allow_pickle: bool, kinds: M
     try:
         path = resolve_checkpoint(path_or_id, allow_pickle=allow_pickle)
         CheckpointReader(path, allow_pickle=allow_pickle)
+        if label == "merged model":  # loaded whole by transformers, which reads only the standard file names
+            check_loadable(path, allow_pickle)
     except CheckpointError as exc:
         raise CheckpointError(f"{label}: {exc}") from None
     return path

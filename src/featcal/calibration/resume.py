@@ -41,12 +41,19 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from featcal.errors import ConfigError, FeatCalError
-from featcal.io.atomic import OutputWriteError, atomic_write_text, make_parents, os_error_of
+from featcal.io.atomic import (
+    CREATED_MARKER,
+    OutputWriteError,
+    atomic_write_text,
+    make_marked,
+    os_error_of,
+    remove_marked_if_empty,
+)
 
 log = logging.getLogger("featcal.calibration")
 
 STATE = "state.json"
-CREATED = ".created-by-featcal"  # marks a directory featcal itself created, so that only such a one is removed
+CREATED = CREATED_MARKER  # marks a directory featcal itself created, so that only such a one is removed
 FORMAT = 1
 KILL_ENV = "FEATCAL_DEBUG_KILL_AFTER_BLOCK"  # tests only: SIGKILL this process once block N is finished
 
@@ -258,7 +265,7 @@ class ResumeStore:
         k = position.blocks_done - 1
         if k not in blocks:
             raise FeatCalError(f"resume checkpoint after {position.blocks_done} blocks lacks block {k}")
-        _make_marked(self.dir)
+        make_marked(self.dir)
         for i, params in sorted(blocks.items()):
             self._blocks.add(i)
             _save_atomic(self.dir / _block_name(i), {n: t.detach().contiguous().cpu() for n, t in params.items()})
@@ -310,9 +317,7 @@ class ResumeStore:
             (self.dir / _block_name(k)).unlink(missing_ok=True)
         self._cleanup(keep=None)
         # under torchrun every rank tidies its own folder; whichever is last removes the root
-        for d in (self.dir, *self.dir.parents):
-            if not _remove_if_created_and_empty(d):
-                break
+        remove_marked_if_empty(self.dir)
 
 
 @contextlib.contextmanager
@@ -360,25 +365,6 @@ def _chains_name(blocks_done: int) -> str:
 
 def _block_name(block: int) -> str:
     return f"block-{block:04d}.safetensors"
-
-
-def _make_marked(directory: Path) -> None:
-    """mkdir -p `directory`, leaving a marker in each directory this call created (deepest last)."""
-    for d in make_parents(directory):
-        (d / CREATED).touch()
-
-
-def _remove_if_created_and_empty(directory: Path) -> bool:
-    """rmdir `directory` if featcal created it (its marker) and nothing else is in it now; True if removed."""
-    marker = directory / CREATED
-    try:
-        if marker.is_file() and {p.name for p in directory.iterdir()} == {CREATED}:
-            marker.unlink()
-            directory.rmdir()
-            return True
-    except OSError:
-        pass
-    return False
 
 
 def _save_atomic(path: Path, tensors: dict[str, torch.Tensor]) -> None:

@@ -197,6 +197,35 @@ def make_parents(directory: Path) -> list[Path]:
     return created
 
 
+CREATED_MARKER = ".created-by-featcal"  # marks a directory featcal itself created, so that only such a one is removed
+
+
+def make_marked(directory: Path) -> list[Path]:
+    """mkdir -p `directory`, leaving CREATED_MARKER in each directory this call created (deepest first in the
+    list returned): a later run, even after this one was killed, can tell which it may remove."""
+    created = make_parents(directory)
+    for d in reversed(created):
+        (d / CREATED_MARKER).touch()
+    return created
+
+
+def remove_marked_if_empty(directory: Path) -> bool:
+    """rmdir `directory` (and then each parent) while featcal created it (its marker) and nothing else is in it
+    now; True if `directory` itself was removed."""
+    removed = False
+    for d in (directory, *directory.parents):
+        marker = d / CREATED_MARKER
+        try:
+            if not (marker.is_file() and {p.name for p in d.iterdir()} == {CREATED_MARKER}):
+                break
+            marker.unlink()
+            d.rmdir()
+        except OSError:
+            break
+        removed = removed or d == directory
+    return removed
+
+
 def remove_created(created: list[Path]) -> None:
     """Undo `make_parents`: rmdir each directory it created, deepest first, stopping at the first one
     something else has written into (it and its parents stay)."""
