@@ -862,3 +862,23 @@ def test_a_merged_dir_whose_weights_transformers_cannot_find_is_refused_before_l
     assert "weights.safetensors" in err and "rename the file to model.safetensors" in err
     assert main(["plan", *argv[1:]]) == 2
     assert "weights.safetensors" in _one_line_error(capsys)
+
+
+def test_a_merge_never_copies_an_adapter_config_into_its_output(llama, tmp_path, monkeypatch):
+    """A base folder holding adapter files is read as its weights; its adapter_config.json must not make the
+    output look like an adapter folder (with peft installed, transformers would then apply it on loading)."""
+    import transformers
+
+    from featcal.io.models import load_model
+
+    base_both = tmp_path / "base-both"
+    shutil.copytree(llama["base"], base_both)
+    for f in llama["adapter"].iterdir():
+        shutil.copy2(f, base_both / f.name)
+    out = tmp_path / "out"
+    merge(base_both, {"a": llama["full"]}, out=out, progress=False)
+    assert not (out / "adapter_config.json").exists()
+    monkeypatch.setattr(transformers.utils, "is_peft_available", lambda: True)
+    with pytest.raises(CheckpointError, match="transformers would apply the adapter"):
+        load_model(base_both)
+    load_model(out)

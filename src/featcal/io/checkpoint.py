@@ -223,7 +223,7 @@ def copy_side_files(src: str | os.PathLike, dst: str | os.PathLike) -> list[str]
     copied = []
     for p in Path(src).iterdir():
         if p.is_file() and not p.name.endswith(WEIGHT_SUFFIXES) and not p.name.endswith(".index.json"):
-            if p.name in ("featcal.json",):
+            if p.name in ("featcal.json", "adapter_config.json"):  # an adapter's config is no part of the output
                 continue
             shutil.copy2(p, Path(dst) / p.name)
             copied.append(p.name)

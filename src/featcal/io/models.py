@@ -87,6 +87,19 @@ def check_loadable(path: str | os.PathLike, allow_pickle: bool = False) -> None:
         )
 
 
+def refuse_embedded_adapter(path: str | os.PathLike) -> None:
+    """With `peft` installed, transformers' `from_pretrained` applies an adapter_config.json it finds beside full
+    weights on top of them: a third reading of a folder featcal reads as its full weights (io/lora.py). Refused
+    rather than loaded two ways."""
+    from transformers.utils import is_peft_available
+
+    if (Path(path) / "adapter_config.json").is_file() and is_peft_available():
+        raise CheckpointError(
+            f"{Path(path)} holds full weights and an adapter_config.json, and with peft installed transformers would "
+            "apply the adapter on top of the weights featcal reads; move the adapter files to their own folder"
+        )
+
+
 def load_model(
     path_or_id: str | os.PathLike,
     *,
@@ -98,6 +111,7 @@ def load_model(
     path = resolve_checkpoint(path_or_id, allow_pickle=allow_pickle)
     CheckpointReader(path, allow_pickle=allow_pickle)  # validates weights exist and are allowed
     check_loadable(path, allow_pickle)
+    refuse_embedded_adapter(path)
     config = load_config(path)
     cls = model_class or model_class_for(config)
     try:
