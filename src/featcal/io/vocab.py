@@ -95,14 +95,38 @@ _EMBEDDINGS: dict[str, frozenset[str] | None] = {}
 def embedding_names(config: Mapping[str, Any]) -> frozenset[str] | None:
     """Every name (tied aliases included) of the parameters of the model's input and output embeddings, from
     a model of the config's class on the meta device; None when the class cannot be built or says nothing."""
-    from featcal.io.layouts import _template
-
     key = json.dumps(config, sort_keys=True, default=str)
     if key not in _EMBEDDINGS:
         if len(_EMBEDDINGS) >= 32:
             _EMBEDDINGS.clear()
-        _EMBEDDINGS[key] = _embedding_names(_template(dict(config)))
+        _EMBEDDINGS[key] = _embedding_names(_one_block_model(config))
     return _EMBEDDINGS[key]
+
+
+def _one_block_model(config: Mapping[str, Any]) -> torch.nn.Module | None:
+    """A model of the config's class on the meta device with one block per stack: the embeddings' names do not
+    depend on the depth, and a crafted config claiming 100,000 layers must not take minutes to build."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from featcal.io.models import model_class_for
+
+    try:
+        cfg = CONFIG_MAPPING[config["model_type"]].from_dict(dict(config))
+        for sub in {id(c): c for c in (cfg, cfg.get_text_config())}.values():
+            for name in ("num_hidden_layers", "num_decoder_layers"):
+                if isinstance(getattr(sub, name, None), int) and getattr(sub, name) > 1:
+                    setattr(sub, name, 1)
+            if isinstance(getattr(sub, "layer_types", None), list):
+                sub.layer_types = sub.layer_types[:1]
+        cls = model_class_for(cfg)
+        if cls is transformers.AutoModel:  # no architectures: the head (and its LM head) unknown, the shape decides
+            return None
+        with torch.device("meta"):
+            return cls(cfg)
+    except Exception as exc:  # a config this transformers cannot build: the shape rule decides
+        log.debug("no one-block model for %s: %s", config.get("model_type"), exc)
+        return None
 
 
 def _embedding_names(model: torch.nn.Module | None) -> frozenset[str] | None:
