@@ -882,3 +882,26 @@ def test_a_merge_never_copies_an_adapter_config_into_its_output(llama, tmp_path,
     with pytest.raises(CheckpointError, match="transformers would apply the adapter"):
         load_model(base_both)
     load_model(out)
+
+
+# --- found by this pass's own adversarial run ------------------------------------------------------------------
+@pytest.mark.parametrize("change, message", [
+    ({"model_type": ["llama"]}, "model_type"),
+    ({"num_attention_heads": "4"}, "num_attention_heads is '4' but"),
+    ({"x": "DEEP"}, "nests its values too deeply"),
+])
+def test_crafted_expert_configs_are_one_line_in_merge_and_calibrate(llama, llama_merged, tmp_path, capsys, change,
+                                                                     message):
+    odd = tmp_path / "odd"
+    shutil.copytree(llama["full"], odd)
+    cfg = json.loads((odd / "config.json").read_text())
+    cfg.update(change)
+    text = json.dumps(cfg).replace('"DEEP"', "[" * 100_000 + "]" * 100_000)
+    (odd / "config.json").write_text(text)
+    merged, calib = llama_merged
+    for argv in (["merge", "--base", str(llama["base"]), "--expert", f"a={odd}"],
+                 ["calibrate", "--base", str(llama["base"]), "--merged", str(merged), "--expert", f"a={odd}",
+                  "--calib", f"a={calib}"]):
+        assert main([*argv, "--out", str(tmp_path / "out"), "--no-progress"]) == 2
+        err = _one_line_error(capsys)
+        assert message in err and "is_encoder_decoder" not in err, err

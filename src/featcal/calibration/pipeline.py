@@ -105,9 +105,12 @@ def _model_type(label: str, path: Path) -> str | None:
     if not config.is_file():
         raise CheckpointError(f"{label}: {path} has no config.json")
     try:
-        return read_json(config).get("model_type")
+        model_type = read_json(config).get("model_type")
     except CheckpointError as exc:
         raise CheckpointError(f"{label}: {exc}") from None
+    if model_type is not None and not isinstance(model_type, str):
+        raise CheckpointError(f"{label}: {config} gives model_type {model_type!r}, which is no model type name")
+    return model_type
 
 
 def _check_same_architecture(inputs: Mapping[str, Path], reference: str = "merged",

@@ -199,6 +199,8 @@ def read_json(path: Path) -> dict:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"cannot read {path}: {exc}") from None
+    except RecursionError:  # a crafted file nested thousands of levels deep
+        raise CheckpointError(f"cannot read {path}: it nests its values too deeply for a JSON config") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path} does not hold a JSON object")
     return data

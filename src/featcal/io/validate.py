@@ -177,17 +177,17 @@ def _generation_fields() -> frozenset[str]:
 _GENERATION: frozenset[str] | None = None
 
 
-def normalised_config(config: Mapping[str, Any]) -> dict[str, Any]:
+def normalised_config(config: Mapping[str, Any]) -> dict[str, Any] | None:
     """`config` as its transformers config class reads it (defaults filled in, renamed fields under today's
     names: `rope_theta` and `rope_scaling` become `rope_parameters`), so that two files saved by different
-    versions compare by meaning; the dict as is when no class reads it."""
+    versions compare by meaning; None when no class reads it."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     data = dict(config)
     try:  # the lazy CONFIG_MAPPING has no working .get
         return _values(CONFIG_MAPPING[data["model_type"]].from_dict(data), data)
-    except Exception:  # a config this transformers cannot build: compare the files' own fields
-        return data
+    except Exception:  # a config this transformers cannot build: None, and the files' own fields are compared
+        return None
 
 
 def _values(config: Any, data: Mapping[str, Any]) -> dict[str, Any]:
@@ -211,7 +211,10 @@ def config_differences(base: Mapping[str, Any], expert: Mapping[str, Any]) -> li
     if not base or not expert:
         return []  # a source without a config (an in-memory module): its tensors are still checked
     found: list[tuple[str, Any, Any]] = []
-    _differences(normalised_config(base), normalised_config(expert), "", found)
+    b, e = normalised_config(base), normalised_config(expert)
+    if b is None or e is None:  # compared alike, or defaults filled in on one side only would differ
+        b, e = dict(base), dict(expert)
+    _differences(b, e, "", found)
     return found
 
 
