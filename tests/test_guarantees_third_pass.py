@@ -108,6 +108,12 @@ def test_expert_kind_is_checked(llama, tmp_path, capsys):
         merge(base, {"a": llama["full"]}, progress=False, expert_kind={"a": "adapter"})
     with pytest.raises(ConfigError, match="holds only a LoRA/PEFT adapter"):
         merge(base, {"a": llama["adapter"]}, progress=False, expert_kind={"a": "full"})
+    import transformers as T
+
+    with pytest.raises(ConfigError, match="not a folder"):
+        merge(base, {"a": T.LlamaForCausalLM.from_pretrained(llama["full"])}, progress=False,
+              expert_kind={"a": "full"})
+    capsys.readouterr()
     assert main(["merge", "--base", str(base), "--expert", f"a={llama['both']}", "--expert-kind", "a:full",
                  "--out", str(tmp_path / "o"), "--no-progress"]) == 2
     assert "--expert-kind expects NAME=VALUE" in _one_line_error(capsys)

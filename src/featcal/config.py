@@ -6,6 +6,7 @@ value is rejected with the same message whichever way it arrived, before any wor
 
 from __future__ import annotations
 
+import os
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -489,6 +490,10 @@ def check_expert_kinds(kinds: Mapping[str, str], experts: Mapping[str, Any]) -> 
     unknown = [t for t in kinds if t not in experts]
     if unknown:
         raise ConfigError(f"expert_kind names {unknown[0]!r}, which is not an expert (experts are {list(experts)})")
+    not_folders = [t for t in kinds if not isinstance(experts[t], (str, os.PathLike))]
+    if not_folders:
+        raise ConfigError(f"expert_kind names {not_folders[0]!r}, which is given as a "
+                          f"{type(experts[not_folders[0]]).__name__}, not a folder: there is nothing to choose")
 
 
 def run_options(**values: Any) -> RunOptions:
