@@ -387,15 +387,6 @@ class FeatCalConfig(_Strict):
         return v
 
     @model_validator(mode="after")
-    def _tune_options_need_tune(self) -> FeatCalConfig:
-        """The tune_* options only change how the search runs: given without `tune`, they would be ignored."""
-        given = sorted(f for f in self.model_fields_set if f.startswith("tune_"))
-        if given and not self.tune:
-            raise ValueError(f"{', '.join(given)} given without tune: they only change how tune searches, so they "
-                             "would be ignored; add tune (--tune, tune: true) or drop them")
-        return self
-
-    @model_validator(mode="after")
     def _one_way_to_hold_out(self) -> FeatCalConfig:
         """Cross-fitting holds every example out once: a held-out fraction beside it would be silently ignored."""
         if self.tune_folds != "auto" and self.tune_folds > 1 and self.tune_holdout != DEFAULT_TUNE_HOLDOUT:
@@ -442,7 +433,7 @@ class CalibrateSpec(_Strict):
     )
 
     def featcal_config(self) -> FeatCalConfig:
-        return parse(FeatCalConfig, self.config)
+        return check_tune_options(parse(FeatCalConfig, self.config), "calibrate.config")
 
 
 class RunOptions(_Strict):
@@ -482,6 +473,18 @@ class RunConfig(RunOptions):
 
     def run_options(self) -> RunOptions:
         return RunOptions(**{k: getattr(self, k) for k in RunOptions.model_fields})
+
+
+def check_tune_options(config: FeatCalConfig, where: str = "") -> FeatCalConfig:
+    """Refuse tune_* options the user gave (CLI flags, a run file's calibrate.config) without `tune`: they only
+    change how the search runs, so they would be silently ignored. The Python API's FeatCalConfig stays
+    permissive: featcal's own refit builds such configs."""
+    given = sorted(f for f in config.model_fields_set if f.startswith("tune_"))
+    if given and not config.tune:
+        at = f"{where}: " if where else ""
+        raise ConfigError(f"{at}{', '.join(given)} given without tune: they only change how tune searches, so they "
+                          "would be ignored; add tune (--tune, tune: true) or drop them")
+    return config
 
 
 def check_expert_kinds(kinds: Mapping[str, str], experts: Mapping[str, Any]) -> None:

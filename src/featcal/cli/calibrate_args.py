@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from featcal.config import FeatCalConfig, RunOptions, parse, run_options
+from featcal.config import FeatCalConfig, RunOptions, check_tune_options, parse, run_options
 from featcal.errors import ConfigError
 
 _PREFIX = "cfg_"
@@ -65,7 +65,8 @@ def add_config_flags(parser: argparse.ArgumentParser, model: type[BaseModel], ti
 def config_from_args(args: argparse.Namespace, model: type[BaseModel]):
     """The validated config built from the flags that were given (ConfigError on a bad value)."""
     given = {k[len(_PREFIX):]: v for k, v in vars(args).items() if k.startswith(_PREFIX)}
-    return parse(model, given)
+    config = parse(model, given)
+    return check_tune_options(config) if isinstance(config, FeatCalConfig) else config
 
 
 def run_options_from_args(args: argparse.Namespace) -> RunOptions:
