@@ -551,6 +551,7 @@ def test_a_head_that_cannot_score_is_refused_before_any_model_loads(llama, llama
     monkeypatch.setattr(pipeline, "load_model", no_work)
     merged, calib = llama_merged
     path = _head(tmp_path / "head.safetensors", **head)
+    capsys.readouterr()
     assert main(_calibrate_argv(llama, merged, calib, tmp_path / "out", "--tune", f"--tune-head=a={path}")) == 2
     assert message in _one_line_error(capsys) and not (tmp_path / "out").exists()
 
