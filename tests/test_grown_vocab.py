@@ -43,8 +43,10 @@ def grown(tmp_path_factory):
                 e.get_output_embeddings().weight[100:] = torch.randn(rows - 100, 32, generator=g)
         d = root / f"e{i}"
         e.save_pretrained(d)
-        if rows == 120:
-            _tokenizer(120).save_pretrained(d)
+        if rows == 120:  # the base's tokenizer with 20 tokens added after its own (ids 100..119)
+            grown_tokenizer = _tokenizer(100)
+            grown_tokenizer.add_tokens([f"new{i}" for i in range(20)])
+            grown_tokenizer.save_pretrained(d)
         experts[f"t{i}"] = d
     return root, root / "base", experts
 

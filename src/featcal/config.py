@@ -6,6 +6,7 @@ value is rejected with the same message whichever way it arrived, before any wor
 
 from __future__ import annotations
 
+import os
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -432,7 +433,7 @@ class CalibrateSpec(_Strict):
     )
 
     def featcal_config(self) -> FeatCalConfig:
-        return parse(FeatCalConfig, self.config)
+        return check_tune_options(parse(FeatCalConfig, self.config), "calibrate.config")
 
 
 class RunOptions(_Strict):
@@ -448,6 +449,10 @@ class RunOptions(_Strict):
     max_length: int = Field(128, description="truncate calibration texts to this many tokens")
     allow_fewer: bool = Field(
         False, description="use all examples of a task holding fewer than num_calibration_examples (with a warning)"
+    )
+    expert_kind: dict[str, Literal["full", "adapter"]] = Field(
+        default_factory=dict, description="task -> full or adapter: how to read an expert folder holding both full "
+        "weights and a LoRA / PEFT adapter (refused without it)"
     )
 
     @field_validator("max_length")
@@ -468,6 +473,30 @@ class RunConfig(RunOptions):
 
     def run_options(self) -> RunOptions:
         return RunOptions(**{k: getattr(self, k) for k in RunOptions.model_fields})
+
+
+def check_tune_options(config: FeatCalConfig, where: str = "") -> FeatCalConfig:
+    """Refuse tune_* options the user gave (CLI flags, a run file's calibrate.config) without `tune`: they only
+    change how the search runs, so they would be silently ignored. The Python API's FeatCalConfig stays
+    permissive: featcal's own refit builds such configs."""
+    given = sorted(f for f in config.model_fields_set if f.startswith("tune_"))
+    if given and not config.tune:
+        at = f"{where}: " if where else ""
+        raise ConfigError(f"{at}{', '.join(given)} given without tune: they only change how tune searches, so they "
+                          "would be ignored; add tune (--tune, tune: true) or drop them")
+    return config
+
+
+def check_expert_kinds(kinds: Mapping[str, str], experts: Mapping[str, Any]) -> None:
+    """Every task named by `expert_kind` (--expert-kind NAME=KIND) must be an expert: a typo would leave the
+    folder it meant ambiguous."""
+    unknown = [t for t in kinds if t not in experts]
+    if unknown:
+        raise ConfigError(f"expert_kind names {unknown[0]!r}, which is not an expert (experts are {list(experts)})")
+    not_folders = [t for t in kinds if not isinstance(experts[t], (str, os.PathLike))]
+    if not_folders:
+        raise ConfigError(f"expert_kind names {not_folders[0]!r}, which is given as a "
+                          f"{type(experts[not_folders[0]]).__name__}, not a folder: there is nothing to choose")
 
 
 def run_options(**values: Any) -> RunOptions:
@@ -508,11 +537,41 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+# A run file is a few dozen lines; these bounds keep a crafted one (nested 20,000 levels deep, or YAML aliases
+# expanding to billions of values) from exhausting the stack or memory before it is validated.
+MAX_RUN_FILE_BYTES = 16 << 20
+MAX_RUN_FILE_DEPTH = 64
+MAX_RUN_FILE_VALUES = 100_000
+
+
+def _check_run_file_shape(path: Path, data: Any) -> None:
+    """Refuse a run file deeper than MAX_RUN_FILE_DEPTH, or holding more than MAX_RUN_FILE_VALUES values once
+    its aliases are expanded (counted per distinct node, so an alias bomb costs no more to count than to read)."""
+    sizes: dict[int, int] = {}
+
+    def walk(node: Any, depth: int) -> int:
+        if depth > MAX_RUN_FILE_DEPTH:
+            raise ConfigError(f"{path} nests its values too deeply for a run file (at most {MAX_RUN_FILE_DEPTH} levels)")
+        if not isinstance(node, (dict, list)):
+            return 1
+        if id(node) not in sizes:
+            children = [*node.keys(), *node.values()] if isinstance(node, dict) else node
+            sizes[id(node)] = 1 + sum(walk(c, depth + 1) for c in children)
+            if sizes[id(node)] > MAX_RUN_FILE_VALUES:
+                raise ConfigError(f"{path} holds over {MAX_RUN_FILE_VALUES} values once its YAML aliases are expanded; "
+                                  "a run file is far smaller")
+        return sizes[id(node)]
+
+    walk(data, 0)
+
+
 def load_run_file(path: str | Path) -> RunConfig:
     """Read and validate a YAML run file: one-line errors for a missing, non-UTF-8 or invalid file."""
     p = Path(path)
     if not p.exists():
         raise ConfigError(f"run file {p} does not exist")
+    if p.is_file() and p.stat().st_size > MAX_RUN_FILE_BYTES:
+        raise ConfigError(f"{p} is {p.stat().st_size >> 20} MiB; a run file is at most {MAX_RUN_FILE_BYTES >> 20} MiB")
     raw = p.read_bytes()
     try:
         text = raw.decode("utf-8-sig")
@@ -527,8 +586,11 @@ def load_run_file(path: str | Path) -> RunConfig:
         data = loader.get_single_data()
     except yaml.YAMLError as exc:
         raise ConfigError(f"{p} is not valid YAML: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"{p} nests its values too deeply for a run file (at most {MAX_RUN_FILE_DEPTH} levels)") from None
     finally:
         loader.dispose()
+    _check_run_file_shape(p, data)
     if not isinstance(data, dict):
         raise ConfigError(f"{p} must hold a mapping at the top level")
     run_options(**{k: v for k, v in data.items() if k in RunOptions.model_fields})  # the CLI flags' own errors

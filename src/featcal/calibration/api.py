@@ -11,7 +11,7 @@ from torch import nn
 from featcal.calibration import core, tuning
 from featcal.calibration.inputs import ModelLike, adapter_reader, resolve_device
 from featcal.calibration.result import CalibrationResult
-from featcal.config import FeatCalConfig
+from featcal.config import FeatCalConfig, check_expert_kinds, run_options
 from featcal.errors import ConfigError
 
 # re-exported: callers that read a checkpoint as calibrate does, or check a device as it does
@@ -33,6 +33,7 @@ def calibrate(
     heads: Mapping[str, Any] | None = None,
     merge_scaling: float | None = None,
     return_result: bool = False,
+    expert_kind: Mapping[str, str] | None = None,
 ) -> nn.Module | CalibrationResult:
     """Calibrate a merged model toward its experts with FeatCal (SPEC §2); returns the calibrated model.
 
@@ -59,12 +60,18 @@ def calibrate(
     nn.Module on the pooled output, or callable head(model, batch) -> logits) add agreement with the
     experts' predictions to the score, and `merge_scaling` (the s of a task-vector merge θ0 + s·v) lets the
     search rebuild the merge at other scalings.
+
+    `expert_kind` (task -> "full" or "adapter"): how to read an expert folder holding both full weights and a
+    LoRA / PEFT adapter (refused without it).
     """
     config = _checked_config(config)
+    kinds = run_options(expert_kind=expert_kind or {}).expert_kind
+    if isinstance(experts, Mapping):
+        check_expert_kinds(kinds, experts)
     tuning.check_request(config, base, experts, heads, merge_scaling)
     common = dict(base=base, experts=experts, calibration=calibration, config=config, progress=progress,
                   inplace=inplace, allow_pickle=allow_pickle, keep_resume_state=keep_resume_state,
-                  check_finite=check_finite)
+                  check_finite=check_finite, expert_kind=kinds)
     if config.tune:
         result = tuning.calibrate_tuned(merged, heads=heads, merge_scaling=merge_scaling, **common)
     else:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from featcal.io.atomic import make_parents, owned_tempdir, remove_created, sweep_stale
+from featcal.io.atomic import make_marked, owned_tempdir, remove_marked_if_empty, sweep_stale
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -81,10 +81,11 @@ class ChainStore:
         self._ctx: dict[tuple, Any] = {}
         self._tokens: dict[tuple, int] = {}  # key -> token positions of its hidden states
         self.dir: Path | None = None
-        self._created: list[Path] = []  # spill directories this store made (removed by close() once empty)
+        self._spill: Path | None = None  # the spill folder: removed by close() once empty, if featcal made it
         if spill_dir is not None:
             spill = Path(spill_dir).expanduser()
-            self._created = make_parents(spill)
+            make_marked(spill)  # marked: a rerun after a kill still knows featcal made them
+            self._spill = spill
             sweep_stale(spill, SPILL_PREFIX)  # chains a killed run left (they are not resumed from)
             self.dir = owned_tempdir(SPILL_PREFIX, spill)
             # removed even if close() is never reached (an exception unwinding the run, interpreter exit)
@@ -168,5 +169,4 @@ class ChainStore:
         if self.dir is not None:
             self._finalizer()  # rmtree, once
             self.dir = None
-            remove_created(self._created)
-            self._created = []
+            remove_marked_if_empty(self._spill)  # featcal's own spill folders, this run's or a killed one's

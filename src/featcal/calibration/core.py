@@ -43,7 +43,7 @@ log = logging.getLogger("featcal.calibration")
 
 def resume_store(
     config: FeatCalConfig, model: nn.Module, base: ModelLike | None, experts: Mapping[str, ModelLike],
-    data: Mapping[str, list[Batch]], group: RankGroup,
+    data: Mapping[str, list[Batch]], group: RankGroup, expert_kind: Mapping[str, str] | None = None,
 ) -> resume_mod.ResumeStore | None:
     """The per-block checkpoint store for this run, when `config.resume` and a `resume_dir` are set."""
     if not config.resume or config.resume_dir is None:
@@ -56,6 +56,7 @@ def resume_store(
         "ranks": str(group.world),
         **{f"expert {t}": identity(e) for t, e in experts.items()},
         **{f"data {t}": resume_mod.batches_digest(b) for t, b in data.items()},
+        **{f"kind {t}": k for t, k in (expert_kind or {}).items()},  # one folder, two experts: full or adapter
     }
     return resume_mod.ResumeStore(config.resume_dir, fingerprint, rank=group.rank, world=group.world,
                                   barrier=group.barrier)
@@ -93,15 +94,17 @@ def _calibration_data(model: nn.Module, adapter: Adapter, main: str, experts: Ma
 
 def _open_resume_store(config: FeatCalConfig, model: nn.Module, base: ModelLike | None,
                        experts: Mapping[str, ModelLike], data: Mapping[str, list[Batch]],
-                       group: RankGroup) -> resume_mod.ResumeStore | None:
-    store = resume_store(config, model, base, experts, data, group)
+                       group: RankGroup, expert_kind: Mapping[str, str] | None = None,
+                       ) -> resume_mod.ResumeStore | None:
+    store = resume_store(config, model, base, experts, data, group, expert_kind)
     if store is not None:
         store.available()  # refuses, before any work, a state left by a run with other inputs
     return store
 
 
 def _param_sources(template: nn.Module, base: ModelLike | None, experts: Mapping[str, ModelLike],
-                   allow_pickle: bool) -> tuple[dict[str, ParamSource], ParamSource | None]:
+                   allow_pickle: bool, expert_kind: Mapping[str, str] | None = None,
+                   ) -> tuple[dict[str, ParamSource], ParamSource | None]:
     """Where each expert's and the base's parameters are read from: the model given, or its files read
     block by block into `template` (a LoRA adapter applied to the base, a GGUF file dequantised)."""
     sources: dict[str, ParamSource] = {}
@@ -110,7 +113,8 @@ def _param_sources(template: nn.Module, base: ModelLike | None, experts: Mapping
             sources[t] = ModelSource(e, f"expert {t!r}")
         else:
             sources[t] = CheckpointSource(e, template, f"expert {t!r}", allow_pickle=allow_pickle,
-                                          reader=adapter_reader(e, base, f"expert {t!r}", allow_pickle))
+                                          reader=adapter_reader(e, base, f"expert {t!r}", allow_pickle,
+                                                                (expert_kind or {}).get(t)))
     base_src: ParamSource | None = None
     if base is not None:
         base_src = ModelSource(base, "base") if isinstance(base, nn.Module) else CheckpointSource(
@@ -176,6 +180,7 @@ def calibrate_setting(
     allow_pickle: bool = False,
     keep_resume_state: bool = False,
     check_finite: bool = True,
+    expert_kind: Mapping[str, str] | None = None,
 ) -> CalibrationResult:
     """Calibrate `merged` toward its experts at `config`'s setting (its `tune` is not looked at); see
     `featcal.calibrate` for the arguments. Every input is checked before any work."""
@@ -185,9 +190,9 @@ def calibrate_setting(
     stacks = adapter.stacks(model)
     group = current_group()
     data = _calibration_data(model, adapter, adapter.main_input(model, stacks[0]), experts, calibration, group)
-    store = _open_resume_store(config, model, base, experts, data, group)
+    store = _open_resume_store(config, model, base, experts, data, group, expert_kind)
     template = copy.deepcopy(model)  # expert t's weights are loaded into this, block by block
-    sources, base_src = _param_sources(template, base, experts, allow_pickle)
+    sources, base_src = _param_sources(template, base, experts, allow_pickle, expert_kind)
     final = adapter.final_norm(model, stacks[-1]) if config.calibrate_final_norm else None
     stem = adapter.stem_norm(model, stacks[0]) if config.calibrate_stem_norm else None
     solved_norms = [n for norm in (stem, final) if norm is not None for n in norm.param_names()]

@@ -61,11 +61,12 @@ from featcal.calibration.hooks import (
     plan_block,
 )
 from featcal.calibration.placement import Placement
-from featcal.calibration.resume import Position, ResumeStore, common_position
+from featcal.calibration.resume import Position, ResumeStateError, ResumeStore, common_position
 from featcal.calibration.statistics import NormalisedSums, NormNormalised, TaskSums
 from featcal.config import FeatCalConfig
 from featcal.data.batch import Batch
 from featcal.errors import FeatCalError
+from featcal.io import interrupts
 from featcal.io.param_sources import ParamSource, load_into
 
 log = logging.getLogger("featcal.calibration")
@@ -264,6 +265,7 @@ class FeatCalEngine:
                         self.stem_norm = self._calibrate_stem_norm(stack)
                 n_blocks = len(stack.blocks(self.merged))
                 for layer in range(first, n_blocks):
+                    interrupts.check()  # SIGTERM: stop at a block boundary even if its exception was swallowed
                     self._calibrate_block(stack, layer, n_blocks)
                     self._commit(si, layer, n_blocks)
             if self.cfg.calibrate_final_norm:  # from the committed final chains: a resumed run re-solves it alike
@@ -284,6 +286,7 @@ class FeatCalEngine:
         if done is None:
             return start
         position = next(p for p in mine if p.blocks_done == done)
+        self._check_position(position)
         if self._stem is not None:  # solved by the first run; its parameters come back with block 0's
             self.stem_norm = {"calibrated": True, "module": self._stem.path, "stack": self.stacks[0].name,
                               "restored": "from the resume checkpoint (its drift is in the first run's log)"}
@@ -305,6 +308,25 @@ class FeatCalEngine:
         log.info("featcal: resuming from %s: %d block(s) already calibrated, continuing at block %d",
                  self.resume.root, done, done)
         return position
+
+    def _check_position(self, position: Position) -> None:
+        """A resume state must name a place this model has: at most its blocks done, and the (stack, layer) that
+        follows them in forward order; else blocks would be skipped, or an index run past the end."""
+        sizes = [len(stack.blocks(self.merged)) for stack in self.stacks]
+        done, total = position.blocks_done, sum(sizes)
+        expected = None
+        if done <= total:
+            si, k = 0, done
+            while si < len(sizes) and k >= sizes[si]:
+                k -= sizes[si]
+                si += 1
+            expected = (si, k) if si < len(sizes) else (len(sizes), 0)
+        if expected is None or (position.stack, position.layer) != expected:
+            raise ResumeStateError(
+                f"resume state in {self.resume.root} claims {done} finished block(s), continuing at stack "
+                f"{position.stack} layer {position.layer}, but this model has {total} block(s) (continuing after {done} "
+                f"would be at {expected}); it is not this run's: delete it (or choose another --resume-dir) to start again"
+            )
 
     def _block_names(self, k: int) -> list[str]:
         """Parameter names of the k-th calibrated block, over all stacks in forward order (block 0's with the

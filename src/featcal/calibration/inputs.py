@@ -21,7 +21,7 @@ from featcal.errors import CalibrationDataError, CheckpointError, ConfigError
 from featcal.io import models as io_models  # looked up at call time (tests watch load_model)
 from featcal.io.gguf import open_gguf
 from featcal.io.inputs import open_source
-from featcal.io.lora import is_adapter_dir, open_adapter
+from featcal.io.lora import open_adapter, reads_as_adapter
 from featcal.io.param_sources import ParamSource
 from featcal.io.validate import first_non_finite
 
@@ -120,14 +120,14 @@ def identity(source: ModelLike) -> str:
         return f"file:{os.path.realpath(path)}:{st.st_size}:{st.st_mtime_ns}"
     return resume_mod.files_digest(path) if os.path.isdir(path) else f"id:{path}"
 
-def adapter_reader(expert: ModelLike, base: ModelLike | None, label: str, allow_pickle: bool):
+def adapter_reader(expert: ModelLike, base: ModelLike | None, label: str, allow_pickle: bool,
+                   kind: str | None = None):
     """A LoRA / PEFT adapter folder read as base + ΔW (io/lora.py), a GGUF file dequantised (io/gguf.py);
-    None for any other input (a checkpoint folder, read by CheckpointSource itself)."""
-    gguf = open_gguf(expert, label)
-    if gguf is not None:
-        return gguf
-    if not is_adapter_dir(expert):
-        return None
+    None for any other input (a checkpoint folder, read by CheckpointSource itself). `kind` (full / adapter)
+    settles an expert folder holding both (`reads_as_adapter`, the rule merge follows too); the base
+    (`label` "base") is read as its full weights."""
+    if not reads_as_adapter(expert, label, kind, may_be_adapter=label != "base"):
+        return open_gguf(expert, label)
     if base is None:
         need = "pass base= (the model it was trained on) to apply it" if label != "base" else "the base must be a model"
         raise ConfigError(f"{label}: {expert} is a LoRA adapter; {need}")

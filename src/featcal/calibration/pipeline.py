@@ -13,7 +13,7 @@ import logging
 import os
 import shutil
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,7 @@ from featcal.calibration.inputs import resolve_device
 from featcal.calibration.result import CalibrationResult
 from featcal.calibration.resume import default_resume_dir, discard_on_error
 from featcal.calibration.tuning import load_heads, merge_scaling_from_report
-from featcal.config import FeatCalConfig
+from featcal.config import FeatCalConfig, check_expert_kinds, run_options
 from featcal.data.batch import Batch
 from featcal.data.calibration import (
     batches_record,
@@ -50,13 +50,14 @@ from featcal.io.atomic import (
 from featcal.io.checkpoint import CheckpointReader, copy_side_files, read_json, resolve_checkpoint
 from featcal.io.gguf import gguf_config, gguf_file, open_gguf
 from featcal.io.layouts import harmonise
-from featcal.io.lora import is_adapter_dir, open_adapter
-from featcal.io.models import hf_progress_bars, load_config, load_model
+from featcal.io.lora import kind_record, open_adapter, reads_as_adapter
+from featcal.io.models import check_loadable, hf_progress_bars, load_config, load_model
 from featcal.io.report import Timer, build_report, checkpoint_hashes, peak_rss_mb, write_report
 from featcal.io.sources import UnmappedReader
 from featcal.io.validate import (
     check_finite_state,
     check_same_config,
+    check_same_fields,
     check_same_tensors,
     scan_finite,
 )
@@ -65,9 +66,15 @@ from featcal.io.vocab import vocab_rows_view
 log = logging.getLogger(__name__)
 
 
-def _checkpoint(label: str, path_or_id: str | Path, allow_pickle: bool) -> Path:
+def _as_adapter(label: str, path: Any, kinds: Mapping[str, str | None]) -> bool:
+    """Whether input `label` is read as a LoRA adapter over the base (io/lora.py's rule, as merge applies it):
+    only experts may be; `kinds` (label -> full / adapter) settles a folder holding both."""
+    return reads_as_adapter(path, label, kinds.get(label), may_be_adapter=label.startswith("expert"))
+
+
+def _checkpoint(label: str, path_or_id: str | Path, allow_pickle: bool, kinds: Mapping[str, str | None]) -> Path:
     """Resolve and validate one input checkpoint (headers only), naming it in any error."""
-    if is_adapter_dir(path_or_id):  # a LoRA adapter: checked against the base in _check_same_tensors
+    if _as_adapter(label, path_or_id, kinds):  # a LoRA adapter: checked against the base in _check_same_tensors
         if not label.startswith("expert"):
             raise CheckpointError(f"{label}: {path_or_id} is a LoRA/PEFT adapter, not a model; only experts may be adapters")
         return Path(path_or_id).expanduser()
@@ -83,6 +90,8 @@ def _checkpoint(label: str, path_or_id: str | Path, allow_pickle: bool) -> Path:
     try:
         path = resolve_checkpoint(path_or_id, allow_pickle=allow_pickle)
         CheckpointReader(path, allow_pickle=allow_pickle)
+        if label == "merged model":  # loaded whole by transformers, which reads only the standard file names
+            check_loadable(path, allow_pickle)
     except CheckpointError as exc:
         raise CheckpointError(f"{label}: {exc}") from None
     return path
@@ -96,13 +105,18 @@ def _model_type(label: str, path: Path) -> str | None:
     if not config.is_file():
         raise CheckpointError(f"{label}: {path} has no config.json")
     try:
-        return read_json(config).get("model_type")
+        model_type = read_json(config).get("model_type")
     except CheckpointError as exc:
         raise CheckpointError(f"{label}: {exc}") from None
+    if model_type is not None and not isinstance(model_type, str):
+        raise CheckpointError(f"{label}: {config} gives model_type {model_type!r}, which is no model type name")
+    return model_type
 
 
-def _check_same_architecture(inputs: Mapping[str, Path], reference: str = "merged") -> None:
-    types = {label: _model_type(label, p) for label, p in inputs.items() if not is_adapter_dir(p)}  # adapters: the base's
+def _check_same_architecture(inputs: Mapping[str, Path], reference: str = "merged",
+                             kinds: Mapping[str, str | None] | None = None) -> None:
+    types = {label: _model_type(label, p) for label, p in inputs.items()
+             if not _as_adapter(label, p, kinds or {})}  # adapters: the base's
     if set(types.values()) == {"clip", "clip_vision_model"}:
         return  # a CLIPModel base with vision-tower experts: read as vision towers (io/layouts.py)
     ref_type = types[reference]
@@ -113,37 +127,43 @@ def _check_same_architecture(inputs: Mapping[str, Path], reference: str = "merge
         )
 
 
-def _reader(label: str, path: Path, inputs: Mapping[str, Path], allow_pickle: bool, cls: type):
+def _reader(label: str, path: Path, inputs: Mapping[str, Path], allow_pickle: bool, cls: type,
+            kinds: Mapping[str, str | None] | None = None):
     """A reader of one input: a LoRA adapter folder applied to the base (io/lora.py), a GGUF file
     dequantised (io/gguf.py), else `cls` (CheckpointReader, UnmappedReader) over the folder."""
-    if is_adapter_dir(path):
+    if _as_adapter(label, path, kinds or {}):
         base = _reader("base model", inputs["base"], inputs, allow_pickle, cls)
         return open_adapter(path, base, label, allow_pickle=allow_pickle)
     gguf = open_gguf(path, label, header_only=cls is CheckpointReader)  # the header checks need no values
     return gguf if gguf is not None else cls(path, allow_pickle=allow_pickle)
 
 
-def _input_kind(path: Path) -> dict[str, bool]:
-    """What featcal.json says of an input that is no plain checkpoint (a GGUF file, a LoRA adapter)."""
-    if is_adapter_dir(path):
+def _input_kind(label: str, path: Path, kinds: Mapping[str, str | None]) -> dict[str, Any]:
+    """What featcal.json says of an input that is no plain checkpoint (a GGUF file, a LoRA adapter, a folder
+    holding adapter files read as its full weights)."""
+    if _as_adapter(label, path, kinds):
         return {"lora_adapter": True}
-    return {"dequantised_from_gguf": True} if gguf_file(path) is not None else {}
+    if gguf_file(path) is not None:
+        return {"dequantised_from_gguf": True}
+    return kind_record(path, False)
 
 
-def _check_same_tensors(inputs: Mapping[str, Path], reference: str, allow_pickle: bool) -> None:
+def _check_same_tensors(inputs: Mapping[str, Path], reference: str, allow_pickle: bool,
+                        kinds: Mapping[str, str | None]) -> None:
     """Headers only: every checkpoint has the reference's config class, tensor names, shapes, dtype classes.
 
     One reader besides the reference is open at a time (an allowed pickle is held whole while open).
     """
-    ref = _reader(reference, inputs[reference], inputs, allow_pickle, CheckpointReader)
+    ref = _reader(reference, inputs[reference], inputs, allow_pickle, CheckpointReader, kinds)
     for label, path in inputs.items():
         if label != reference:
             # under one naming first (transformers-4 layouts, a CLIPModel base's vision tower, tied copies)
-            reader = _reader(label, path, inputs, allow_pickle, CheckpointReader)
+            reader = _reader(label, path, inputs, allow_pickle, CheckpointReader, kinds)
             pair = harmonise({reference: ref, label: reader}, reference)
             pair[label] = vocab_rows_view(pair[reference], reference, label, pair[label])  # grown vocabularies
             check_same_config(pair[reference], label, pair[label], what=label, reference=f"the {reference} model")
             check_same_tensors(pair[reference], label, pair[label], what=label, reference=f"the {reference} model")
+            check_same_fields(pair[reference], label, pair[label], what=label, reference=f"the {reference} model")
             del pair
 
 
@@ -177,6 +197,11 @@ class CheckedInputs:
     base: Path
     experts: dict[str, Path]
     data_dir: Path
+    expert_kind: dict[str, str] = field(default_factory=dict)  # task -> full / adapter, where the user said
+
+    def kinds(self) -> dict[str, str]:
+        """expert_kind by input label ("expert 'NAME'"), as the reader helpers take it."""
+        return {f"expert {t!r}": k for t, k in self.expert_kind.items()}
 
 
 def check_calibration_inputs(
@@ -194,6 +219,8 @@ def check_calibration_inputs(
     check_finite: bool = True,
     progress: bool = False,
     check_device: bool = True,
+    expert_kind: Mapping[str, str] | None = None,
+    heads: Mapping[str, str | Path] | None = None,
 ) -> CheckedInputs:
     """Every check that needs no model loaded, cheapest first; raises a FeatCalError naming the culprit.
 
@@ -202,23 +229,30 @@ def check_calibration_inputs(
     shapes, the config loads without custom code, each task's data exists and fits the model's
     modality and size, and (`check_finite`) no checkpoint holds NaN/Inf. `merged=None` checks
     everything but the merged model, against the base (what `featcal run` does before merging).
+    `expert_kind`: task -> full / adapter, for expert folders holding both (refused without it). `heads`
+    (--tune-head files) and the spill directory must not lie in the output either: replacing it would delete them.
     """
     tasks = check_task_names(experts, calibration_sources)
+    expert_kind = dict(run_options(expert_kind=expert_kind or {}).expert_kind)
+    check_expert_kinds(expert_kind, experts)
+    kinds = {f"expert {t!r}": k for t, k in expert_kind.items()}
     check_options(config, max_length, check_device)
     out_path = check_output_dir(out, overwrite)
-    merged_dir = _checkpoint("merged model", merged, allow_pickle) if merged is not None else None
-    base_dir = _checkpoint("base model", base, allow_pickle)
-    expert_dirs = {t: _checkpoint(f"expert {t!r}", experts[t], allow_pickle) for t in tasks}
+    merged_dir = _checkpoint("merged model", merged, allow_pickle, kinds) if merged is not None else None
+    base_dir = _checkpoint("base model", base, allow_pickle, kinds)
+    expert_dirs = {t: _checkpoint(f"expert {t!r}", experts[t], allow_pickle, kinds) for t in tasks}
     inputs = {"base": base_dir, **{f"expert {t!r}": d for t, d in expert_dirs.items()}}
     if merged_dir is not None:
         inputs = {"merged": merged_dir, **inputs}
     reference = "merged" if merged_dir is not None else "base"
-    _check_same_architecture(inputs, reference)
-    refuse_output_over_inputs(out_path, {**inputs, **{f"calibration data {t!r}": calibration_sources[t] for t in tasks}})
+    _check_same_architecture(inputs, reference, kinds)
+    refuse_output_over_inputs(out_path, {**inputs, **{f"calibration data {t!r}": calibration_sources[t] for t in tasks},
+                                         **{f"head of task {t!r}": h for t, h in (heads or {}).items()}})
     check_resume_dir(config, out_path, inputs)
+    check_spill_dir(config, out_path, inputs)
     check_replaceable(out_path, overwrite)
-    _check_same_tensors(inputs, reference, allow_pickle)
-    if reference == "base" and _input_kind(base_dir).get("dequantised_from_gguf"):  # no tokenizer files to check with
+    _check_same_tensors(inputs, reference, allow_pickle, kinds)
+    if reference == "base" and _input_kind("base", base_dir, kinds).get("dequantised_from_gguf"):  # no tokenizer files to check with
         raise CheckpointError(f"base model: {base_dir} is a GGUF file; featcal run checks the calibration data against "
                               "the base's tokenizer files: run featcal merge, then featcal calibrate on its output")
     model_config = load_config(inputs[reference])
@@ -236,8 +270,8 @@ def check_calibration_inputs(
     if check_finite:  # the costliest check, last: reads every checkpoint once, one tensor at a time
         for label, d in inputs.items():
             name = label if label.startswith("expert") else f"{label} model"
-            scan_finite(name, _reader(label, d, inputs, allow_pickle, UnmappedReader), progress=progress)
-    return CheckedInputs(tasks, out_path, merged_dir, base_dir, expert_dirs, data_dir)
+            scan_finite(name, _reader(label, d, inputs, allow_pickle, UnmappedReader, kinds), progress=progress)
+    return CheckedInputs(tasks, out_path, merged_dir, base_dir, expert_dirs, data_dir, expert_kind)
 
 
 def check_resume_dir(config: FeatCalConfig, out: Path, inputs: Mapping[str, Path]) -> None:
@@ -252,6 +286,27 @@ def check_resume_dir(config: FeatCalConfig, out: Path, inputs: Mapping[str, Path
             where = "is" if state == d else "lies inside"
             raise ConfigError(f"the resume directory {config.resume_dir} {where} the {label} directory {d}; "
                               "choose another --resume-dir")
+
+
+def check_spill_dir(config: FeatCalConfig, out: Path, inputs: Mapping[str, Path]) -> None:
+    """A `--spill-dir` must not be (or lie inside) the output, which replacing would delete with the chains
+    in it, nor a checkpoint featcal reads."""
+    if config.spill_dir is None:
+        return
+    spill = Path(config.spill_dir).expanduser().resolve()
+    for label, d in {**inputs, "output": out}.items():
+        d = Path(d).expanduser().resolve()
+        if spill == d or d in spill.parents:
+            where = "is" if spill == d else "lies inside"
+            raise ConfigError(f"the spill directory {config.spill_dir} {where} the {label} directory {d}; "
+                              "choose another --spill-dir")
+
+
+def feature_width(config: Any) -> int | None:
+    """The width of the features a task head reads (pooler_output or the mean of last_hidden_state): the
+    config's hidden size; None where it declares none."""
+    width = getattr(config, "hidden_size", None)
+    return width if isinstance(width, int) and not isinstance(width, bool) else None
 
 
 def processor_dir(merged: Path, base: Path, config=None) -> Path:
@@ -321,6 +376,7 @@ def calibrate_to_dir(
     check_finite: bool = True,
     merge_scaling: float | None = None,
     heads: Mapping[str, str | Path] | None = None,
+    expert_kind: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """Calibrate the merged checkpoint toward its experts and write the result (+ featcal.json) to `out`.
 
@@ -338,6 +394,7 @@ def calibrate_to_dir(
             merged, base=base, experts=experts, calibration_sources=calibration_sources, config=config, out=out,
             overwrite=overwrite, allow_pickle=allow_pickle, progress=progress, max_length=max_length,
             allow_fewer=allow_fewer, check_finite=check_finite, merge_scaling=merge_scaling, heads=heads,
+            expert_kind=expert_kind,
         )
 
 
@@ -346,6 +403,7 @@ def _calibrate_to_dir(
     calibration_sources: Mapping[str, str | Path], config: FeatCalConfig, out: str | Path, overwrite: bool,
     allow_pickle: bool, progress: bool, max_length: int, allow_fewer: bool, check_finite: bool,
     merge_scaling: float | None = None, heads: Mapping[str, str | Path] | None = None,
+    expert_kind: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     total = Timer()
     if merged is None:
@@ -354,9 +412,10 @@ def _calibrate_to_dir(
         checked = check_calibration_inputs(
             merged, base=base, experts=experts, calibration_sources=calibration_sources, config=config, out=out,
             overwrite=overwrite, allow_pickle=allow_pickle, max_length=max_length, allow_fewer=allow_fewer,
-            check_finite=check_finite, progress=progress,
+            check_finite=check_finite, progress=progress, expert_kind=expert_kind, heads=heads,
         )
-        head_layers = load_heads(heads or {}, checked.tasks, config.tune)  # refused here, before any work
+        head_layers = load_heads(heads or {}, checked.tasks, config.tune,  # refused here, before any work
+                                 feature_width(load_config(checked.merged or merged)))
         config = _with_resume_dir(config, checked.out)
         merged_dir = Path(checked.merged or merged)
 
@@ -448,7 +507,7 @@ def _calibrate_loaded(
             merged_model, base=str(checked.base), experts={t: str(d) for t, d in checked.experts.items()},
             calibration=calibration, config=config, progress=progress, inplace=True, allow_pickle=allow_pickle,
             keep_resume_state=True, check_finite=False,  # the checkpoints were scanned before
-            return_result=True, **tune,
+            return_result=True, expert_kind=checked.expert_kind, **tune,
         )
 
 
@@ -469,8 +528,8 @@ def _inputs_report(
     base_dir = checked.base
     return {
         "merged": {"path": str(merged_dir), "sha256": checkpoint_hashes(merged_dir)},
-        "base": {"path": str(base_dir), "sha256": checkpoint_hashes(base_dir), **_input_kind(base_dir)},
-        "experts": {t: {"path": str(d), "sha256": checkpoint_hashes(d), **_input_kind(d)}
+        "base": {"path": str(base_dir), "sha256": checkpoint_hashes(base_dir), **_input_kind("base", base_dir, {})},
+        "experts": {t: {"path": str(d), "sha256": checkpoint_hashes(d), **_input_kind(f"expert {t!r}", d, checked.kinds())}
                     for t, d in checked.experts.items()},
         "calibration": {
             t: {"source": str(calibration_sources[t]), **read_as[t], **batches_record(b)}

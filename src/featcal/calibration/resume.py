@@ -41,12 +41,19 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from featcal.errors import ConfigError, FeatCalError
-from featcal.io.atomic import OutputWriteError, atomic_write_text, make_parents, os_error_of
+from featcal.io.atomic import (
+    CREATED_MARKER,
+    OutputWriteError,
+    atomic_write_text,
+    make_marked,
+    os_error_of,
+    remove_marked_if_empty,
+)
 
 log = logging.getLogger("featcal.calibration")
 
 STATE = "state.json"
-CREATED = ".created-by-featcal"  # marks a directory featcal itself created, so that only such a one is removed
+CREATED = CREATED_MARKER  # marks a directory featcal itself created, so that only such a one is removed
 FORMAT = 1
 KILL_ENV = "FEATCAL_DEBUG_KILL_AFTER_BLOCK"  # tests only: SIGKILL this process once block N is finished
 
@@ -207,7 +214,7 @@ class ResumeStore:
         if state is None:
             return []
         out = []
-        for gen in state["generations"]:
+        for gen in _generations(self.dir / STATE, state):
             if (self.dir / gen["chains"]).is_dir():
                 out.append(Position(gen["stack"], gen["layer"], gen["drift"]))
         return out
@@ -216,15 +223,23 @@ class ResumeStore:
                 put_chain: Callable[[tuple, torch.Tensor, Any], None], device: torch.device) -> None:
         """Load the calibrated parameters of every finished block and the chains of `position`."""
         for k in range(position.blocks_done):
-            put_block(k, load_file(str(self.dir / _block_name(k))))
+            path = self.dir / _block_name(k)
+            with _unreadable(path, self.dir):
+                put_block(k, load_file(str(path)))
             self._blocks.add(k)
         chains = self.dir / _chains_name(position.blocks_done)
-        index = json.loads((chains / "index.json").read_text())
+        with _unreadable(chains / "index.json", self.dir):
+            index = json.loads((chains / "index.json").read_text())
+            if not isinstance(index, list):
+                raise ValueError("not a list of chain entries")
         for entry in index:
-            key = tuple(entry["key"])
-            tensors = load_file(str(chains / f"{_key_name(key)}.safetensors"))
-            ctx = decode_context(entry["context"], tensors, device)
-            put_chain(key, tensors["__hidden__"], ctx)
+            with _unreadable(chains / "index.json", self.dir):
+                key = tuple(entry["key"])
+            path = chains / f"{_key_name(key)}.safetensors"
+            with _unreadable(path, self.dir):
+                tensors = load_file(str(path))
+                ctx = decode_context(entry["context"], tensors, device)
+                put_chain(key, tensors["__hidden__"], ctx)
         self._cleanup(keep=_chains_name(position.blocks_done))
 
     # writing
@@ -250,7 +265,7 @@ class ResumeStore:
         k = position.blocks_done - 1
         if k not in blocks:
             raise FeatCalError(f"resume checkpoint after {position.blocks_done} blocks lacks block {k}")
-        _make_marked(self.dir)
+        make_marked(self.dir)
         for i, params in sorted(blocks.items()):
             self._blocks.add(i)
             _save_atomic(self.dir / _block_name(i), {n: t.detach().contiguous().cpu() for n, t in params.items()})
@@ -302,9 +317,42 @@ class ResumeStore:
             (self.dir / _block_name(k)).unlink(missing_ok=True)
         self._cleanup(keep=None)
         # under torchrun every rank tidies its own folder; whichever is last removes the root
-        for d in (self.dir, *self.dir.parents):
-            if not _remove_if_created_and_empty(d):
-                break
+        remove_marked_if_empty(self.dir)
+
+
+@contextlib.contextmanager
+def _unreadable(path: Path, directory: Path) -> Iterator[None]:
+    """A resume file that cannot be read back (truncated by a full disk or a crash in another tool, edited,
+    missing) is one ResumeStateError naming it, not a library traceback."""
+    try:
+        yield
+    except (FeatCalError, KeyboardInterrupt):
+        raise
+    except Exception as exc:
+        reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:200]
+        raise ResumeStateError(f"resume file {path} cannot be read back ({reason}); delete {directory} (or choose "
+                               "another --resume-dir) to start again") from None
+
+
+def _generations(path: Path, state: dict[str, Any]) -> list[dict[str, Any]]:
+    """state.json's generations, each checked: its chains directory named after its count of finished blocks,
+    a (stack, layer) to continue at, one drift record per finished block."""
+    gens = state.get("generations")
+    bad = "has no list of generations" if not isinstance(gens, list) else None
+    for gen in gens if bad is None else []:
+        if not isinstance(gen, dict) or not isinstance(gen.get("drift"), list) \
+                or not all(isinstance(r, dict) for r in gen["drift"]):
+            bad = f"holds a generation that is no mapping with a list of drift records ({str(gen)[:80]})"
+        elif not all(isinstance(gen.get(k), int) and not isinstance(gen.get(k), bool) and gen[k] >= 0
+                     for k in ("stack", "layer")):
+            bad = f"holds a generation without a valid stack and layer ({str(gen)[:80]})"
+        elif gen.get("chains") != _chains_name(len(gen["drift"])):
+            bad = f"holds a generation whose chains {gen.get('chains')!r} do not follow its {len(gen['drift'])} block(s)"
+        if bad:
+            break
+    if bad:
+        raise ResumeStateError(f"resume state {path} {bad}; delete that file to start again")
+    return gens
 
 
 _CHAINS = re.compile(r"\.?chains-\d{4,}(-\w+)?")  # a generation, or its temporary directory (mkdtemp suffix)
@@ -317,25 +365,6 @@ def _chains_name(blocks_done: int) -> str:
 
 def _block_name(block: int) -> str:
     return f"block-{block:04d}.safetensors"
-
-
-def _make_marked(directory: Path) -> None:
-    """mkdir -p `directory`, leaving a marker in each directory this call created (deepest last)."""
-    for d in make_parents(directory):
-        (d / CREATED).touch()
-
-
-def _remove_if_created_and_empty(directory: Path) -> bool:
-    """rmdir `directory` if featcal created it (its marker) and nothing else is in it now; True if removed."""
-    marker = directory / CREATED
-    try:
-        if marker.is_file() and {p.name for p in directory.iterdir()} == {CREATED}:
-            marker.unlink()
-            directory.rmdir()
-            return True
-    except OSError:
-        pass
-    return False
 
 
 def _save_atomic(path: Path, tensors: dict[str, torch.Tensor]) -> None:

@@ -39,6 +39,7 @@ import hashlib
 import logging
 import math
 import os
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -529,6 +530,11 @@ def merge_scaling_from_report(merged_dir: str | os.PathLike, base_dir: str | os.
         return None, f"the merged checkpoint is not a featcal task-vector merge ({report.get('command')}, {method})"
     if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not 0 < scaling <= MAX_MERGE_SCALING:
         return None, f"{path}: no usable scaling ({scaling!r})"
+    recorded_output = (report.get("output") or {}).get("sha256")
+    current = {k: v for k, v in checkpoint_hashes(merged_dir).items() if k != REPORT_NAME}
+    if recorded_output != current:  # rebuilding "the merge at another scaling" needs the merge the report describes
+        return None, (f"the merged checkpoint's files are not those its {REPORT_NAME} records (changed after the "
+                      "merge), so its scaling is not trusted")
     inputs = report.get("inputs") or {}
     recorded_base = (inputs.get("base") or {}).get("sha256")
     recorded_experts = sorted(repr(e.get("sha256")) for e in (inputs.get("experts") or {}).values())
@@ -539,9 +545,12 @@ def merge_scaling_from_report(merged_dir: str | os.PathLike, base_dir: str | os.
     return float(scaling), f"{REPORT_NAME} of the merged checkpoint: {method}, scaling {scaling:g}"
 
 
-def load_heads(paths: Mapping[str, str | os.PathLike], tasks: Iterable[str], tune: bool) -> dict[str, nn.Module]:
+def load_heads(paths: Mapping[str, str | os.PathLike], tasks: Iterable[str], tune: bool,
+               width: int | None = None) -> dict[str, nn.Module]:
     """Heads saved by featcal (LinearHead / CosineHead safetensors) for `featcal calibrate --tune-head` and
-    a run file's `calibrate.heads`; refused in one line before any work (unknown task, no tune, bad file)."""
+    a run file's `calibrate.heads`; refused in one line before any work (unknown task, no tune, bad file, no
+    class, NaN / Inf, or, given the model's feature `width`, another input width: found otherwise only once
+    the search has run its first candidate)."""
     if not paths:
         return {}
     if not tune:
@@ -553,12 +562,28 @@ def load_heads(paths: Mapping[str, str | os.PathLike], tasks: Iterable[str], tun
     heads = {}
     for t, p in paths.items():
         try:
-            heads[t] = load_head(p)
+            with warnings.catch_warnings():  # torch warns of a zero-class head, which _check_head refuses below
+                warnings.simplefilter("ignore", UserWarning)
+                heads[t] = load_head(p)
         except CheckpointError as exc:
             raise CheckpointError(f"head of task {t!r}: {exc}") from None
         except Exception as exc:  # a file that is not safetensors at all
             raise CheckpointError(f"head of task {t!r}: cannot read {p}: {exc}") from None
+        _check_head(f"head of task {t!r} ({p})", heads[t], width)
     return heads
+
+
+def _check_head(label: str, head: nn.Module, width: int | None) -> None:
+    """At least one class, finite values, and (when known) the input width of the model's pooled features."""
+    matrix = next((v for v in head.state_dict().values() if v.dim() == 2), None)
+    if matrix is None or matrix.shape[0] < 1:
+        raise CheckpointError(f"{label}: it has no class (a {tuple(matrix.shape) if matrix is not None else 'missing'} "
+                              "weight); a head scores at least one")
+    values = [*head.state_dict().values(), torch.tensor([float(getattr(head, "scale", 1.0))])]
+    if not all(bool(torch.isfinite(v.float()).all()) for v in values):
+        raise CheckpointError(f"{label}: it holds NaN or Inf values")
+    if width is not None and matrix.shape[1] != width:
+        raise CheckpointError(f"{label}: it reads {matrix.shape[1]} features but the model's pooled output has {width}")
 
 
 def _base_source(base: nn.Module | str | os.PathLike, model: nn.Module, allow_pickle: bool) -> ParamSource:
@@ -568,7 +593,8 @@ def _base_source(base: nn.Module | str | os.PathLike, model: nn.Module, allow_pi
                             reader=adapter_reader(base, None, "base", allow_pickle))
 
 
-def _expert_model(task: str, expert: Any, base: Any, template: nn.Module, allow_pickle: bool) -> nn.Module:
+def _expert_model(task: str, expert: Any, base: Any, template: nn.Module, allow_pickle: bool,
+                  kind: str | None = None) -> nn.Module:
     """Expert t as a whole model for its held-out forwards (a path, LoRA adapter or GGUF file is read as
     calibrate reads it, into a copy of the merged model)."""
     if isinstance(expert, nn.Module):
@@ -576,7 +602,7 @@ def _expert_model(task: str, expert: Any, base: Any, template: nn.Module, allow_
     model = copy.deepcopy(template)
     label = f"expert {task!r}"
     src = CheckpointSource(expert, model, label, allow_pickle=allow_pickle,
-                           reader=adapter_reader(expert, base, label, allow_pickle))
+                           reader=adapter_reader(expert, base, label, allow_pickle, kind))
     held = [n for n, p in model.named_parameters(remove_duplicate=False) if src.shape(n) == tuple(p.shape)]
     load_into(model, held, src)
     return model.eval()
@@ -692,7 +718,7 @@ def calibrate_tuned(
     merged: Any, *, base: Any, experts: Mapping[str, Any], calibration: Mapping[str, Iterable[Any]],
     config: FeatCalConfig, heads: Mapping[str, Head] | None = None, merge_scaling: float | None = None,
     progress: bool = True, inplace: bool = False, allow_pickle: bool = False, keep_resume_state: bool = False,
-    check_finite: bool = True,
+    check_finite: bool = True, expert_kind: Mapping[str, str] | None = None,
 ) -> CalibrationResult:
     """Search, score on the held-out part, refit the choice on all data; see the module docstring.
 
@@ -760,10 +786,10 @@ def calibrate_tuned(
             m = start_model(s)
             out = core.calibrate_setting(m, base=base, experts=experts, calibration=split.fit, config=cfg,
                                          progress=False, inplace=m is not template, allow_pickle=allow_pickle,
-                                         check_finite=check_finite and first).model
+                                         check_finite=check_finite and first, expert_kind=expert_kind).model
             if first:  # the first calibration validated every input: now the experts' references, once
                 for t in experts:
-                    expert = _expert_model(t, experts[t], base, template, allow_pickle)
+                    expert = _expert_model(t, experts[t], base, template, allow_pickle, (expert_kind or {}).get(t))
                     if expert is not experts[t]:  # featcal's own copy (a caller's model is not moved)
                         expert.to(where)
                     for held_refs, held_split in zip(refs, splits, strict=True):
@@ -824,7 +850,7 @@ def calibrate_tuned(
         m, in_place = start_model(best, model if may_modify else copy.deepcopy(model)), True
     result = core.calibrate_setting(m, base=base, experts=experts, calibration=data, config=final_cfg,
                                     progress=progress, inplace=in_place, allow_pickle=allow_pickle,
-                                    keep_resume_state=keep_resume_state,
+                                    keep_resume_state=keep_resume_state, expert_kind=expert_kind,
                                     check_finite=False)  # every input was scanned by the first candidate
     refit_seconds = refit.seconds
     chosen = index_of[best]

@@ -33,16 +33,14 @@ def _baseline_params(args: argparse.Namespace, baselines: tuple[str, ...]) -> di
 
 
 def _run(args: argparse.Namespace) -> int:
-    import torch
-
+    from featcal.cli.calibrate_args import apply_threads
     from featcal.experiments.bench.baselines import parse_baselines
     from featcal.experiments.bench.metrics import cost_ratio_text
     from featcal.experiments.bench.run import BenchSettings, run_bench, validate, write_bench
     from featcal.experiments.bench.table import bench_table, variant_tag
     from featcal.io.atomic import check_output_dir, check_replaceable
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    apply_threads(args.threads)
     sizes = _sizes(args.calib_sizes) if args.calib_sizes else (min(256, get_preset(args.preset).calibration),)
     settings = BenchSettings(
         preset=args.preset, seed=args.seed, calib_sizes=sizes,

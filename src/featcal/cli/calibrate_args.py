@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from featcal.config import FeatCalConfig, RunOptions, parse, run_options
+from featcal.config import FeatCalConfig, RunOptions, check_tune_options, parse, run_options
 from featcal.errors import ConfigError
 
 _PREFIX = "cfg_"
@@ -65,13 +65,35 @@ def add_config_flags(parser: argparse.ArgumentParser, model: type[BaseModel], ti
 def config_from_args(args: argparse.Namespace, model: type[BaseModel]):
     """The validated config built from the flags that were given (ConfigError on a bad value)."""
     given = {k[len(_PREFIX):]: v for k, v in vars(args).items() if k.startswith(_PREFIX)}
-    return parse(model, given)
+    config = parse(model, given)
+    return check_tune_options(config) if isinstance(config, FeatCalConfig) else config
 
 
 def run_options_from_args(args: argparse.Namespace) -> RunOptions:
-    """The validated RunOptions of --overwrite, --allow-pickle, --max-length, --allow-fewer (as a run file's
+    """The validated RunOptions of --overwrite, --allow-pickle, --max-length, --allow-fewer, --expert-kind (as a run file's
     top-level keys and featcal.merge's keywords are validated)."""
-    return run_options(**{k: getattr(args, k) for k in RunOptions.model_fields if hasattr(args, k)})
+    given = {k: getattr(args, k) for k in RunOptions.model_fields if hasattr(args, k)}
+    if "expert_kind" in given:  # --expert-kind NAME=KIND, repeated
+        given["expert_kind"] = parse_pairs(given["expert_kind"], "--expert-kind")
+    return run_options(**given)
+
+
+def add_expert_kind(p: argparse.ArgumentParser) -> None:
+    """--expert-kind NAME=full|adapter (merge, calibrate, plan): how to read a folder holding both."""
+    p.add_argument("--expert-kind", action="append", metavar="NAME=KIND", dest="expert_kind",
+                   help="full or adapter: how to read an expert folder that holds both full weights and a LoRA/PEFT "
+                   "adapter (refused without it; repeat per task)")
+
+
+def apply_threads(threads: int) -> None:
+    """--threads N (bench, zoo build): torch's CPU threads; 0 keeps torch's default. A negative count is refused
+    here, in one line (torch would raise deep inside, or run single-threaded)."""
+    if threads < 0:
+        raise ConfigError(f"--threads must be 0 (torch's default) or a positive number of threads, got {threads}")
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
 
 
 def parse_pairs(pairs: list[str] | None, flag: str) -> dict[str, str]:
@@ -96,6 +118,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--expert", action="append", metavar="NAME=PATH", required=True,
                    help="a task's fine-tuned expert (repeat per task): a checkpoint, a .gguf file, or a LoRA/PEFT "
                    "adapter folder (applied to the base)")
+    add_expert_kind(p)
     p.add_argument("--calib", action="append", metavar="NAME=DATA", required=True,
                    help="a task's calibration data: image folder, saved dataset, .jsonl or .parquet (repeat per task)")
     p.add_argument("--out", required=True, help="output directory for the calibrated checkpoint")

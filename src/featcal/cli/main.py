@@ -5,13 +5,15 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import signal
 import sys
 import threading
 
 from featcal.errors import FeatCalError
-from featcal.io import host_allocator
+from featcal.io import host_allocator, interrupts
 from featcal.io.atomic import os_error_of
+from featcal.io.interrupts import Terminated
 
 # sub-command modules, each with register(subparsers) setting `func` on its parser
 COMMANDS = ("merge", "calibrate", "run", "zoo", "bench", "reproduce", "plan")
@@ -34,17 +36,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, turned into an interrupt so that the same cleanup runs (temporary output removed)."""
-
-
-def _on_sigterm(signum, frame):  # pragma: no cover - exercised through os.kill in the tests
-    raise Terminated()
-
-
 def one_line(exc: BaseException) -> str:
     """The error message on one line (some come from libraries with paragraphs in them)."""
     return " ".join(str(exc).split())
+
+
+def finished_message(args: argparse.Namespace) -> str:
+    """What a command that ran to its end despite a SIGTERM left: its output is complete (written atomically)."""
+    out = getattr(args, "out", None)
+    return f"its output {out} is complete" if out and os.path.isdir(out) else "nothing was left half-done"
 
 
 def interrupted_message(args: argparse.Namespace, exc: KeyboardInterrupt) -> str:
@@ -81,12 +81,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"featcal: error: {host_allocator.ENV}: {exc}", file=sys.stderr)
         return 2
     logging.getLogger(__name__).debug("host allocator: %s", "tuned" if applied else "unchanged")
-    previous = signal.getsignal(signal.SIGTERM)
     in_main_thread = threading.current_thread() is threading.main_thread()
-    if in_main_thread:
-        signal.signal(signal.SIGTERM, _on_sigterm)
+    previous = signal.getsignal(signal.SIGTERM)
     try:
-        return int(args.func(args) or 0)
+        if in_main_thread:  # inside the try: a SIGTERM right after this is handled like any other
+            interrupts.install()
+        rc = int(args.func(args) or 0)
+        if in_main_thread and interrupts.requested():  # its exception was swallowed (a finaliser) past every check
+            print(f"featcal: terminated (SIGTERM) as the command finished: {finished_message(args)}", file=sys.stderr)
+            return 130
+        return rc
     except FeatCalError as exc:
         print(f"featcal: error: {one_line(exc)}", file=sys.stderr)
         return 2
@@ -104,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     finally:
         if in_main_thread:
-            signal.signal(signal.SIGTERM, previous)
+            interrupts.restore(previous)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -11,7 +11,13 @@ from __future__ import annotations
 
 import argparse
 
-from featcal.cli.calibrate_args import add_config_flags, config_from_args, parse_pairs, run_options_from_args
+from featcal.cli.calibrate_args import (
+    add_config_flags,
+    add_expert_kind,
+    config_from_args,
+    parse_pairs,
+    run_options_from_args,
+)
 from featcal.config import MergeConfig, method_names
 
 
@@ -47,6 +53,7 @@ def register(subparsers) -> None:
     p.add_argument("--expert", action="append", metavar="NAME=PATH", required=True,
                    help="a task's fine-tuned expert (repeat per task): a checkpoint, a .gguf file, or a LoRA/PEFT "
                    "adapter folder (applied to the base)")
+    add_expert_kind(p)
     p.add_argument("--out", required=True, help="output directory for the merged checkpoint")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
     p.add_argument("--allow-pickle", action="store_true", help="accept pickled (*.bin) checkpoints")

@@ -24,6 +24,7 @@ def _plan(args: argparse.Namespace, config: FeatCalConfig, check_device: bool):
     checked = check_calibration_inputs(
         args.merged, base=args.base, experts=experts, calibration_sources=parse_pairs(args.calib, "--calib"),
         config=config, out=args.out, **options.model_dump(), check_finite=False, check_device=check_device,
+        heads=parse_pairs(args.tune_head, "--tune-head"),
     )
     world = int(os.environ.get("WORLD_SIZE", "1"))
     return plan_for_checkpoint(checked.merged, tasks=len(experts), config=config, max_length=options.max_length,

@@ -30,7 +30,8 @@ from featcal.config import RunConfig, load_run_file
 from featcal.io.atomic import (
     check_output_dir,
     check_replaceable,
-    owned_tempdir,
+    make_owned,
+    owned_name,
     refuse_output_over_inputs,
     sweep_stale,
 )
@@ -89,20 +90,22 @@ def execute(run: RunConfig, *, progress: bool = True) -> Path:
               calibration=calibration, **options)
         return out
 
-    from featcal.calibration.pipeline import calibrate_to_dir, check_calibration_inputs
+    from featcal.calibration.pipeline import calibrate_to_dir, check_calibration_inputs, feature_width
     from featcal.calibration.tuning import TASK_VECTOR_METHODS, load_heads
 
     featcal_config = run.calibrate.featcal_config()
     # everything the calibration will check, against the base, BEFORE the merge (the merge scans for NaN)
     check_calibration_inputs(
         None, base=run.merge.base, experts=run.merge.experts, calibration_sources=run.calibrate.calibration,
-        config=featcal_config, out=out, **options, check_finite=False,
+        config=featcal_config, out=out, **options, check_finite=False, heads=run.calibrate.heads,
     )
-    load_heads(run.calibrate.heads or {}, run.merge.experts, featcal_config.tune)  # refused before the merge too
+    load_heads(run.calibrate.heads or {}, run.merge.experts, featcal_config.tune,  # refused before the merge too
+               feature_width(_base_config(run.merge.base)))
     out.parent.mkdir(parents=True, exist_ok=True)
     sweep_stale(out.parent, f".featcal-merge-{out.name}-")  # a killed run's scratch merge (a whole checkpoint)
-    scratch = owned_tempdir(f".featcal-merge-{out.name}-", out.parent)
+    scratch = owned_name(f".featcal-merge-{out.name}-", out.parent)
     try:
+        make_owned(scratch)
         merged_dir = scratch / "merged"
         merge(run.merge.base, run.merge.experts, config=merge_config, out=merged_dir, progress=progress,
               calibration=calibration, **{**options, "overwrite": False})
@@ -117,6 +120,17 @@ def execute(run: RunConfig, *, progress: bool = True) -> Path:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return out
+
+
+def _base_config(base: str):
+    """The base's transformers config (None for a GGUF base, refused later by the calibration checks)."""
+    from featcal.io.checkpoint import resolve_checkpoint
+    from featcal.io.models import load_config
+
+    try:
+        return load_config(resolve_checkpoint(base))
+    except Exception:  # the checks before named the problem, if any; the width is then not checked here
+        return None
 
 
 def run_file(args: argparse.Namespace) -> int:

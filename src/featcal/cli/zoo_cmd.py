@@ -11,12 +11,10 @@ from featcal.experiments.zoo.presets import PRESETS
 
 
 def _build(args: argparse.Namespace) -> int:
-    import torch
-
+    from featcal.cli.calibrate_args import apply_threads
     from featcal.experiments.zoo.build import build_zoo
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    apply_threads(args.threads)
     zoo = build_zoo(args.out, args.preset, args.seed, overwrite=args.overwrite, progress=not args.no_progress,
                     base_cache=args.base_cache or None, sources=args.sources)
     print((zoo.root / "build.log").read_text(), end="")

@@ -13,6 +13,7 @@ import hashlib
 import logging
 import os
 import re
+import secrets
 import shutil
 import socket
 import tempfile
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from featcal.errors import ConfigError, FeatCalError, OutputExistsError
+from featcal.io import interrupts
 
 TMP_PREFIX = ".featcal-tmp-"
 _OWNED = re.compile(r"-(\d+)_([0-9a-f]{8})-\w+$")  # `-PID_HOST-XXXXXX` at the end of an owned temp name
@@ -34,9 +36,27 @@ def _host_tag() -> str:
 def owned_tempdir(prefix: str, parent: Path) -> Path:
     """mkdtemp whose name says which process on which host made it (so a rerun can tell it was killed),
     with the permissions the umask gives a new directory (mkdtemp's are always 0700)."""
-    tmp = Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}_{_host_tag()}-", dir=parent))
-    os.chmod(tmp, 0o777 & ~current_umask())
+    tmp = owned_name(prefix, parent)
+    make_owned(tmp)
     return tmp
+
+
+def owned_name(prefix: str, parent: Path) -> Path:
+    """A fresh name for an owned temporary directory, not yet created: a caller that must remove it whatever
+    happens names it first, then creates it inside its `try` (`make_owned`), so that an interrupt landing
+    between the creation and the `try` cannot leave it behind."""
+    return Path(parent) / f"{prefix}{os.getpid()}_{_host_tag()}-{secrets.token_hex(4)}"
+
+
+def make_owned(path: Path) -> None:
+    """Create the directory `owned_name` gave, with the umask's permissions; removed again if that fails."""
+    try:
+        os.mkdir(path, 0o777 & ~current_umask())
+        os.chmod(path, 0o777 & ~current_umask())  # mkdir's mode is itself filtered by the umask: say it plainly
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.rmdir(path)
+        raise
 
 
 def _alive(pid: int) -> bool:
@@ -134,8 +154,13 @@ def _check_writable(path: Path) -> None:
         ancestor = ancestor.parent
     if not ancestor.is_dir():
         raise OutputWriteError(f"cannot create the output {path}: {ancestor} is a file, not a directory")
+    probe = owned_name(f"{TMP_PREFIX}probe-", ancestor)
     try:
-        os.rmdir(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}probe-", dir=ancestor))
+        try:
+            os.mkdir(probe)
+        finally:  # an interrupt between the two must not leave the probe behind
+            with contextlib.suppress(FileNotFoundError):
+                os.rmdir(probe)
     except OSError as exc:
         raise OutputWriteError(f"cannot write the output {path}: {ancestor} is not writable ({exc.strerror or exc})") from None
 
@@ -170,6 +195,35 @@ def make_parents(directory: Path) -> list[Path]:
         created.append(d)
     directory.mkdir(parents=True, exist_ok=True)
     return created
+
+
+CREATED_MARKER = ".created-by-featcal"  # marks a directory featcal itself created, so that only such a one is removed
+
+
+def make_marked(directory: Path) -> list[Path]:
+    """mkdir -p `directory`, leaving CREATED_MARKER in each directory this call created (deepest first in the
+    list returned): a later run, even after this one was killed, can tell which it may remove."""
+    created = make_parents(directory)
+    for d in reversed(created):
+        (d / CREATED_MARKER).touch()
+    return created
+
+
+def remove_marked_if_empty(directory: Path) -> bool:
+    """rmdir `directory` (and then each parent) while featcal created it (its marker) and nothing else is in it
+    now; True if `directory` itself was removed."""
+    removed = False
+    for d in (directory, *directory.parents):
+        marker = d / CREATED_MARKER
+        try:
+            if not (marker.is_file() and {p.name for p in d.iterdir()} == {CREATED_MARKER}):
+                break
+            marker.unlink()
+            d.rmdir()
+        except OSError:
+            break
+        removed = removed or d == directory
+    return removed
 
 
 def remove_created(created: list[Path]) -> None:
@@ -211,9 +265,10 @@ def _swap_in(tmp: Path, target: Path, overwrite: bool) -> None:
         os.replace(tmp, target)
         return
     check_output_dir(target, overwrite)  # re-check: something may have appeared meanwhile
-    trash = owned_tempdir(f"{TMP_PREFIX}old-{target.name}-", target.parent)
+    trash = owned_name(f"{TMP_PREFIX}old-{target.name}-", target.parent)
     old = trash / "old"
     try:
+        make_owned(trash)
         os.replace(target, old)
         os.replace(tmp, target)
     except BaseException:
@@ -237,10 +292,12 @@ def atomic_output_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterat
     created = make_parents(target.parent)
     for prefix in (f"{TMP_PREFIX}{target.name}-", f"{TMP_PREFIX}old-{target.name}-"):
         sweep_stale(target.parent, prefix)  # what a killed run for this output left
-    tmp = owned_tempdir(f"{TMP_PREFIX}{target.name}-", target.parent)
+    tmp = owned_name(f"{TMP_PREFIX}{target.name}-", target.parent)
     try:
+        make_owned(tmp)
         yield tmp
         _fsync_tree(tmp)
+        interrupts.check()  # a SIGTERM whose exception was swallowed (in a finaliser) publishes nothing
         _swap_in(tmp, target, overwrite)
         _fsync_dir(target.parent)
     except BaseException as exc:

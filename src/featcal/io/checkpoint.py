@@ -90,8 +90,9 @@ class CheckpointReader:
         elif single.exists():
             self._files = {k: single for k in self._handle(single).keys()}
         else:
-            others = sorted(p.name for p in self.path.glob("*.safetensors"))
-            if others:  # non-standard single-file name
+            # a non-standard single-file name; never a LoRA adapter's weights beside them (io/lora.py)
+            others = sorted(p.name for p in self.path.glob("*.safetensors") if not p.name.startswith("adapter_model"))
+            if others:
                 for name in others:
                     f = self.path / name
                     self._files.update({k: f for k in self._handle(f).keys()})
@@ -198,6 +199,8 @@ def read_json(path: Path) -> dict:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"cannot read {path}: {exc}") from None
+    except RecursionError:  # a crafted file nested thousands of levels deep
+        raise CheckpointError(f"cannot read {path}: it nests its values too deeply for a JSON config") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path} does not hold a JSON object")
     return data
@@ -222,7 +225,7 @@ def copy_side_files(src: str | os.PathLike, dst: str | os.PathLike) -> list[str]
     copied = []
     for p in Path(src).iterdir():
         if p.is_file() and not p.name.endswith(WEIGHT_SUFFIXES) and not p.name.endswith(".index.json"):
-            if p.name in ("featcal.json",):
+            if p.name in ("featcal.json", "adapter_config.json"):  # an adapter's config is no part of the output
                 continue
             shutil.copy2(p, Path(dst) / p.name)
             copied.append(p.name)

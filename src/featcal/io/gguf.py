@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +28,10 @@ import torch
 
 from featcal.errors import CheckpointError
 from featcal.io.sources import ModuleSource
+from featcal.io.validate import config_differences, describe_differences
 
 log = logging.getLogger(__name__)
+_BLOCK = re.compile(r"(?:^|\.)blk\.(\d+)\.")
 
 INSTALL_HINT = "pip install gguf (or pip install 'featcal[gguf]')"
 
@@ -40,7 +43,7 @@ def gguf_file(path: Any) -> Path | None:
     p = Path(path).expanduser()
     if p.is_file() and p.suffix.lower() == ".gguf":
         return p
-    if not p.is_dir() or any(p.glob("*.safetensors")):
+    if not p.is_dir() or any(not f.name.startswith("adapter_model") for f in p.glob("*.safetensors")):
         return None
     found = sorted(f for f in p.iterdir() if f.is_file() and f.suffix.lower() == ".gguf")
     if len(found) > 1:
@@ -78,6 +81,7 @@ def gguf_config(file: Path, label: str):
 def _read_config(file: Path, label: str):
     import transformers
 
+    blocks = _header_blocks(file, label)  # parsed by gguf itself first: its errors say what is wrong
     try:
         config = transformers.AutoConfig.from_pretrained(str(file.parent), gguf_file=file.name,
                                                        trust_remote_code=False)
@@ -86,9 +90,30 @@ def _read_config(file: Path, label: str):
         raise CheckpointError(f"{label}: cannot read the GGUF file {file}: {reason} (truncated or not GGUF?)") from None
     if getattr(config, "quantization_config", None) is not None:
         del config.quantization_config  # dequantised: the output is plain float weights
+    claimed = max(getattr(config, "num_hidden_layers", 0) or 0, getattr(config, "num_decoder_layers", 0) or 0)
+    if blocks is not None and claimed != blocks:
+        raise CheckpointError(f"{label}: the GGUF file {file} claims {claimed} blocks in its header but holds "
+                              f"tensors of {blocks}; the file is inconsistent")
     if not getattr(config, "architectures", None):
         config.architectures = [_model_class(config).__name__]
     return config
+
+
+def _header_blocks(file: Path, label: str) -> int | None:
+    """How many blocks (`blk.N.` in llama.cpp's tensor names) the file holds tensors for, from its header; the
+    header parsed with the gguf package, so that a malformed one is named as such (transformers reports any
+    failure as "not a valid JSON file"). None when the names hold no blocks."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(file))
+    except Exception as exc:
+        reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:200]
+        raise CheckpointError(f"{label}: the GGUF header of {file} cannot be parsed ({reason}): the file is truncated, "
+                              "corrupt or not GGUF (an entry may claim more bytes than the file holds)") from None
+    indices = {int(m.group(1)) for t in reader.tensors for m in [_BLOCK.search(t.name)] if m}
+    del reader  # its memory map
+    return max(indices) + 1 if indices else None
 
 
 def _model_class(config) -> type:
@@ -128,6 +153,12 @@ def load_gguf_model(file: Path, label: str, config=None) -> torch.nn.Module:
         raise CheckpointError(f"{label}: cannot dequantise the GGUF file {file}: {reason} (truncated?)") from None
     finally:
         hf_gguf.tqdm = bar
+    expected = layout.state_dict()
+    for name in sorted(tensors):  # before the model is built: a header may claim far larger shapes than the file
+        want = expected.get(name)
+        if want is not None and tuple(want.shape) != tuple(tensors[name].shape):
+            raise CheckpointError(f"{label}: the GGUF file {file} holds {name!r} with shape {tuple(tensors[name].shape)} "
+                                  f"but its header's config makes it {tuple(want.shape)}; the file is inconsistent")
     model = cls(config).to(torch.float32)
     result = model.load_state_dict(tensors, strict=False)
     tied = {n for names in parameter_aliases(model).values() for n in names[1:]}
@@ -218,6 +249,10 @@ def open_gguf(item: Any, label: str, base: Any | None = None, *, header_only: bo
                 f"{label}: the GGUF file {file} holds a {config.model_type} model but the base is {want}; "
                 "experts must be fine-tunes of the base architecture"
             )
+        found = config_differences(base.config, config.to_dict())  # before anything is built from the header:
+        if found:  # its head count also decides how q/k rows are un-permuted
+            raise CheckpointError(f"{label}: the GGUF file {file} has in its header config "
+                                  f"{describe_differences(found)}; experts must share the base's architecture")
     if header_only:
         return GGUFHeader(file, label)
     log.info("%s: dequantising %s to float32", label, file)

