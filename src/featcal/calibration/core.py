@@ -183,6 +183,7 @@ def calibrate_setting(
     model = _model_to_calibrate(merged, inplace, allow_pickle)
     adapter = adapter_for(model)  # unsupported architectures fail here, before any work
     stacks = adapter.stacks(model)
+    adapter.prepare(model)  # while the model is whole on one device (an encoder's final norm, for its decoder)
     group = current_group()
     data = _calibration_data(model, adapter, adapter.main_input(model, stacks[0]), experts, calibration, group)
     store = _open_resume_store(config, model, base, experts, data, group)

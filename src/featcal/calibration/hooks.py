@@ -20,10 +20,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from featcal.blocks.grams import WeightFn, flat_tokens, select_tokens
+from featcal.blocks.linear import features
+from featcal.blocks.norms import NormForm, normalise
 from featcal.calibration.statistics import TaskSums
 from featcal.errors import FeatCalError
 
@@ -45,13 +46,13 @@ def group_inputs(calls: list[tuple[str, torch.Tensor]], kind: KindFn) -> dict[st
     return out
 
 
-def plan_block(linears: dict[str, nn.Linear], calls: list[tuple[str, torch.Tensor]], kind: KindFn) -> dict[str, LinearPlan]:
-    """Group the block's Linears and pick, per group, the cheaper form of the teacher statistics."""
+def plan_block(linears: dict[str, nn.Module], calls: list[tuple[str, torch.Tensor]], kind: KindFn) -> dict[str, LinearPlan]:
+    """Group the block's linear layers and pick, per group, the cheaper form of the teacher statistics."""
     groups = group_inputs(calls, kind)
     out_sum: dict[str, int] = {}
     for name, g in groups.items():
-        out_sum[g] = out_sum.get(g, 0) + linears[name].out_features
-    mode = {g: ("cross" if linears[g].in_features < total else "output") for g, total in out_sum.items()}
+        out_sum[g] = out_sum.get(g, 0) + features(linears[name])[1]
+    mode = {g: ("cross" if features(linears[g])[0] < total else "output") for g, total in out_sum.items()}
     return {name: LinearPlan(g, mode[g]) for name, g in groups.items()}
 
 
@@ -62,7 +63,7 @@ class ExpertRecorder:
     be made from them (`adopt`); with a plan it keeps only xe of "cross" groups and ye of "output" ones.
     """
 
-    def __init__(self, linears: dict[str, nn.Linear], plan: dict[str, LinearPlan] | None) -> None:
+    def __init__(self, linears: dict[str, nn.Module], plan: dict[str, LinearPlan] | None) -> None:
         self.linears, self.plan = linears, plan
         self.inputs: dict[str, torch.Tensor] = {}  # group (or, while planning, module) -> xe
         self.outputs: dict[str, torch.Tensor] = {}  # module -> ye
@@ -104,13 +105,10 @@ class ExpertRecorder:
         self._handles.clear()
 
 
-def normalised_input(mod: nn.Module, x: torch.Tensor, rms: bool) -> torch.Tensor:
-    """A norm's input without its affine: (x−mean)/std for LayerNorm, x/rms for RMS norms (float32)."""
-    xf = x.float()
-    if rms:
-        eps = getattr(mod, "variance_epsilon", getattr(mod, "eps", 1e-6))
-        return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return F.layer_norm(xf, mod.normalized_shape, eps=mod.eps)
+def normalised_input(mod: nn.Module, x: torch.Tensor, form: NormForm | None = None) -> torch.Tensor:
+    """A norm's input without its affine: (x−mean)/std for LayerNorm-type norms, x/rms for RMS norms (float32),
+    as the norm itself computes it (blocks/norms.py)."""
+    return normalise(mod, x, form)
 
 
 class MergedFolder:
@@ -154,23 +152,22 @@ class MergedFolder:
             if t is None:
                 self.sums.add_linear_tokens(name, p.group, xt, ye, w)
             else:  # W_t x~ + α·b_t = α·ye + (1−α)·W_t xs
-                a, wt = t
+                a, wt = t  # wt: the expert's weight, out×in
                 y = torch.addmm(ye, xt, wt.T.to(xt.dtype), beta=a, alpha=1.0 - a)
                 self.sums.add_linear_tokens(name, p.group, xt, y, w, teacher=True)
         else:
             self.sums.add_cross_linear(name, p.group)
 
-    def _norm(self, mod: nn.Module, name: str, x: torch.Tensor, rms: bool) -> None:
-        self.sums.add_norm(name, normalised_input(mod, x, rms), self.weights(name, x))
+    def _norm(self, mod: nn.Module, name: str, x: torch.Tensor, form: NormForm | None) -> None:
+        self.sums.add_norm(name, normalised_input(mod, x, form), self.weights(name, x))
 
     def __enter__(self) -> MergedFolder:
         for c in self.modules:
             if c.kind == "linear":
                 self._handles.append(c.module.register_forward_hook(lambda _m, i, _o, n=c.name: self._linear(n, i[0])))
             else:
-                rms = c.kind == "rmsnorm"
                 self._handles.append(
-                    c.module.register_forward_hook(lambda m, i, _o, n=c.name, r=rms: self._norm(m, n, i[0], r))
+                    c.module.register_forward_hook(lambda m, i, _o, n=c.name, f=c.form: self._norm(m, n, i[0], f))
                 )
         return self
 

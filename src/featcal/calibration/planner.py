@@ -101,7 +101,7 @@ def _block_shape(block: nn.Module, adapter) -> BlockShape:
     linears, norms = [], []
     for c in calibrated_modules(block, adapter):
         if c.kind == "linear":
-            linears.append((c.name, c.module.in_features, c.module.out_features))
+            linears.append((c.name, *c.features))
         else:
             norms.append(int(c.module.weight.numel()))
     return BlockShape(tuple(linears), tuple(norms), sum(p.numel() for p in block.parameters()))
