@@ -203,7 +203,7 @@ def has_class_token(model: nn.Module, entry_path: str, blocks_path: str) -> bool
             break
         stem.extend(child.modules())
     layers = (nn.Linear, nn.Embedding, nn.modules.conv._ConvNd)
-    for i, mod in enumerate(stem):
+    for mod in stem:
         if isinstance(mod, layers) or is_linear(mod) or norm_form(mod) is not None:
             continue
         if any(p.numel() == hidden for p in mod.parameters(recurse=False)):

@@ -49,7 +49,7 @@ from tqdm.auto import tqdm
 from featcal.blocks.adapters import Adapter, FinalNorm, Stack
 from featcal.blocks.adapters.base import get_path
 from featcal.blocks.capture import _hidden, _split_call
-from featcal.blocks.discovery import Calibrated, calibrated_modules, module_kind
+from featcal.blocks.discovery import ROUTED_EXPERTS, Calibrated, calibrated_modules, kept_merged, module_kind
 from featcal.blocks.linear import features, weight_of
 from featcal.calibration import one_pass, solver
 from featcal.calibration.chains import ChainStore
@@ -240,6 +240,28 @@ class _Drift:
         return self
 
 
+def kept_merged_record(model: nn.Module, stacks: list[Stack], log_it: bool = True) -> dict[str, dict[str, str]]:
+    """Per stack, the modules of its blocks whose parameters keep their merged values, and why (discovery.py);
+    logged once per stack: routed experts as a warning (a mixture of experts' experts are left as merged), the
+    rest (LayerScale, position bias tables, routers) as information."""
+    out: dict[str, dict[str, str]] = {}
+    for stack in stacks:
+        kept: dict[str, str] = {}
+        for block in stack.blocks(model):
+            for name, why in kept_merged(block).items():
+                kept.setdefault(name, why)
+        if not kept:
+            continue
+        out[stack.name] = kept
+        if not log_it:
+            continue
+        for why in dict.fromkeys(kept.values()):
+            names = ", ".join(n for n, w in kept.items() if w == why)
+            level = logging.WARNING if why == ROUTED_EXPERTS else logging.INFO
+            log.log(level, "featcal %s blocks: %s keep(s) the merged values: %s", stack.name, names, why)
+    return out
+
+
 class FeatCalEngine:
     """Calibrates `merged` in place toward the experts, block by block (see the module docstring)."""
 
@@ -286,6 +308,7 @@ class FeatCalEngine:
         self._reference = {t: self.calibration[t][0][0] for t in self.tasks if self.calibration[t]}
         self._block_counter = 0
         self._checkpointed = 0  # blocks whose parameters the resume directory already holds
+        self.kept_merged = kept_merged_record(merged, self.stacks, self.group.is_main)
 
     # --- parameter bookkeeping -----------------------------------------------------------------
     def block_param_names(self, stack: Stack, layer: int) -> list[str]:
@@ -584,7 +607,7 @@ class FeatCalEngine:
                         raw_e = stop.run(block_e, self.chains.hidden(("e", t, b)),
                                          **self.adapter.block_kwargs(stack, layer, ctx_e))
                 if plan is None:
-                    plan = plan_block(linears_e, recorder.calls, kind)
+                    plan = plan_block(linears_e, recorder.calls, kind, recorder.changed_in_place())
                     recorder.adopt(plan)
                 if teacher is None:
                     teacher = self._teacher_form(plan, linears_e, tokens[t])

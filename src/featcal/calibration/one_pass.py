@@ -253,4 +253,4 @@ def _plan(engine: Any, stack: Stack, layer: int, experts: dict[str, nn.Module], 
     b = batches[t][0][0]
     with ExpertRecorder(linears_e[t], None) as recorder:
         _run(engine, stack, layer, experts[t], ("e", t, b))
-    return plan_block(linears_e[t], recorder.calls, kind)
+    return plan_block(linears_e[t], recorder.calls, kind, recorder.changed_in_place())

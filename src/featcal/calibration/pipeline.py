@@ -528,5 +528,7 @@ def _write_calibrated(
             report["final_norm"] = result.final_norm
         if result.stem_norm is not None:  # calibrate_stem_norm: likewise
             report["stem_norm"] = result.stem_norm
+        if result.kept_merged:  # block parameters left as merged (a mixture of experts' experts, LayerScale, ...)
+            report["kept_merged"] = result.kept_merged
         write_report(tmp, report)
     return report

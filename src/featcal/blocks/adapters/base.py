@@ -91,6 +91,7 @@ class Adapter(ABC):
 
     def prepare(self, model: nn.Module) -> None:
         """Anything the adapter must learn from running `model` before it is split across devices: nothing here."""
+        return None
 
     # --- inputs -------------------------------------------------------------------------
     def main_input(self, model: nn.Module, stack: Stack) -> str:
