@@ -46,10 +46,12 @@ def check_config(config: Any) -> nn.Module:
     """A model of `config`'s class built on the meta device (no memory, no weights) and checked; the model."""
     from featcal.io.models import model_class_for
 
+    from transformers import PreTrainedModel
+
     cls = model_class_for(config)
     try:
-        with torch.device("meta"):
-            model = cls(config)
+        with torch.device("meta"):  # an Auto class (a config naming no architecture) builds through from_config
+            model = cls(config) if issubclass(cls, PreTrainedModel) else cls.from_config(config)
     except Exception as exc:
         raise UnsupportedModelError(
             f"cannot build a {cls.__name__} from the config of model type {getattr(config, 'model_type', '?')!r} "
