@@ -347,3 +347,44 @@ def test_docs_supported_is_generated_from_the_code():
 
     page = Path(__file__).resolve().parents[1] / "docs" / "supported.md"
     assert page.read_text() == catalog.markdown(), "docs/supported.md is stale: featcal supported --markdown > it"
+
+
+# --- through the command line ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("model_type,module", [("qwen3", "self_attn.q_norm.weight"), ("gpt2", "mlp.c_fc.weight")])
+def test_featcal_calibrate_writes_a_new_family(model_type, module, tmp_path, capsys):
+    """Qwen3 (per-head q/k norms) and GPT-2 (Conv1D) through the command line: checked, calibrated, written."""
+    from test_data_support import save_tokenizer, sentences, write_jsonl
+    from test_guarantees_support import calibrate_argv, cli
+
+    base, experts, merged = family_of(tiny(model_type))
+    dirs = {"base": tmp_path / "base", "merged": tmp_path / "merged"}
+    base.save_pretrained(dirs["base"])
+    merged.save_pretrained(dirs["merged"])
+    save_tokenizer(dirs["merged"], "bert")
+    for t, e in experts.items():
+        e.save_pretrained(tmp_path / t)
+    fam = {**dirs, "experts": {t: tmp_path / t for t in experts},
+           "data": {t: write_jsonl(tmp_path / f"{t}.jsonl", [{"text": s} for s in sentences(6, seed=i)])
+                    for i, t in enumerate(experts)}}
+    rc, _, err = cli(calibrate_argv(fam, tmp_path / "out"), capsys)
+    assert rc == 0, err
+    report = json.loads((tmp_path / "out" / "featcal.json").read_text())
+    assert report["end_to_end_drift"]["calibrated"] < report["end_to_end_drift"]["merged"]
+    assert "kept_merged" not in report  # every block parameter of these two is calibrated
+    back = type(merged).from_pretrained(tmp_path / "out")
+    key = f"{adapter_for(back).stacks(back)[0].blocks_path}.0.{module}"
+    assert not torch.equal(back.state_dict()[key], merged.state_dict()[key])
+
+
+def test_featcal_json_records_what_the_blocks_keep_merged(tmp_path, capsys):
+    """T5's relative position bias table is no Linear or norm: featcal.json says it kept its merged value."""
+    from test_guarantees_support import calibrate_argv, cli
+    from test_pipeline_support import t5_family
+
+    fam = t5_family(tmp_path / "fam")
+    rc, _, err = cli(calibrate_argv(fam, tmp_path / "out"), capsys)
+    assert rc == 0, err
+    kept = json.loads((tmp_path / "out" / "featcal.json").read_text())["kept_merged"]
+    assert set(kept) == {"encoder", "decoder"}
+    assert kept["encoder"] == {"layer.0.SelfAttention.relative_attention_bias": "not a Linear, Conv1D or norm"}

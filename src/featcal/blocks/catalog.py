@@ -42,13 +42,19 @@ def config_of(name: str | Path) -> Any:
 
 def verdict(name: str | Path) -> dict[str, Any]:
     """{"name", "supported": True, **describe(...)} or {"name", "supported": False, "why"}, from the config alone."""
+    from transformers.utils import logging as hf_logging
+
     from featcal.blocks.support import check_config, describe
 
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # default configs warn of token ids past their own defaults: noise here
     try:
         model = check_config(config_of(name))
         return {"name": str(name), "supported": True, **describe(model)}
     except FeatCalError as exc:
         return {"name": str(name), "supported": False, "why": " ".join(str(exc).split())}
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def _kinds(calibrated: dict[str, int]) -> str:

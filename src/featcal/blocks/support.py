@@ -44,9 +44,9 @@ def check_model(model: nn.Module) -> list[Stack]:
 
 def check_config(config: Any) -> nn.Module:
     """A model of `config`'s class built on the meta device (no memory, no weights) and checked; the model."""
-    from featcal.io.models import model_class_for
-
     from transformers import PreTrainedModel
+
+    from featcal.io.models import model_class_for
 
     cls = model_class_for(config)
     try:
