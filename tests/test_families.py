@@ -388,3 +388,21 @@ def test_featcal_json_records_what_the_blocks_keep_merged(tmp_path, capsys):
     kept = json.loads((tmp_path / "out" / "featcal.json").read_text())["kept_merged"]
     assert set(kept) == {"encoder", "decoder"}
     assert kept["encoder"] == {"layer.0.SelfAttention.relative_attention_bias": "not a Linear, Conv1D or norm"}
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "qwen3_moe", "bart", "gemma2"])
+def test_the_planner_sizes_new_families_from_their_configs(model_type):
+    """featcal plan reads shapes from a meta-device model: Conv1D widths as in×out, experts not counted as Linears."""
+    from featcal.calibration.planner import model_shape
+
+    shape = model_shape(T.AutoConfig.for_model(model_type), 64)  # a config naming no architecture: AutoModel
+    assert shape.param_count > 0 and all(s.blocks for s in shape.stacks)
+    linears = {name: (i, o) for name, i, o in shape.stacks[0].blocks[0].linears}
+    if model_type == "gpt2":
+        assert linears["attn.c_attn"] == (768, 3 * 768)
+    if model_type == "qwen3_moe":
+        assert not any("experts" in n for n in linears) and "self_attn.q_proj" in linears
+    if model_type == "bart":
+        assert [s.name for s in shape.stacks] == ["encoder", "decoder"]
+    if model_type == "gemma2":  # rotary tables per layer type, and the second type's mask
+        assert shape.stacks[0].context_bytes > 64 * 64
