@@ -406,3 +406,43 @@ def test_the_planner_sizes_new_families_from_their_configs(model_type):
         assert [s.name for s in shape.stacks] == ["encoder", "decoder"]
     if model_type == "gemma2":  # rotary tables per layer type, and the second type's mask
         assert shape.stacks[0].context_bytes > 64 * 64
+
+
+# --- RegMean and WUDI on the same layers ------------------------------------------------------------
+
+@pytest.mark.parametrize("plus_plus", [False, True])
+def test_regmean_solves_conv1d_layers_as_out_by_in(plus_plus):
+    """GPT-2's c_fc (Conv1D): RegMean's closed form on its out×in weight, stored back in×out; padding weighs 0."""
+    from featcal.merging.regmean import regmean
+    from featcal.merging.regmean_grams import LinearGrams, TokenWeights, regmean_weight
+
+    base, experts, _ = family_of(tiny("gpt2"))
+    data = batches(base, experts)
+    out = regmean(base, experts, data, plus_plus=plus_plus, progress=False)
+    w = out.transformer.h[0].mlp.c_fc.weight
+    assert w.shape == (32, 64 * 2)
+    if plus_plus:  # inputs from the merged model: differs from the average, shape kept
+        avg = sum(e.transformer.h[0].mlp.c_fc.weight for e in experts.values()) / len(experts)
+        assert not torch.allclose(w, avg)
+        return
+    grams = []
+    for t, e in experts.items():  # block 0's inputs are the expert's own in plain RegMean
+        g = LinearGrams()
+        with torch.no_grad(), g.watching({"c": e.transformer.h[0].mlp.c_fc}, TokenWeights(e).for_batch(data[t][0])):
+            e(**data[t][0])
+        grams.append(g.mean("c"))
+    want = regmean_weight(grams, [e.transformer.h[0].mlp.c_fc.weight.T for e in experts.values()]).T
+    torch.testing.assert_close(w, want, rtol=1e-5, atol=1e-6)
+
+
+def test_wudi_solves_conv1d_task_vectors_as_out_by_in():
+    from featcal.merging.wudi import wudi, wudi_layer
+
+    base, experts, _ = family_of(tiny("gpt2"))
+    merged = wudi(base, experts, steps=5, lr=1e-3, progress=False)
+    name = "transformer.h.0.attn.c_attn.weight"
+    w0 = base.state_dict()[name]
+    tvs = torch.stack([e.state_dict()[name] - w0 for e in experts.values()])  # stored in×out
+    with torch.enable_grad():
+        want = w0 + wudi_layer(tvs.transpose(1, 2), 5, 1e-3).T
+    torch.testing.assert_close(merged[name], want)

@@ -80,8 +80,7 @@ class StructuralAdapter(Adapter):
 
     def main_input(self, model: nn.Module, stack: Stack) -> str:
         entry = get_path(model, stack.entry_path)
-        main = getattr(entry, "main_input_name", None) or getattr(model, "main_input_name", "input_ids")
-        return "input_ids" if main not in ("pixel_values", "input_ids") and stack.mask_key else main
+        return getattr(entry, "main_input_name", None) or getattr(model, "main_input_name", "input_ids")
 
     @property
     def token_tensors(self) -> int:  # type: ignore[override]
