@@ -446,3 +446,35 @@ def test_wudi_solves_conv1d_task_vectors_as_out_by_in():
     with torch.enable_grad():
         want = w0 + wudi_layer(tvs.transpose(1, 2), 5, 1e-3).T
     torch.testing.assert_close(merged[name], want)
+
+
+# --- the norms around the blocks, found by running the model once ----------------------------------
+
+@pytest.mark.parametrize("model_type,stem,final,class_only", [
+    ("gpt2", None, "transformer.ln_f", False),
+    ("bart", "model.decoder.layernorm_embedding", None, False),  # registered after the layers, run before them
+    ("modernbert", "embeddings.norm", "final_norm", False),
+    ("clip", "vision_model.pre_layrnorm", "vision_model.post_layernorm", True),  # on the class token alone
+    ("siglip", None, "vision_model.post_layernorm", False),
+])
+def test_stem_and_final_norms_are_found_by_a_probe(model_type, stem, final, class_only):
+    model = tiny(model_type)
+    adapter = adapter_for(model)
+    stacks = adapter.stacks(model)
+    got_stem = adapter.stem_norm(model, stacks[-1])
+    got_final = adapter.final_norm(model, stacks[-1])
+    assert (got_stem.path if got_stem else None) == stem
+    assert (got_final.path if got_final else None) == final
+    assert got_final is None or got_final.class_token_only == class_only
+    if model_type == "bart":
+        assert adapter.stem_norm(model, stacks[0]).path == "model.encoder.layernorm_embedding"
+
+
+def test_final_and_stem_norms_calibrate_on_a_new_family():
+    base, experts, merged = family_of(tiny("modernbert"))
+    cfg = FeatCalConfig(calibrate_final_norm=True, calibrate_stem_norm=True)
+    result = calibrate(merged, base=base, experts=experts, calibration=batches(merged, experts), config=cfg,
+                       progress=False, return_result=True)
+    assert result.final_norm["module"] == "final_norm" and result.stem_norm["module"] == "embeddings.norm"
+    assert result.final_norm["after"] < result.final_norm["before"]
+    assert not torch.equal(result.model.final_norm.weight, merged.final_norm.weight)

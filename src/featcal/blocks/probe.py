@@ -17,6 +17,7 @@ for every model of the same architecture (merged, template, experts).
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,7 @@ import torch
 from torch import nn
 
 from featcal.blocks.adapters.base import Stack, get_path
+from featcal.blocks.capture import _split_call
 from featcal.blocks.norms import norm_form
 from featcal.errors import UnsupportedModelError
 
@@ -105,8 +107,10 @@ def _probe_one(model, stack: Stack, batch, upstream, call) -> tuple[StackProbe, 
             continue
         norms[f"{entry_path}.{name}" if entry_path else name] = mod
     events: list[tuple[str, Any, Any]] = []  # (what, input, output) in call order
+    signature = inspect.signature(blocks[0].forward)
     handles = [blocks[0].register_forward_pre_hook(
-        lambda _m, args, kwargs: events.append(("block0", _block_input(args, kwargs), None)), with_kwargs=True)]
+        lambda m, args, kwargs: events.append(("block0", _split_call(m, signature, args, kwargs)[0], None)),
+        with_kwargs=True)]
     handles.append(blocks[-1].register_forward_hook(lambda _m, _a, o: events.append(("last", None, _hidden(o)))))
     for path, mod in norms.items():
         handles.append(mod.register_forward_hook(lambda _m, a, o, p=path: events.append((p, a[0] if a else None, o))))
@@ -145,8 +149,3 @@ def _probe_one(model, stack: Stack, batch, upstream, call) -> tuple[StackProbe, 
         and bool(torch.allclose(result, expected, rtol=1e-5, atol=1e-6))
     return StackProbe(stem, final, cls_only, same), (expected if same else None)
 
-
-def _block_input(args: tuple, kwargs: dict) -> Any:
-    if args:
-        return args[0]
-    return next(iter(kwargs.values()), None)
