@@ -1,7 +1,9 @@
 """A dense, literal FeatCal (SPEC §2) for tests: every activation kept, x~ formed explicitly, float64.
 
 Deliberately naive and independent of featcal's engine/statistics/solver: it shares only the adapters'
-model knowledge (where the blocks are, how to reach block 0, masks). Experts are in-memory models.
+model knowledge (where the blocks are, how to reach block 0 and what each block is called with, masks, which
+modules are norms and with which ε). Experts are in-memory models. Linear weights are handled as out×in
+(transformers' Conv1D stores them in×out: transposed here, explicitly).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.pytorch_utils import Conv1D
 
 from featcal.blocks.adapters import adapter_for
 
@@ -50,16 +53,42 @@ def _capture(module, block, kwargs):
     return bound[first], ctx
 
 
+def _capture_stack(adapter, stack, model, module, kwargs):
+    """Block 0's input and what the blocks are called with: block 0's call, or with several layer types the
+    adapter's record of each type's call (the model's own calls)."""
+    if stack.layer_types:
+        return adapter.capture(module, stack, model, kwargs)
+    return _capture(module, stack.blocks(model)[0], kwargs)
+
+
 def _modules(block, adapter):
+    from featcal.blocks.discovery import routed_expert_lists
+    from featcal.blocks.norms import norm_form
+
+    experts = routed_expert_lists(block)
     out = {}
     for name, m in block.named_modules():
-        if isinstance(m, nn.Linear):
+        if any(name == e or name.startswith(e + ".") for e in experts):
+            continue
+        if isinstance(m, (nn.Linear, Conv1D)):
             out[name] = ("linear", m)
-        elif isinstance(m, nn.LayerNorm):
+        elif isinstance(m, nn.LayerNorm) and m.elementwise_affine:
             out[name] = ("layernorm", m)
-        elif adapter.is_rms(m):
-            out[name] = ("rmsnorm", m)
+        elif norm_form(m) is not None:
+            out[name] = ("layernorm" if norm_form(m).centred else "rmsnorm", m)
     return out
+
+
+def _w(m, w=None):
+    """A linear layer's weight as out×in (Conv1D stores it transposed)."""
+    w = m.weight if w is None else w
+    return w.T if isinstance(m, Conv1D) else w
+
+
+def _eps(m):
+    from featcal.blocks.norms import norm_form
+
+    return m.eps if isinstance(m, nn.LayerNorm) else norm_form(m).eps
 
 
 def _record(block, mods, order=None):
@@ -87,16 +116,16 @@ def _gather(stack, layer, n_blocks, block_m, mods, adapter, experts, calibration
         xs_all, xe_all, w_all = {n: [] for n in mods}, {n: [] for n in mods}, {n: [] for n in mods}
         for b, batch in enumerate(calibration[t]):
             store_e, hooks = _record(block_e, mods_e)
-            block_e(he[t, b], **ce[t, b])
+            block_e(he[t, b], **adapter.block_kwargs(stack, layer, ce[t, b]))
             for h in hooks:
                 h.remove()
             store_m, hooks = _record(block_m, mods, order)
-            block_m(hm[t, b], **cm[t, b])
+            block_m(hm[t, b], **adapter.block_kwargs(stack, layer, cm[t, b]))
             for h in hooks:
                 h.remove()
             for n in mods:
                 xs, xe = store_m[n][0], store_e[n][0]
-                mask = adapter.token_mask(stack, batch, xs, cross=adapter.is_cross_module(stack, n))
+                mask = adapter.module_mask(stack, batch, n, xs)
                 w = torch.ones(xs.shape[:-1]) if mask is None else mask.clone()
                 if stack.class_token_head and layer == n_blocks - 1 and not adapter.is_kv(n):
                     w[:, 1:] *= cfg.cls_token_weight
@@ -114,9 +143,9 @@ def _solve_module(n, kind, m, per_task, full, base_params, cfg):
     alpha, lam, eps, rho = cfg.teacher_interp_alpha, cfg.lambda_ratio, cfg.covariance_eps, cfg.anchor_blend_rho
     tasks = list(per_task)
     new = {}
-    anc_w = rho * m.weight.to(D) + (1 - rho) * base_params[full + ".weight"].to(D)
     if kind == "linear":
-        a = (lam + eps) * torch.eye(m.in_features, dtype=D)
+        anc_w = rho * _w(m).to(D) + (1 - rho) * _w(m, base_params[full + ".weight"]).to(D)
+        a = (lam + eps) * torch.eye(anc_w.shape[1], dtype=D)
         rhs = lam * anc_w.T
         stats = []
         for t in tasks:
@@ -127,28 +156,29 @@ def _solve_module(n, kind, m, per_task, full, base_params, cfg):
             x = (xs * p[:, None]).T @ xt
             s = torch.linalg.matrix_norm(c)
             a = a + c / s
-            rhs = rhs + (x / s) @ me.weight.to(D).T
+            rhs = rhs + (x / s) @ _w(me).to(D).T
             stats.append((s, (p[:, None] * xs).sum(0), (p[:, None] * xt).sum(0), me))
         wsol = torch.linalg.solve(a, rhs).T
-        new[m.weight] = wsol
+        new[m.weight] = _w(m, wsol)
         if m.bias is not None and cfg.calibrate_bias:
             anc_b = rho * m.bias.to(D) + (1 - rho) * base_params[full + ".bias"].to(D)
             num, den = lam * anc_b, lam
             for s, mu_s, mu_t, me in stats:
-                num = num + (me.bias.to(D) + me.weight.to(D) @ mu_t - wsol @ mu_s) / s
+                num = num + (me.bias.to(D) + _w(me).to(D) @ mu_t - wsol @ mu_s) / s
                 den = den + 1 / s
             new[m.bias] = num / den
     elif cfg.calibrate_layernorm:
+        anc_w = rho * m.weight.to(D) + (1 - rho) * base_params[full + ".weight"].to(D)
         zs = {}
         for t in tasks:
             xs, _, w, me = per_task[t][n]
             if kind == "rmsnorm":
-                z = xs * torch.rsqrt(xs.pow(2).mean(-1, keepdim=True) + m.variance_epsilon)
+                z = xs * torch.rsqrt(xs.pow(2).mean(-1, keepdim=True) + _eps(m))
             else:
-                z = F.layer_norm(xs, m.normalized_shape, eps=m.eps)
+                z = F.layer_norm(xs, (xs.shape[-1],), eps=_eps(m))
             p = w / w.sum()
             zs[t] = ((p[:, None] * z).sum(0), (p[:, None] * z * z).sum(0), me)
-        if kind == "rmsnorm":
+        if kind == "rmsnorm" or getattr(m, "bias", None) is None:  # weight only: γ alone
             num = lam * anc_w + sum(e * me.weight.to(D) for _, e, me in zs.values())
             new[m.weight] = num / (lam + sum(e for _, e, _ in zs.values()))
         else:
@@ -178,14 +208,15 @@ def reference_calibrate(merged, base, experts: dict, calibration: dict, cfg, seq
     base_params = dict(base.named_parameters())
     up_m = up_e = None
     with torch.no_grad():
-        for stack in adapter.stacks(model):
+        stacks = adapter.stacks(model)
+        for stack in stacks:
             hm, he, cm, ce = {}, {}, {}, {}
             for t in tasks:
                 for b, batch in enumerate(calibration[t]):
                     mod, kw = adapter.stack_call(model, stack, batch, None if up_m is None else up_m[t, b])
-                    hm[t, b], cm[t, b] = _capture(mod, stack.blocks(model)[0], kw)
+                    hm[t, b], cm[t, b] = _capture_stack(adapter, stack, model, mod, kw)
                     mod, kw = adapter.stack_call(experts[t], stack, batch, None if up_e is None else up_e[t, b])
-                    he[t, b], ce[t, b] = _capture(mod, stack.blocks(experts[t])[0], kw)
+                    he[t, b], ce[t, b] = _capture_stack(adapter, stack, experts[t], mod, kw)
             n_blocks = len(stack.blocks(model))
             for layer in range(n_blocks):
                 block_m = stack.blocks(model)[layer]
@@ -205,14 +236,16 @@ def reference_calibrate(merged, base, experts: dict, calibration: dict, cfg, seq
                         p.copy_(v.to(p.dtype))
                 for t in tasks:
                     for b in range(len(calibration[t])):
-                        out_e = stack.blocks(experts[t])[layer](he[t, b], **ce[t, b])
+                        out_e = stack.blocks(experts[t])[layer](he[t, b], **adapter.block_kwargs(stack, layer, ce[t, b]))
                         he[t, b] = out_e[0] if isinstance(out_e, tuple) else out_e
                         ce[t, b] = adapter.next_context(stack, layer, ce[t, b], out_e)
                 for t in tasks:
                     for b in range(len(calibration[t])):
-                        out = block_m(hm[t, b], **cm[t, b])
+                        out = block_m(hm[t, b], **adapter.block_kwargs(stack, layer, cm[t, b]))
                         hm[t, b] = out[0] if isinstance(out, tuple) else out
                         cm[t, b] = adapter.next_context(stack, layer, cm[t, b], out)
+            if stack is stacks[-1]:
+                break
             up_m = {k: adapter.stack_output(model, stack, v) for k, v in hm.items()}
             up_e = {(t, b): adapter.stack_output(experts[t], stack, v) for (t, b), v in he.items()}
     return model

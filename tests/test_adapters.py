@@ -14,6 +14,7 @@ from torch import nn
 import tiny
 from featcal import FeatCalConfig, calibrate
 from featcal.blocks.adapters import adapter_for
+from featcal.blocks.capture import capture_block_input
 from featcal.errors import FeatCalError
 from reference_featcal import max_abs_diff, reference_calibrate
 
@@ -30,14 +31,15 @@ def _changed(a: nn.Module, b: nn.Module) -> set[str]:
     return {k for k in sa if sa[k].is_floating_point() and not torch.equal(sa[k], sb[k])}
 
 
-@pytest.mark.parametrize("kind,name", [("clip", "clip"), ("vit", "vit"), ("bert", "bert"), ("t5", "t5"), ("llama", "llama")])
-def test_adapter_is_chosen_by_model_type(kind, name):
-    assert adapter_for(tiny.tiny_model(kind)).name == name
+@pytest.mark.parametrize("kind", ["clip", "vit", "bert", "t5", "llama"])
+def test_adapter_is_named_after_the_model_type(kind):
+    model = tiny.tiny_model(kind)
+    assert adapter_for(model).name == model.config.model_type
 
 
 def test_unsupported_architecture_is_named():
-    model = T.GPT2Model(T.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50))
-    with pytest.raises(FeatCalError, match="GPT2Model"):
+    model = T.MambaForCausalLM(T.MambaConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, state_size=4))
+    with pytest.raises(FeatCalError, match="MambaForCausalLM: layers 0 are linear_attention layers"):
         calibrate(model, base=model, experts={"a": model}, calibration={"a": [_ids(vocab=50)]}, progress=False)
 
 
@@ -160,13 +162,20 @@ def test_transformers4_checkpoints_stream_like_models(kind, rename, tmp_path):
 
 
 def test_block_lists_are_found_in_the_4x_module_layout():
+    class OldViT(nn.Module):  # the base model of ViT 4.x: its blocks at encoder.layer
+        def __init__(self):
+            super().__init__()
+            self.encoder = nn.Module()
+            self.encoder.layer = nn.ModuleList([nn.Linear(2, 2)])
+
+        def forward(self, pixel_values):
+            return self.encoder.layer[0](pixel_values)
+
     class Old(nn.Module):  # ViT 4.x: vit.encoder.layer
         def __init__(self):
             super().__init__()
-            self.config = T.ViTConfig()
-            self.vit = nn.Module()
-            self.vit.encoder = nn.Module()
-            self.vit.encoder.layer = nn.ModuleList([nn.Linear(2, 2)])
+            self.config = T.ViTConfig(num_hidden_layers=1)
+            self.vit = OldViT()
 
     stacks = adapter_for(Old()).stacks(Old())
     assert stacks[0].blocks_path == "vit.encoder.layer" and stacks[0].entry_path == "vit"
@@ -190,26 +199,34 @@ def test_clipmodel_checkpoint_serves_as_base_of_a_vision_model(tmp_path):
     assert max_abs_diff(a, b)[0] == 0.0
 
 
-def test_mixed_attention_layer_types_are_refused():
+def test_mixed_attention_layer_types_get_each_their_own_arguments():
+    """Qwen2 with a sliding window on its upper layers: each block is called with its own type's mask."""
     cfg = T.Qwen2Config(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2, use_sliding_window=True, sliding_window=4, max_window_layers=1)
-    model = T.Qwen2ForCausalLM(cfg)
+    model = T.Qwen2ForCausalLM(cfg).eval()
     assert len(set(cfg.layer_types)) == 2
-    with pytest.raises(FeatCalError, match="Qwen2ForCausalLM mixes attention layer types"):
-        calibrate(model, base=model, experts={"a": model}, calibration={"a": [_ids()]}, progress=False)
+    adapter = adapter_for(model)
+    (stack,) = adapter.stacks(model)
+    assert stack.layer_types == tuple(cfg.layer_types)
+    mod, kw = adapter.stack_call(model, stack, _ids(seq=8), None)
+    with torch.no_grad():
+        hidden, ctx = adapter.capture(mod, stack, model, kw)
+        for layer in (0, 1):
+            _, actual = capture_block_input(mod, stack.blocks(model)[layer], kw)
+            assert torch.equal(adapter.block_kwargs(stack, layer, ctx)["attention_mask"], actual["attention_mask"])
+        assert not torch.equal(adapter.block_kwargs(stack, 0, ctx)["attention_mask"],
+                               adapter.block_kwargs(stack, 1, ctx)["attention_mask"])
 
 
 def test_context_replay_check_catches_per_block_masks():
     """Independently of the adapter's own guard, a block-1 call that differs from the replay is caught."""
-    from featcal.blocks.adapters import Stack
-    from featcal.blocks.adapters.llama import LlamaAdapter
-    from featcal.blocks.capture import capture_block_input
+    from featcal.blocks.adapters import Stack, StructuralAdapter
     from featcal.calibration.engine import check_context_replay
 
     cfg = T.Qwen2Config(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2, use_sliding_window=True, sliding_window=2, max_window_layers=1)
     model = T.Qwen2ForCausalLM(cfg).eval()
-    adapter, stack = LlamaAdapter(), Stack("decoder", "model.layers", "model")
+    adapter, stack = StructuralAdapter(model), Stack("decoder", "model.layers", "model")  # no layer types: replay
     mod, kw = adapter.stack_call(model, stack, _ids(seq=8), None)
     with torch.no_grad():
         h, ctx = capture_block_input(mod, stack.blocks(model)[0], kw)

@@ -19,8 +19,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from featcal import FeatCalConfig, calibrate
-from featcal.blocks.adapters import adapter_for
-from featcal.blocks.adapters.gemma3 import Gemma3Adapter
+from featcal.blocks.adapters import StructuralAdapter, adapter_for
 from featcal.blocks.capture import capture_block_input
 from featcal.blocks.discovery import calibrated_modules
 from featcal.calibration import solver
@@ -124,7 +123,7 @@ def dense_featcal(merged, base, experts, data, cfg: FeatCalConfig):
 def test_adapter_finds_blocks_types_and_calibrated_modules():
     model = tiny_gemma3()
     adapter = adapter_for(model)
-    assert isinstance(adapter, Gemma3Adapter)
+    assert isinstance(adapter, StructuralAdapter)
     (stack,) = adapter.stacks(model)
     assert (stack.blocks_path, stack.entry_path, stack.layer_types) == ("model.layers", "model", (SLIDING, GLOBAL, SLIDING))
     kinds = {c.name: c.kind for c in calibrated_modules(model.model.layers[0], adapter)}
@@ -178,7 +177,7 @@ def test_each_layer_type_gets_its_own_context():
     with torch.no_grad():
         check_context_replay(adapter, stack, model, mod, kw, hidden, ctx)  # the engine's own guard agrees
 
-        class Replaying(Gemma3Adapter):  # what the engine did before: block 0's arguments everywhere
+        class Replaying(StructuralAdapter):  # what the engine did before: block 0's arguments everywhere
             def block_kwargs(self, stack, layer, ctx):
                 return super().block_kwargs(stack, 0, ctx)
 
@@ -217,7 +216,7 @@ def test_replaying_block_0_context_would_be_caught(monkeypatch):
     base, experts, merged = family_of(tiny_gemma3(layer_types=(SLIDING, GLOBAL)))
     data = {t: [_ids(seed=i)] for i, t in enumerate(experts)}
     want = dense_featcal(merged, base, experts, data, FeatCalConfig())
-    monkeypatch.setattr(Gemma3Adapter, "block_kwargs", lambda self, stack, layer, ctx: {**ctx["shared"], **ctx["by_type"][SLIDING]})
+    monkeypatch.setattr(StructuralAdapter, "block_kwargs", lambda self, stack, layer, ctx: {**ctx["shared"], **ctx["by_type"][SLIDING]})
     monkeypatch.setattr("featcal.calibration.engine.check_context_replay", lambda *a, **k: None)  # past the guard
     wrong = calibrate(merged, base=base, experts=experts, calibration=data, progress=False)
     diff, where = max_abs_diff(wrong, want)
@@ -254,7 +253,7 @@ def test_regmean_plus_plus_runs_each_block_with_its_own_context(monkeypatch):
     base, experts, _ = family_of(tiny_gemma3())
     data = {t: [_ids(seed=i)] for i, t in enumerate(experts)}
     right = regmean(base, experts, data, plus_plus=True, progress=False)
-    monkeypatch.setattr(Gemma3Adapter, "block_kwargs", lambda self, stack, layer, ctx: {**ctx["shared"], **ctx["by_type"][SLIDING]})
+    monkeypatch.setattr(StructuralAdapter, "block_kwargs", lambda self, stack, layer, ctx: {**ctx["shared"], **ctx["by_type"][SLIDING]})
     wrong = regmean(base, experts, data, plus_plus=True, progress=False)
     sr, sw = right.state_dict(), wrong.state_dict()
     assert all(torch.equal(sr[k], sw[k]) for k in sr if k.startswith("model.layers.0."))  # block 0 is sliding anyway

@@ -21,3 +21,7 @@ class CalibrationDataError(FeatCalError):
 
 class OutputExistsError(FeatCalError):
     """The output directory exists and is not empty, and overwriting was not requested."""
+
+
+class UnsupportedModelError(FeatCalError):
+    """The model's architecture cannot be calibrated (no stack of blocks found, a recurrent layer, ...)."""

@@ -76,6 +76,34 @@ def capture_block_calls(module: nn.Module, blocks: nn.ModuleList,
     return calls[0][0], [c[1] for c in calls]  # type: ignore[index]
 
 
+def record_block_calls(module: nn.Module, blocks: nn.ModuleList,
+                       kwargs: dict[str, Any]) -> list[tuple[torch.Tensor, dict[str, Any], Any, int]]:
+    """Run `module(**kwargs)` in full, every block computing; per block (hidden input, other arguments, raw
+    output, times called) of its first call. For checking, once, what the model itself hands each block."""
+    seen: list[list[Any]] = [[None, None, None, 0] for _ in blocks]
+    handles = []
+    for i, block in enumerate(blocks):
+        sig = inspect.signature(block.forward)
+
+        def pre(_m, args, kw, i=i, sig=sig, block=block):
+            seen[i][3] += 1
+            if seen[i][3] == 1:
+                seen[i][0], seen[i][1] = _split_call(block, sig, args, kw)
+
+        def post(_m, _args, _kw, out, i=i):
+            if seen[i][2] is None:
+                seen[i][2] = out
+
+        handles.append(block.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(block.register_forward_hook(post, with_kwargs=True))
+    try:
+        module(**kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    return [tuple(s) for s in seen]  # type: ignore[misc]
+
+
 def _split_call(block: nn.Module, sig: inspect.Signature, args: tuple,
                 kwargs: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
     """(hidden states, every other argument by name) of one call of `block`, whose forward has signature `sig`."""

@@ -146,9 +146,9 @@ def _run_engine(
     model: nn.Module, template: nn.Module, adapter: Adapter, sources: dict[str, ParamSource],
     base_src: ParamSource | None, data: dict[str, list[Batch]], config: FeatCalConfig, device: torch.device,
     progress: bool, group: RankGroup, store: resume_mod.ResumeStore | None, keep_resume_state: bool,
-) -> tuple[list[dict[str, Any]], dict[str, Any] | None, dict[str, Any] | None, dict[str, Any] | None]:
+) -> tuple[list[dict[str, Any]], dict[str, Any] | None, dict[str, Any] | None, dict[str, Any] | None, dict]:
     """Calibrate block by block on `device`; the model goes back where it was. (drift, end-to-end drift, final
-    norm record, stem norm record)."""
+    norm record, stem norm record, what the blocks keep merged)."""
     origin = next(model.parameters()).device
     placement = Placement(device, config.offload_blocks)
     placement.setup(model, template)  # both on the device, or (offload_blocks) both on the host
@@ -165,7 +165,7 @@ def _run_engine(
     if store is not None and not keep_resume_state:
         store.delete()
     model.to(origin)
-    return drift, engine.end_to_end, engine.final_norm, engine.stem_norm
+    return drift, engine.end_to_end, engine.final_norm, engine.stem_norm, engine.kept_merged
 
 
 def calibrate_setting(
@@ -188,6 +188,7 @@ def calibrate_setting(
     model = _model_to_calibrate(merged, inplace, allow_pickle)
     adapter = adapter_for(model)  # unsupported architectures fail here, before any work
     stacks = adapter.stacks(model)
+    adapter.prepare(model)  # while the model is whole on one device (an encoder's final norm, for its decoder)
     group = current_group()
     data = _calibration_data(model, adapter, adapter.main_input(model, stacks[0]), experts, calibration, group)
     store = _open_resume_store(config, model, base, experts, data, group, expert_kind)
@@ -197,8 +198,10 @@ def calibrate_setting(
     stem = adapter.stem_norm(model, stacks[0]) if config.calibrate_stem_norm else None
     solved_norms = [n for norm in (stem, final) if norm is not None for n in norm.param_names()]
     sources = _checked_sources(model, stacks, sources, base_src, check_finite, solved_norms)
-    drift, end_to_end, final_norm, stem_norm = _run_engine(model, template, adapter, sources, base_src, data, config,
-                                                           device, progress, group, store, keep_resume_state)
+    drift, end_to_end, final_norm, stem_norm, kept = _run_engine(model, template, adapter, sources, base_src, data,
+                                                                 config, device, progress, group, store,
+                                                                 keep_resume_state)
     del template
     return CalibrationResult(model=model, drift=drift, end_to_end=end_to_end, final_norm=final_norm,
-                             stem_norm=stem_norm, resume_store=store if keep_resume_state else None)  # the caller deletes it after writing
+                             stem_norm=stem_norm, kept_merged=kept,
+                             resume_store=store if keep_resume_state else None)  # the caller deletes it after writing

@@ -37,6 +37,7 @@ block's token weights. Its record (`final_norm`) has the drift after the norm, a
 
 from __future__ import annotations
 
+import inspect
 import logging
 from functools import partial
 from typing import Any
@@ -47,8 +48,9 @@ from tqdm.auto import tqdm
 
 from featcal.blocks.adapters import Adapter, FinalNorm, Stack
 from featcal.blocks.adapters.base import get_path
-from featcal.blocks.capture import _hidden, capture_block_input
-from featcal.blocks.discovery import Calibrated, calibrated_modules, module_kind
+from featcal.blocks.capture import _hidden, _split_call
+from featcal.blocks.discovery import ROUTED_EXPERTS, Calibrated, calibrated_modules, kept_merged, module_kind
+from featcal.blocks.linear import features, weight_of
 from featcal.calibration import one_pass, solver
 from featcal.calibration.chains import ChainStore
 from featcal.calibration.distributed import RankGroup, current_group
@@ -103,26 +105,69 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def check_context_replay(adapter: Adapter, stack: Stack, model: nn.Module, module: nn.Module,
-                         kwargs: dict[str, Any], hidden: torch.Tensor, ctx: dict[str, Any]) -> None:
-    """Check once, on one batch, that block 1 is called with what the engine would replay.
+                         kwargs: dict[str, Any], hidden: torch.Tensor, ctx: dict[str, Any],
+                         place: Placement | None = None) -> None:
+    """Check once, on one batch, that every block is called with what the engine would replay.
 
-    The engine calls every block with block 0's context (updated by `adapter.next_context`, and
-    picked per block by `adapter.block_kwargs`). An architecture that gives each block its own mask
-    or bias the adapter does not know of would be calibrated silently wrong, so the model's own call
-    of block 1 is captured and compared, argument by argument.
+    The engine calls block l with block 0's context (updated block by block by `adapter.next_context`,
+    and picked per block by `adapter.block_kwargs`: per layer type where types differ) on the previous
+    block's output. An architecture that gives a block another mask or bias than that, runs something
+    between two blocks, or calls a block twice would be calibrated silently wrong, so the model's own
+    forward is run once, in full, and each block's call is compared with the replay, argument by argument,
+    as it happens (one block's output is held at a time). With `place` offloading, each block visits the
+    device for its own call.
     """
     blocks = stack.blocks(model)
-    if len(blocks) < 2:
-        return
-    out0 = blocks[0](hidden, **adapter.block_kwargs(stack, 0, ctx))
-    predicted = adapter.block_kwargs(stack, 1, adapter.next_context(stack, 0, ctx, out0))
-    _, actual = capture_block_input(module, blocks[1], kwargs)
-    for name in sorted(set(predicted) | set(actual)):
-        if not _same(predicted.get(name), actual.get(name)):
-            raise FeatCalError(
-                f"{type(model).__name__}: {stack.name} block 1 is called with another {name!r} than block 0 passes on; "
-                "FeatCal replays block 0's context in every block, so this architecture is not supported"
-            )
+    state: dict[str, Any] = {"ctx": ctx, "out": None, "calls": [0] * len(blocks)}
+    name = type(model).__name__
+
+    def refuse(why: str) -> FeatCalError:
+        return FeatCalError(f"{name}: {stack.name} {why}; FeatCal replays each block on the previous block's output "
+                            "with the context it captured, so this architecture is not supported")
+
+    def pre(layer: int, block: nn.Module, args: tuple, kw: dict) -> None:
+        state["calls"][layer] += 1
+        if state["calls"][layer] > 1:
+            raise refuse(f"block {layer} is called more than once per forward")
+        if place is not None:
+            place.move(block, True)
+        h, actual = _split_call(block, inspect.signature(block.forward), args, kw)
+        predicted = adapter.block_kwargs(stack, layer, state["ctx"])
+        for arg in sorted(set(predicted) | set(actual)):
+            if not _same(predicted.get(arg), actual.get(arg)):
+                raise refuse(f"block {layer} is called with another {arg!r} than block {max(layer - 1, 0)} passes on")
+        if layer > 0 and not _same(h, _hidden(state["out"])):
+            raise refuse(f"block {layer}'s input is not block {layer - 1}'s output (something runs between them)")
+
+    def post(layer: int, block: nn.Module, out: Any) -> None:
+        if place is not None:
+            place.move(block, False)
+        state["ctx"] = adapter.next_context(stack, layer, state["ctx"], out)
+        state["out"] = out
+
+    handles = []
+    for layer, block in enumerate(blocks):
+        handles.append(block.register_forward_pre_hook(partial(_pre_hook, pre, layer), with_kwargs=True))
+        handles.append(block.register_forward_hook(partial(_post_hook, post, layer)))
+    try:
+        module(**kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+        if place is not None:
+            for block in blocks:
+                place.move(block, False)
+    missing = [i for i, n in enumerate(state["calls"]) if n == 0]
+    if missing:
+        raise refuse(f"block(s) {missing} never run in the model's forward")
+
+
+def _pre_hook(fn, layer: int, block: nn.Module, args: tuple, kwargs: dict) -> None:
+    fn(layer, block, args, kwargs)
+
+
+def _post_hook(fn, layer: int, block: nn.Module, _args: tuple, out: Any) -> None:
+    fn(layer, block, out)
 
 
 def block_param_names(model: nn.Module, stack: Stack, layer: int) -> list[str]:
@@ -196,6 +241,28 @@ class _Drift:
         return self
 
 
+def kept_merged_record(model: nn.Module, stacks: list[Stack], log_it: bool = True) -> dict[str, dict[str, str]]:
+    """Per stack, the modules of its blocks whose parameters keep their merged values, and why (discovery.py);
+    logged once per stack: routed experts as a warning (a mixture of experts' experts are left as merged), the
+    rest (LayerScale, position bias tables, routers) as information."""
+    out: dict[str, dict[str, str]] = {}
+    for stack in stacks:
+        kept: dict[str, str] = {}
+        for block in stack.blocks(model):
+            for name, why in kept_merged(block).items():
+                kept.setdefault(name, why)
+        if not kept:
+            continue
+        out[stack.name] = kept
+        if not log_it:
+            continue
+        for why in dict.fromkeys(kept.values()):
+            names = ", ".join(n for n, w in kept.items() if w == why)
+            level = logging.WARNING if why == ROUTED_EXPERTS else logging.INFO
+            log.log(level, "featcal %s blocks: %s keep(s) the merged values: %s", stack.name, names, why)
+    return out
+
+
 class FeatCalEngine:
     """Calibrates `merged` in place toward the experts, block by block (see the module docstring)."""
 
@@ -236,12 +303,13 @@ class FeatCalEngine:
         self.final_norm: dict[str, Any] | None = None  # with calibrate_final_norm: what was solved, its drift
         self.stem_norm: dict[str, Any] | None = None  # with calibrate_stem_norm: likewise
         stem = adapter.stem_norm(merged, self.stacks[0]) if config.calibrate_stem_norm else None
-        kind = None if stem is None else module_kind(stem.module, adapter)
+        kind = None if stem is None else module_kind(stem.module)
         self._stem = stem if kind in ("layernorm", "rmsnorm") else None  # the stem norm to solve, if any
         # per task, the first batch of this rank's share: where the uncalibrated merge is followed end to end
         self._reference = {t: self.calibration[t][0][0] for t in self.tasks if self.calibration[t]}
         self._block_counter = 0
         self._checkpointed = 0  # blocks whose parameters the resume directory already holds
+        self.kept_merged = kept_merged_record(merged, self.stacks, self.group.is_main)
 
     # --- parameter bookkeeping -----------------------------------------------------------------
     def block_param_names(self, stack: Stack, layer: int) -> list[str]:
@@ -368,10 +436,9 @@ class FeatCalEngine:
         the previous stack; the adapter turns it into that stack's output (the encoder's final norm),
         batch by batch, and it reaches block 0 as the cross-attention input.
         """
-        block0_m = stack.blocks(self.merged)[0]
         stem = self.stem_param_names()
-        # offloading: the stems on the device, and the merged block 0 that check_context_replay runs
-        with self.place.stems([self.merged, self.template], self.stacks, blocks=[block0_m]):
+        # offloading: the stems on the device (check_context_replay moves each block there for its own call)
+        with self.place.stems([self.merged, self.template], self.stacks):
             self._capture_tasks(stack, previous, stem)
 
     def _capture_tasks(self, stack: Stack, previous: Stack | None, stem: list[str]) -> None:
@@ -390,7 +457,7 @@ class FeatCalEngine:
                     mod, kw = self.adapter.stack_call(model, stack, batch, up)
                     h, ctx = self.adapter.capture(mod, stack, model, kw)
                     if side == "m" and t == self.tasks[0] and b == self._batches(t)[0][0]:
-                        check_context_replay(self.adapter, stack, self.merged, mod, kw, h, ctx)
+                        check_context_replay(self.adapter, stack, self.merged, mod, kw, h, ctx, self.place)
                     self.chains.put_hidden(key, h)
                     self.chains.put_context(key, ctx)
 
@@ -562,7 +629,7 @@ class FeatCalEngine:
                         raw_e = stop.run(block_e, self.chains.hidden(("e", t, b)),
                                          **self.adapter.block_kwargs(stack, layer, ctx_e))
                 if plan is None:
-                    plan = plan_block(linears_e, recorder.calls, kind)
+                    plan = plan_block(linears_e, recorder.calls, kind, recorder.changed_in_place())
                     recorder.adopt(plan)
                 if teacher is None:
                     teacher = self._teacher_form(plan, linears_e, tokens[t])
@@ -580,9 +647,7 @@ class FeatCalEngine:
                 if advance_experts:
                     self.put_output(("e", t, b), stack, layer, ctx_e, raw_e)
                 bar.update(1)
-            expert_params = {
-                c.name: {"weight": c.module.weight, "bias": getattr(c.module, "bias", None)} for c in mods_e.values()
-            }
+            expert_params = {c.name: c.params() for c in mods_e.values()}  # linear weights out×in (Conv1D too)
             self.group.reduce_task_sums(task_sums, t)  # the full task's moments, before normalising by st
             sums.add_task(t, task_sums, expert_params, rms)
             del task_sums
@@ -594,7 +659,7 @@ class FeatCalEngine:
                               for t in self.tasks], dtype=torch.float64)
         return dict(zip(self.tasks, self.group.reduce_values(local).tolist(), strict=True))
 
-    def _teacher_form(self, plan: dict, linears_e: dict[str, nn.Linear], tokens: float) -> dict:
+    def _teacher_form(self, plan: dict, linears_e: dict[str, nn.Module], tokens: float) -> dict:
         """{"output" module: (α, W_t)} for the modules whose teacher term is cheaper summed in the pass.
 
         Folding C_t W_tᵀ in costs in·in·out (float64) per task; the teacher form costs tokens·in·out
@@ -603,8 +668,8 @@ class FeatCalEngine:
         a = float(self.cfg.teacher_interp_alpha)
         if a == 1.0:
             return {}
-        return {name: (a, linears_e[name].weight) for name, p in plan.items()
-                if p.mode == "output" and tokens * TEACHER_FORM_TOKENS_PER_INPUT < linears_e[name].in_features}
+        return {name: (a, weight_of(linears_e[name])) for name, p in plan.items()
+                if p.mode == "output" and tokens * TEACHER_FORM_TOKENS_PER_INPUT < features(linears_e[name])[0]}
 
     def _advance(self, key: tuple, stack: Stack, layer: int, block: nn.Module) -> None:
         """Chain `key` <- block(chain `key`), its context updated as the block passes it on."""
@@ -683,18 +748,19 @@ class FeatCalEngine:
                 if acc is None:
                     log.debug("%s was not called: keeps its merged value", full)
                     continue
-                w_anchor = solver.anchor(c.module.weight, self._base(full + ".weight"), rho)
+                base_w = self._base(full + ".weight")
+                w_anchor = solver.anchor(c.weight, None if base_w is None else weight_of(c.module, base_w), rho)
                 if c.module.bias is not None and cfg.calibrate_bias and cfg.bias_solve == "joint":
                     bias_anchor = solver.anchor(c.module.bias, self._base(full + ".bias"), rho)
                     w, b = solver.linear_weight_bias(acc.gram, acc.target, acc.mean, acc.inv_scale, acc.bias_target,
                                                      acc.mean_bias, w_anchor, bias_anchor, lam, eps, what=full)
                     solver.check_finite(full + ".weight", w)
                     solver.check_finite(full + ".bias", b)
-                    solved[c.module.weight], solved[c.module.bias] = w, b
+                    solved[c.module.weight], solved[c.module.bias] = c.stored(w), b
                     continue
                 w = solver.linear_weight(acc.gram, acc.target, w_anchor, lam, eps, what=full)
                 solver.check_finite(full + ".weight", w)
-                solved[c.module.weight] = w
+                solved[c.module.weight] = c.stored(w)
                 if c.module.bias is not None and cfg.calibrate_bias:
                     bias_anchor = solver.anchor(c.module.bias, self._base(full + ".bias"), rho)
                     b = solver.linear_bias(w, acc.inv_scale, acc.bias_target, acc.mean, bias_anchor, lam)
@@ -757,7 +823,7 @@ class FeatCalEngine:
             log.info("featcal: calibrate_stem_norm: %s; nothing is calibrated", why)
             return {"calibrated": False, "stack": stack.name, "why": why}
         norm = self._stem
-        kind = module_kind(norm.module, self.adapter)
+        kind = module_kind(norm.module)
         norm_e = get_path(self.template, norm.path)
         names = norm.param_names()
         with self.place.stems([self.merged, self.template], self.stacks):
@@ -769,7 +835,7 @@ class FeatCalEngine:
                 for b, batch in self._batches(t):
                     batch = _to_device(batch, self.device)
                     x = self._stem_norm_input(stack, norm.module, batch)
-                    task_sums.add_norm(norm.path, normalised_input(norm.module, x, kind == "rmsnorm"),
+                    task_sums.add_norm(norm.path, normalised_input(norm.module, x),
                                        self.adapter.token_mask(stack, batch, x))
                     he = self.chains.hidden(("e", t, b))
                     before.add(t, self.chains.hidden(("m", t, b)), he, self.adapter.token_mask(stack, batch, he))
@@ -814,7 +880,7 @@ class FeatCalEngine:
         so no block runs. Architectures without such a norm (BERT) are a logged no-op.
         """
         final = self.adapter.final_norm(self.merged, stack)
-        kind = None if final is None else module_kind(final.module, self.adapter)
+        kind = None if final is None else module_kind(final.module)
         if final is None or kind not in ("layernorm", "rmsnorm"):
             why = (f"{type(self.merged).__name__} has no norm between its last {stack.name} block and its head"
                    if final is None else f"{final.path} ({type(final.module).__name__}) is no calibrated norm")
@@ -849,7 +915,7 @@ class FeatCalEngine:
                 xe = self.chains.hidden(("e", t, b))
                 xe = xe[:, 0] if final.class_token_only else xe
                 if sums is not None:
-                    task_sums.add_norm(final.path, normalised_input(final.module, xm, kind == "rmsnorm"), w)
+                    task_sums.add_norm(final.path, normalised_input(final.module, xm), w)
                 drift.add(t, final.module(xm), norm_e(xe), mask)
             if sums is not None:
                 self._fold_norm_task(sums, t, task_sums, final.path, norm_e, kind)

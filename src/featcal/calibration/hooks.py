@@ -20,10 +20,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from featcal.blocks.grams import WeightFn, flat_tokens, select_tokens
+from featcal.blocks.linear import features
+from featcal.blocks.norms import NormForm, normalise
 from featcal.calibration.statistics import TaskSums
 from featcal.errors import FeatCalError
 
@@ -34,6 +35,9 @@ KindFn = Callable[[str], tuple]  # module name -> what its token weights depend 
 class LinearPlan:
     group: str  # the first module (in execution order) of the group
     mode: str  # "output" | "cross"
+    # the block changes this module's input or output in place after it runs (Falcon adds the attention
+    # output into the MLP's output): the expert side keeps a copy, not the tensor the block goes on to change
+    copy: bool = False
 
 
 def group_inputs(calls: list[tuple[str, torch.Tensor]], kind: KindFn) -> dict[str, str]:
@@ -45,30 +49,43 @@ def group_inputs(calls: list[tuple[str, torch.Tensor]], kind: KindFn) -> dict[st
     return out
 
 
-def plan_block(linears: dict[str, nn.Linear], calls: list[tuple[str, torch.Tensor]], kind: KindFn) -> dict[str, LinearPlan]:
-    """Group the block's Linears and pick, per group, the cheaper form of the teacher statistics."""
+def plan_block(linears: dict[str, nn.Module], calls: list[tuple[str, torch.Tensor]], kind: KindFn,
+               changed: set[str] = frozenset()) -> dict[str, LinearPlan]:
+    """Group the block's linear layers and pick, per group, the cheaper form of the teacher statistics.
+    `changed`: the modules whose input or output the block changed in place (ExpertRecorder.changed_in_place)."""
     groups = group_inputs(calls, kind)
     out_sum: dict[str, int] = {}
     for name, g in groups.items():
-        out_sum[g] = out_sum.get(g, 0) + linears[name].out_features
-    mode = {g: ("cross" if linears[g].in_features < total else "output") for g, total in out_sum.items()}
-    return {name: LinearPlan(g, mode[g]) for name, g in groups.items()}
+        out_sum[g] = out_sum.get(g, 0) + features(linears[name])[1]
+    mode = {g: ("cross" if features(linears[g])[0] < total else "output") for g, total in out_sum.items()}
+    return {name: LinearPlan(g, mode[g], name in changed or g in changed) for name, g in groups.items()}
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """The tensor's in-place version counter (None for inference-mode tensors, which carry none)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
 
 
 class ExpertRecorder:
     """Hooks on the expert block's Linears keeping, for one forward, what the merged side will need.
 
-    Without a plan (the block's first batch) it keeps every input and output, so that the plan can
-    be made from them (`adopt`); with a plan it keeps only xe of "cross" groups and ye of "output" ones.
+    Without a plan (the block's first batch) it keeps a copy of every input and output, so that the plan can
+    be made from them (`adopt`), and notes which ones the rest of the block changes in place
+    (`changed_in_place`); with a plan it keeps only xe of "cross" groups and ye of "output" ones, copies
+    where the plan says the block changes them.
     """
 
-    def __init__(self, linears: dict[str, nn.Linear], plan: dict[str, LinearPlan] | None) -> None:
+    def __init__(self, linears: dict[str, nn.Module], plan: dict[str, LinearPlan] | None) -> None:
         self.linears, self.plan = linears, plan
         self.inputs: dict[str, torch.Tensor] = {}  # group (or, while planning, module) -> xe
         self.outputs: dict[str, torch.Tensor] = {}  # module -> ye
         self.calls: list[tuple[str, torch.Tensor]] = []  # (module, input) in execution order, when planning
         self._seen: set[str] = set()
         self._handles: list = []
+        self._watched: list[tuple[str, torch.Tensor, int | None]] = []  # planning: (module, tensor, version)
 
     def _hook(self, name: str, x: torch.Tensor, y: torch.Tensor) -> None:
         if name in self._seen:
@@ -76,20 +93,26 @@ class ExpertRecorder:
         self._seen.add(name)
         if self.plan is None:
             self.calls.append((name, x))
-            self.inputs[name], self.outputs[name] = x, y
+            self.inputs[name], self.outputs[name] = x.clone(), y.clone()
+            self._watched += [(name, x, _version(x)), (name, y, _version(y))]
             return
         p = self.plan.get(name)
         if p is None:
             raise FeatCalError(f"module {name} ran in this batch but not in the block's first batch")
         if p.mode == "output":
-            self.outputs[name] = y
+            self.outputs[name] = y.clone() if p.copy else y
         elif name == p.group:
-            self.inputs[name] = x
+            self.inputs[name] = x.clone() if p.copy else x
+
+    def changed_in_place(self) -> set[str]:
+        """After the planning forward: the modules whose input or output the block changed in place later."""
+        return {name for name, t, v in self._watched if v is None or _version(t) != v}
 
     def adopt(self, plan: dict[str, LinearPlan]) -> None:
         """After the planning forward: keep only what `plan` needs, as a planned forward would have."""
         self.plan = plan
         self.calls = []
+        self._watched = []
         self.inputs = {g: x for g, x in self.inputs.items() if plan[g].group == g and plan[g].mode == "cross"}
         self.outputs = {n: y for n, y in self.outputs.items() if plan[n].mode == "output"}
 
@@ -104,13 +127,10 @@ class ExpertRecorder:
         self._handles.clear()
 
 
-def normalised_input(mod: nn.Module, x: torch.Tensor, rms: bool) -> torch.Tensor:
-    """A norm's input without its affine: (x−mean)/std for LayerNorm, x/rms for RMS norms (float32)."""
-    xf = x.float()
-    if rms:
-        eps = getattr(mod, "variance_epsilon", getattr(mod, "eps", 1e-6))
-        return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return F.layer_norm(xf, mod.normalized_shape, eps=mod.eps)
+def normalised_input(mod: nn.Module, x: torch.Tensor, form: NormForm | None = None) -> torch.Tensor:
+    """A norm's input without its affine: (x−mean)/std for LayerNorm-type norms, x/rms for RMS norms (float32),
+    as the norm itself computes it (blocks/norms.py)."""
+    return normalise(mod, x, form)
 
 
 class MergedFolder:
@@ -154,23 +174,22 @@ class MergedFolder:
             if t is None:
                 self.sums.add_linear_tokens(name, p.group, xt, ye, w)
             else:  # W_t x~ + α·b_t = α·ye + (1−α)·W_t xs
-                a, wt = t
+                a, wt = t  # wt: the expert's weight, out×in
                 y = torch.addmm(ye, xt, wt.T.to(xt.dtype), beta=a, alpha=1.0 - a)
                 self.sums.add_linear_tokens(name, p.group, xt, y, w, teacher=True)
         else:
             self.sums.add_cross_linear(name, p.group)
 
-    def _norm(self, mod: nn.Module, name: str, x: torch.Tensor, rms: bool) -> None:
-        self.sums.add_norm(name, normalised_input(mod, x, rms), self.weights(name, x))
+    def _norm(self, mod: nn.Module, name: str, x: torch.Tensor, form: NormForm | None) -> None:
+        self.sums.add_norm(name, normalised_input(mod, x, form), self.weights(name, x))
 
     def __enter__(self) -> MergedFolder:
         for c in self.modules:
             if c.kind == "linear":
                 self._handles.append(c.module.register_forward_hook(lambda _m, i, _o, n=c.name: self._linear(n, i[0])))
             else:
-                rms = c.kind == "rmsnorm"
                 self._handles.append(
-                    c.module.register_forward_hook(lambda m, i, _o, n=c.name, r=rms: self._norm(m, n, i[0], r))
+                    c.module.register_forward_hook(lambda m, i, _o, n=c.name, f=c.form: self._norm(m, n, i[0], f))
                 )
         return self
 

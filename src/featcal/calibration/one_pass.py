@@ -137,7 +137,7 @@ def calibrate_block(engine: Any, stack: Stack, layer: int, n_blocks: int, stages
             if c.kind == "linear":
                 fw.folder._linear(c.name, x)
             else:
-                fw.folder._norm(c.module, c.name, x, c.kind == "rmsnorm")
+                fw.folder._norm(c.module, c.name, x, c.form)
         fw.folder._held.clear()
         fw.stage = k
         _pause()
@@ -189,8 +189,7 @@ def calibrate_block(engine: Any, stack: Stack, layer: int, n_blocks: int, stages
             sums = NormalisedSums(engine.cfg.teacher_interp_alpha, joint_bias=engine.cfg.bias_solve == "joint")
             for t in engine.tasks:
                 engine.group.reduce_task_sums(task_sums[t], t)
-                params = {c.name: {"weight": c.module.weight, "bias": getattr(c.module, "bias", None)}
-                          for c in mods_e[t].values()}
+                params = {c.name: c.params() for c in mods_e[t].values()}  # linear weights out×in
                 sums.add_task(t, task_sums[t], params, rms)
             del task_sums
             engine._solve_and_load(stack, layer, stage, sums)
@@ -254,4 +253,4 @@ def _plan(engine: Any, stack: Stack, layer: int, experts: dict[str, nn.Module], 
     b = batches[t][0][0]
     with ExpertRecorder(linears_e[t], None) as recorder:
         _run(engine, stack, layer, experts[t], ("e", t, b))
-    return plan_block(linears_e[t], recorder.calls, kind)
+    return plan_block(linears_e[t], recorder.calls, kind, recorder.changed_in_place())

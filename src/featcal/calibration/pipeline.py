@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from featcal.blocks.support import check_config
 from featcal.calibration import api
 from featcal.calibration.distributed import RankGroup, current_group
 from featcal.calibration.inputs import resolve_device
@@ -256,6 +257,7 @@ def check_calibration_inputs(
         raise CheckpointError(f"base model: {base_dir} is a GGUF file; featcal run checks the calibration data against "
                               "the base's tokenizer files: run featcal merge, then featcal calibrate on its output")
     model_config = load_config(inputs[reference])
+    check_config(model_config)  # an architecture featcal cannot calibrate: refused from its config, no weights read
     for t in tasks:
         if not Path(calibration_sources[t]).expanduser().exists():
             raise CalibrationDataError(f"calibration data for task {t!r}: {calibration_sources[t]} does not exist")
@@ -587,5 +589,7 @@ def _write_calibrated(
             report["final_norm"] = result.final_norm
         if result.stem_norm is not None:  # calibrate_stem_norm: likewise
             report["stem_norm"] = result.stem_norm
+        if result.kept_merged:  # block parameters left as merged (a mixture of experts' experts, LayerScale, ...)
+            report["kept_merged"] = result.kept_merged
         write_report(tmp, report)
     return report

@@ -86,6 +86,11 @@ class Placement:
         target = self.device if on_device else self.host
         module._apply(lambda t: t.to(target), recurse=recurse)
 
+    def move(self, module: nn.Module, on_device: bool) -> None:
+        """`module` wholly to the device (or back to the host); nothing moves without offloading."""
+        if self.offload:
+            self._place(module, on_device)
+
     def setup(self, *models: nn.Module) -> None:
         """Before the run: every model wholly on the device, or (offloading) wholly on the host."""
         for m in models:

@@ -29,16 +29,16 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 from torch import nn
 
 from featcal.blocks.adapters import adapter_for
 from featcal.blocks.discovery import calibrated_modules
+from featcal.blocks.support import check_config
 from featcal.calibration.chains import DTYPES
 from featcal.calibration.placement import stem_parts
 from featcal.config import FeatCalConfig
 from featcal.errors import ConfigError
-from featcal.io.models import load_config, model_class_for
+from featcal.io.models import load_config
 from featcal.io.report import peak_rss_mb
 
 _OUTPUT_PROJECTIONS = {"out_proj", "o_proj", "o", "wo"}  # read the attention output, not the block input
@@ -101,7 +101,7 @@ def _block_shape(block: nn.Module, adapter) -> BlockShape:
     linears, norms = [], []
     for c in calibrated_modules(block, adapter):
         if c.kind == "linear":
-            linears.append((c.name, c.module.in_features, c.module.out_features))
+            linears.append((c.name, *c.features))
         else:
             norms.append(int(c.module.weight.numel()))
     return BlockShape(tuple(linears), tuple(norms), sum(p.numel() for p in block.parameters()))
@@ -109,8 +109,7 @@ def _block_shape(block: nn.Module, adapter) -> BlockShape:
 
 def model_shape(config, max_length: int) -> ModelShape:
     """The shapes that drive memory, from a transformers config (the model is built on the meta device)."""
-    with torch.device("meta"):
-        model = model_class_for(config)(config)
+    model = check_config(config)  # on the meta device; an architecture featcal cannot calibrate is refused here
     adapter = adapter_for(model)
     stacks = []
     vision = hasattr(config, "image_size") or hasattr(getattr(config, "vision_config", None), "image_size")

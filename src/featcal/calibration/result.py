@@ -36,6 +36,9 @@ class CalibrationResult:
     tuning: dict[str, Any] | None = None
     final_norm: dict[str, Any] | None = None
     stem_norm: dict[str, Any] | None = None  # with `config.calibrate_stem_norm`: as final_norm, for the stem's norm
+    # per stack, the modules of its blocks that keep their merged values and why (a mixture of experts' experts
+    # and router, DINOv2's LayerScale, T5's position bias table): what featcal.json records under "kept_merged"
+    kept_merged: dict[str, dict[str, str]] | None = None
 
     def with_tuning(self, record: dict[str, Any]) -> CalibrationResult:
         """The same result carrying the tuning search's record."""

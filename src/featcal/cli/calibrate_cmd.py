@@ -80,7 +80,10 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "calibrate", help="calibrate a merged model toward its experts (FeatCal)",
         description="Calibrate a merged checkpoint block by block toward its experts with closed-form "
-        "ridge solves, using a small unlabeled calibration set per task.",
+        "ridge solves, using a small unlabeled calibration set per task. Any block-stacked transformers model "
+        "whose structure featcal finds is supported (Llama, Mistral, Qwen, Gemma, Phi, GPT-2, BERT, T5, BART, "
+        "CLIP, ViT, ...); `featcal supported [MODEL]` lists the verified families and checks any model from "
+        "its config.",
     )
     add_arguments(p)
     p.add_argument("--dry-run", action="store_true", help="print the memory plan (featcal plan) and stop")

@@ -1,7 +1,7 @@
 """RegMean (Jin et al., ICLR 2023, "Dataless Knowledge Fusion by Merging Weights of Language Models")
 and RegMean++ (forward-order variant whose Grams come from the merged model's own inputs).
 
-Each Linear weight is the closed-form minimiser of Σ_t ‖X_t W − X_t W_t‖², with the Grams'
+Each linear layer's weight (nn.Linear, and transformers' Conv1D read as out×in) is the closed-form minimiser of Σ_t ‖X_t W − X_t W_t‖², with the Grams'
 off-diagonals shrunk by α:   W = (Σ_t G̃_t)⁻¹ Σ_t G̃_t W_tᵀ  (transposed back to out×in),
 G_t = E[x xᵀ] over task t's calibration tokens, G̃_t = α G_t + (1−α) diag(G_t), α = 0.9. Tokens are
 weighted as in FeatCal (padding weighs 0): see featcal.merging.regmean_grams.
@@ -11,8 +11,8 @@ in the paper.
 - RegMean++: blocks in forward order; at block l, G_t is recorded inside expert t's block l fed the
   MERGED model's hidden state, i.e. the output of the already-merged blocks < l on task t's data
   (stem: averaged). Linears outside the blocks (pooler, LM head) use the fully merged model's inputs.
-  Blocks are found and chained with the FeatCal calibrator's adapters (CLIP, ViT, BERT, T5, Llama);
-  plain RegMean needs no adapter and works on any model built from nn.Linear.
+  Blocks are found and chained with the FeatCal calibrator's adapter (found from the model's structure,
+  blocks/adapters); plain RegMean needs no adapter and works on any model built from linear layers.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from featcal.blocks.linear import as_patterns, linear_modules
+from featcal.blocks.linear import as_patterns, linear_modules, stored_as, weight_of
 from featcal.config import parse
 from featcal.data.batch import BatchLike
 from featcal.data.inputs import (
@@ -134,8 +134,8 @@ def _load_solved(merged: nn.Module, sums: Mapping[str, RegMeanSums]) -> None:
     for name, s in sums.items():
         w = s.solve()
         if w is not None:
-            target = merged.get_submodule(name).weight
-            target.copy_(w.to(target.dtype))
+            module = merged.get_submodule(name)
+            module.weight.copy_(stored_as(module, w).to(module.weight.dtype))  # a Conv1D's stored in×out
 
 
 def _regmean_plain(merged, experts, batches, names, alpha, weights, progress) -> None:
@@ -148,7 +148,7 @@ def _regmean_plain(merged, experts, batches, names, alpha, weights, progress) ->
         grams = LinearGrams()
         _gram_forward(expert, batches[task], grams, modules, weights)
         for n in names:
-            sums[n].add(grams.mean(n), modules[n].weight)
+            sums[n].add(grams.mean(n), weight_of(modules[n]))
         mean.add(expert)
         del expert, modules, grams
     merged.load_state_dict(mean.mean())
@@ -197,13 +197,14 @@ def _regmean_plus_plus(merged, experts, batches, names, alpha, weights, progress
                     with grams.watching(modules, weights.for_batch(b)):
                         expert_block(hidden[(t, i)], **adapter.block_kwargs(stack, layer, ctx[(t, i)]))
                 for n, m in modules.items():
-                    sums[n].add(grams.mean(n), m.weight)
+                    sums[n].add(grams.mean(n), weight_of(m))
             _load_solved(merged, sums)
             for key in hidden:  # advance the merged chains through the merged block
                 raw = blocks[layer](hidden[key], **adapter.block_kwargs(stack, layer, ctx[key]))
                 hidden[key] = _hidden(raw)
                 ctx[key] = adapter.next_context(stack, layer, ctx[key], raw)
-        upstream = {k: adapter.stack_output(merged, stack, h) for k, h in hidden.items()}
+        if stack is not stacks[-1]:  # the next stack reads this one's output (an encoder's, through its final norm)
+            upstream = {k: adapter.stack_output(merged, stack, h) for k, h in hidden.items()}
     # Linears outside every block: their inputs in the (now fully merged) model.
     outside = [n for n in names if n not in in_blocks]
     if outside:
@@ -213,5 +214,5 @@ def _regmean_plus_plus(merged, experts, batches, names, alpha, weights, progress
             grams = LinearGrams()
             _gram_forward(merged, batches[task], grams, modules, weights)
             for n in outside:
-                sums[n].add(grams.mean(n), expert.get_submodule(n).weight)
+                sums[n].add(grams.mean(n), weight_of(expert.get_submodule(n)))
         _load_solved(merged, sums)

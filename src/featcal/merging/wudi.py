@@ -1,7 +1,8 @@
 """WUDI merging (Cheng et al., 2025, "Whoever Started the Interference Should End It: Guiding
 Data-Free Model Merging via Task Vectors", arXiv 2503.08099). Data-free.
 
-For every Linear weight, with task vectors τ_t = W_t − W_0 (out × in), find
+For every linear layer's weight (nn.Linear; transformers' Conv1D read as out × in), with task vectors
+τ_t = W_t − W_0 (out × in), find
     τ_m = argmin Σ_t (1/‖τ_t‖²_F) ‖(τ_m − τ_t) τ_tᵀ‖²_F
 by Adam from τ_m = Σ_t τ_t: the rows of a task vector span (approximately) the inputs that task
 feeds the layer, so the interference of τ_m with task t is measured on them without data.
@@ -18,7 +19,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from featcal.blocks.linear import as_patterns, linear_modules
+from featcal.blocks.linear import as_patterns, is_conv1d, linear_modules
 from featcal.config import parse
 from featcal.data.inputs import ModelLike, load_family
 from featcal.merging.method_params import WudiParams
@@ -92,7 +93,8 @@ def wudi_models(
     base: nn.Module, experts: Mapping[str, nn.Module], params: WudiParams, progress: bool = True
 ) -> dict[str, torch.Tensor]:
     """WUDI on models already validated as one family; returns the merged state dict (base's keys)."""
-    linear_weights = {f"{n}.weight" for n in linear_modules(base, params.exclude)}
+    # linear weights solved as out×in: a Conv1D's (stored in×out) transposed in and back out
+    linear_weights = {f"{n}.weight": m for n, m in linear_modules(base, params.exclude).items()}
     base_sd = base.state_dict()
     expert_sds = [m.state_dict() for m in experts.values()]
     merged: dict[str, torch.Tensor] = {}
@@ -103,8 +105,10 @@ def wudi_models(
         tvs = torch.stack([sd[name].to(params.device, torch.float32) - w0.to(params.device, torch.float32)
                            for sd in expert_sds])
         if name in linear_weights:
+            conv = is_conv1d(linear_weights[name])  # task vectors stored in×out: solved as out×in
             with torch.enable_grad():
-                tau = wudi_layer(tvs, params.steps, params.lr)
+                tau = wudi_layer(tvs.transpose(1, 2) if conv else tvs, params.steps, params.lr)
+            tau = tau.T if conv else tau
         else:
             tau = tvs.mean(0)
         merged[name] = (w0.float() + tau.cpu()).to(w0.dtype)

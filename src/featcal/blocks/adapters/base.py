@@ -1,11 +1,12 @@
 """What the engine needs to know about an architecture, and nothing about the maths.
 
-An adapter says where the stacks of residual blocks are (in both the transformers-5 and the 4.x
-module layouts), which module to call with a calibration batch to reach a stack's first block,
-how the block-to-block context changes (T5's shared position bias) and which arguments each block
-gets (Gemma 3's per-layer-type masks), which tokens count, and which norms are weight-only RMS norms.
-Calibrated modules inside a block are found by type: every `nn.Linear`, every `nn.LayerNorm`, and
-the adapter's RMS norm classes.
+An adapter says where the stacks of residual blocks are, which module to call with a calibration batch
+to reach a stack's first block, how the block-to-block context changes (T5's shared position bias) and
+which arguments each block gets (per-layer-type masks), which tokens count, and where the norms outside
+the blocks are. `StructuralAdapter` (adapters/structural.py) answers all of it from the model's structure;
+this base class holds the defaults and the batch checks. Calibrated modules inside a block are found by
+kind (blocks/discovery.py): every linear layer (nn.Linear, transformers' Conv1D) and every norm whose
+computation a probe recognises (blocks/norms.py).
 """
 
 from __future__ import annotations
@@ -73,19 +74,12 @@ class FinalNorm:
         return [f"{self.path}.{n}" for n, _ in self.module.named_parameters()]
 
 
-def final_norm_at(model: nn.Module, stack: Stack, name: str, class_token_only: bool = False) -> FinalNorm | None:
-    """The module `name` under the stack's entry, as a FinalNorm; None where the model has none there."""
-    path = f"{stack.entry_path}.{name}" if stack.entry_path else name
-    module = get_path(model, path)
-    return None if module is None else FinalNorm(path, module, class_token_only)
-
-
 class Adapter(ABC):
     """Base adapter: defaults for models whose stack entry is called with the batch as keywords."""
 
     name = "base"
-    model_types: tuple[str, ...] = ()
-    rms_classes: tuple[str, ...] = ()
+    # key / value projections by transformers' names: in a class-token-read stack's last block they keep every
+    # token's weight, since every token's key and value feed the class token (SPEC §2.3)
     kv_names: tuple[str, ...] = ("k_proj", "v_proj", "key", "value", "k", "v")
     capture_kwargs: dict[str, Any] = {}
     # int64 tensors per token a text calibration batch holds: input_ids and attention_mask
@@ -94,6 +88,10 @@ class Adapter(ABC):
     @abstractmethod
     def stacks(self, model: nn.Module) -> list[Stack]:
         """The model's stacks of blocks, in forward order."""
+
+    def prepare(self, model: nn.Module) -> None:
+        """Anything the adapter must learn from running `model` before it is split across devices: nothing here."""
+        return None
 
     # --- inputs -------------------------------------------------------------------------
     def main_input(self, model: nn.Module, stack: Stack) -> str:
@@ -204,7 +202,11 @@ class Adapter(ABC):
         return module_name.rsplit(".", 1)[-1] in self.kv_names
 
     def is_rms(self, module: nn.Module) -> bool:
-        return type(module).__name__ in self.rms_classes
+        """A weight-only RMS-type norm, recognised by what it computes (blocks/norms.py)."""
+        from featcal.blocks.norms import norm_form
+
+        form = norm_form(module)
+        return form is not None and not form.centred
 
 
 def _check_token_ids(config: Any, batch: dict[str, torch.Tensor], x: torch.Tensor, where: str,
@@ -246,10 +248,3 @@ def accepted_inputs(module: nn.Module, batch: dict[str, torch.Tensor]) -> dict[s
     named = {n for n, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
     return {k: v for k, v in batch.items() if k in named}
 
-
-def first_existing(model: nn.Module, candidates: list[str]) -> str | None:
-    """The first dotted path among `candidates` naming an nn.ModuleList in `model`."""
-    for c in candidates:
-        if isinstance(get_path(model, c), nn.ModuleList):
-            return c
-    return None
