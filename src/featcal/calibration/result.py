@@ -36,6 +36,7 @@ class CalibrationResult:
     tuning: dict[str, Any] | None = None
     final_norm: dict[str, Any] | None = None
     stem_norm: dict[str, Any] | None = None  # with `config.calibrate_stem_norm`: as final_norm, for the stem's norm
+    calibration_data: dict[str, dict[str, Any]] | None = None  # per task given as a source: how it was read
 
     def with_tuning(self, record: dict[str, Any]) -> CalibrationResult:
         """The same result carrying the tuning search's record."""
