@@ -106,23 +106,26 @@ def plan_source(
         )
     plan = SourcePlan(src, wanted, 0, num_examples, num_examples_explicit)
     plan.record = {"source": str(src.path), **src.describe(wanted)}  # refuses an ambiguous text column
-    available, unit = len(src), "examples"
+    available, unit = len(src), "example"
     if wanted == "text":
         plan.preprocessor = make_preprocessor(model_dir, config, max_length, tokenizer=tokenizer)
         if src.content("text") == "chat":
             plan.record["chat_template"] = plan.preprocessor.use_chat_template(template_dirs).record()
         if _packs(pack_texts, src, config):
             plan.windows = _pack(src, plan.preprocessor, num_examples, seed)
-            available, unit = len(plan.windows), f"windows of {plan.preprocessor.max_length} tokens"
+            available, unit = len(plan.windows), "window"
             plan.record["packed"] = {"window": plan.preprocessor.max_length, "documents": len(src)}
     plan.count = min(num_examples, available)
     plan.record["requested"] = num_examples
     if available < num_examples:
         asked = "asked for" if num_examples_explicit else "used by default (num_calibration_examples)"
-        message = f"calibration data {src.path} holds {available} {unit}, fewer than the {num_examples} {asked}"
+        held = f"{available} {unit}{'' if available == 1 else 's'}"
+        if plan.windows is not None:
+            held += f" of {plan.preprocessor.max_length} tokens"
+        message = f"calibration data {src.path} holds {held}, fewer than the {num_examples} {asked}"
         if num_examples_explicit and not allow_fewer:
             raise CalibrationDataError(message + " (pass --allow-fewer, allow_fewer=True, to use them all)")
-        plan.shortfall = f"{message}; using all {available}{_unit_hint(src)}"
+        plan.shortfall = f"{message}; using all {available}{_unit_hint(src, plan.windows is not None)}"
     return plan
 
 
@@ -156,7 +159,11 @@ def _pack(src: ExampleSource, preprocessor: TextPreprocessor, count: int, seed: 
     return pack(docs, preprocessor.max_length, count)
 
 
-def _unit_hint(src: ExampleSource) -> str:
+def _unit_hint(src: ExampleSource, packed: bool) -> str:
+    """How to get more examples out of a short text source."""
+    if packed:
+        return (f" ({len(src)} documents packed into windows; a smaller --max-length makes more of them, "
+                "--no-pack-texts makes one example per document)")
     if isinstance(src, TextSource) and src.unit != "line":
         return f" (one example per {src.unit}; --text-unit line makes one per line)"
     return ""

@@ -13,7 +13,6 @@ model is loaded. Packing documents into token windows for decoders is the prepro
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,6 @@ from featcal.errors import CalibrationDataError
 
 TEXT_SUFFIXES = (".txt", ".md", ".markdown", ".rst", ".text")
 TEXT_UNITS = ("line", "paragraph", "file")
-_BLANK_LINE = re.compile(r"\n[ \t\f\v]*\n")
 
 
 def read_utf8(path: Path) -> str:
@@ -48,7 +46,13 @@ def split_units(text: str, unit: str) -> list[str]:
     if unit == "line":
         pieces = text.split("\n")
     elif unit == "paragraph":
-        pieces = [p.strip("\n") for p in _BLANK_LINE.split(text)]
+        pieces, lines = [], []
+        for line in [*text.split("\n"), ""]:  # a blank line (or the end) closes a paragraph
+            if line.strip():
+                lines.append(line)
+            elif lines:
+                pieces.append("\n".join(lines))
+                lines = []
     elif unit == "file":
         pieces = [text]
     else:
