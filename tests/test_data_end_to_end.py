@@ -58,6 +58,7 @@ def fed(monkeypatch):
     real = core.calibrate_setting
 
     def spy(merged, **kwargs):
+        kwargs["calibration"] = {t: list(bs) for t, bs in kwargs["calibration"].items()}  # an iterator read once
         seen.append({t: [dict(b) for b in bs] for t, bs in kwargs["calibration"].items()})
         return real(merged, **kwargs)
 
@@ -304,7 +305,7 @@ def test_the_python_api_reads_paths_lists_and_datasets(llama, tmp_path, fed):
     # hand-made batches keep working beside a source, untouched
     handmade = [{"input_ids": torch.tensor([[1, 9, 10, 11]]), "attention_mask": torch.ones(1, 4, dtype=torch.long)}]
     featcal.calibrate(merged, base=llama["base"], experts=llama["experts"], progress=False,
-                      calibration={"task0": handmade, "task1": texts}, config=config)
+                      calibration={"task0": (b for b in handmade), "task1": texts}, config=config)  # any iterable
     _same_batches(fed[-1]["task0"], handmade)
 
 

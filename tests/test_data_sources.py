@@ -17,6 +17,7 @@ import pytest
 from PIL import Image
 
 from featcal.data import Example, read_examples
+from featcal.data.sources import is_source
 from featcal.errors import CalibrationDataError
 from test_data_support import conversations, sentences, write_jsonl, write_png_folder
 
@@ -236,6 +237,11 @@ def test_in_memory_sources(tmp_path):
         read_examples(["w1", 2])
     with pytest.raises(CalibrationDataError, match="the list is empty"):
         read_examples([])
+    import torch
+
+    batch = {"input_ids": torch.ones(2, 3, dtype=torch.long)}
+    assert not any(is_source(x) for x in (batch, [batch], (b for b in [batch]), torch.ones(2, 3), [torch.ones(2, 3)]))
+    assert all(is_source(x) for x in ("d.jsonl", tmp_path, ["w1"], convs, [{"text": "w1"}], dataset, pixels))
 
 
 # ---- bad files ----------------------------------------------------------------------------------------------

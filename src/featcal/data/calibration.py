@@ -195,11 +195,6 @@ def check_calibration_source(source: Any, *, model_dir: str | Path | None, num_e
     return plan.source, plan.modality, plan.count
 
 
-def source_record(src, modality: str) -> dict:
-    """What featcal.json records about how a source was read: its format, content, unit, split, columns."""
-    return src.describe(modality)
-
-
 def load_calibration_batches(
     source: Any,
     *,

@@ -43,7 +43,7 @@ from featcal.errors import CalibrationDataError
 __all__ = [
     "DATA_FORMATS", "IMAGE_COLUMNS", "IMAGE_SUFFIXES", "NON_TEXT_COLUMNS", "TARGET_COLUMNS", "TEST_SPLITS",
     "TEXT_COLUMNS", "CalibrationSource", "Example", "ImageFolderSource", "ListSource", "Modality", "TableSource",
-    "TextExample", "TextSource", "is_batch_data", "open_source",
+    "TextExample", "TextSource", "is_batch_data", "is_source", "open_source",
 ]
 
 CalibrationSource = ExampleSource  # the old name of the protocol
@@ -136,20 +136,27 @@ class ListSource:
         return [Example(**{key: self.items[i]}) for i in indices]
 
 
-def is_batch_data(data: Any) -> bool:
-    """Whether `data` is model-ready batches (a tensor, a dict of tensors, or a list of those), not a source."""
-    import torch
-
-    def batch(x: Any) -> bool:
-        if isinstance(x, torch.Tensor):
-            return True
-        return isinstance(x, Mapping) and bool(x) and any(isinstance(v, torch.Tensor) for v in x.values())
-
-    if batch(data):
+def is_source(data: Any) -> bool:
+    """Whether `data` is a source to read (a path or hub id, a `datasets` object, a list of texts,
+    conversations, records or images), not batches a caller made (a tensor, a dict of tensors, or any
+    iterable of those, which pass through untouched)."""
+    if isinstance(data, (str, os.PathLike)):
         return True
-    if isinstance(data, (list, tuple)) and data:
-        return batch(data[0])
-    return False
+    if type(data).__module__.startswith("datasets"):
+        return True
+    if not isinstance(data, (list, tuple)) or not data:
+        return False
+    first = data[0]
+    if isinstance(first, Mapping):
+        import torch
+
+        return not any(isinstance(v, torch.Tensor) for v in first.values())  # a record, not a dict of tensors
+    return isinstance(first, (str, list, tuple)) or _all_images(data[:1])
+
+
+def is_batch_data(data: Any) -> bool:
+    """The complement of `is_source`: batches made by the caller, used as given."""
+    return not is_source(data)
 
 
 def open_source(
