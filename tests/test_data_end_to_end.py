@@ -302,6 +302,12 @@ def test_the_python_api_reads_paths_lists_and_datasets(llama, tmp_path, fed):
     assert result.calibration_data["task0"]["chat_layout"] == "prompt/completion"
     assert result.calibration_data["task1"]["format"] == "texts (in memory)"
 
+    # a list of conversations and a datasets.Dataset, as a user holds them in a notebook
+    featcal.calibrate(merged, base=llama["base"], experts=llama["experts"], progress=False, config=config,
+                      calibration={"task0": convs, "task1": datasets.Dataset.from_dict({"text": texts})})
+    _same_batches(fed[-1]["task0"], _chat_batches(tok, [convs[i] for i in _order(4)], 2, 64))
+    _same_batches(fed[-1]["task1"], _text_batches(tok, [texts[i] for i in _order(5, 4)], 2, 64))
+
     # hand-made batches keep working beside a source, untouched
     handmade = [{"input_ids": torch.tensor([[1, 9, 10, 11]]), "attention_mask": torch.ones(1, 4, dtype=torch.long)}]
     featcal.calibrate(merged, base=llama["base"], experts=llama["experts"], progress=False,
