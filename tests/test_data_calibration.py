@@ -61,7 +61,7 @@ def test_image_folder_is_recursive_case_insensitive_and_skips_hidden(tmp_path):
     for rel in ("a/x.JPG", "a/deep/y.bmp", "z.webp", "b.jpeg", ".cache/hidden.png"):
         Image.fromarray(rng.integers(0, 256, (9, 9, 3), dtype=np.uint8)).save(tmp_path / rel)
     (tmp_path / "notes.txt").write_text("not an image")
-    src = open_source(tmp_path)
+    src = open_source(tmp_path, modality="image")  # read for an image model: its images, nothing else
     assert [p.relative_to(tmp_path).as_posix() for p in src.files] == ["a/deep/y.bmp", "a/x.JPG", "b.jpeg", "z.webp"]
 
 
@@ -253,9 +253,9 @@ def test_bad_inputs_are_named(tmp_path, models):
     blank = write_jsonl(tmp_path / "blank.jsonl", [{"text": "w1"}, {"text": "  "}])
     with pytest.raises(CalibrationDataError, match="row 1 has no text"):
         _load(blank, models["bert"], n=2)
-    (tmp_path / "data.csv").write_text("text\nw1\n")
-    with pytest.raises(CalibrationDataError, match="unsupported format .csv"):
-        _load(tmp_path / "data.csv", models["bert"], n=1)
+    (tmp_path / "data.xlsx").write_bytes(b"PK\x03\x04")  # CSV is read since issue 37; a spreadsheet is not
+    with pytest.raises(CalibrationDataError, match="unsupported format .xlsx"):
+        _load(tmp_path / "data.xlsx", models["bert"], n=1)
     with pytest.raises(CalibrationDataError, match="has no config.json"):
         _load(bad, tmp_path, n=1)
     with pytest.raises(ConfigError, match="must be >= 1"):

@@ -68,3 +68,35 @@ def sentences(n: int, seed: int = 0, lo: int = 2, hi: int = 9) -> list[str]:
 def write_jsonl(path: Path, records: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|> {% endif %}")
+
+
+def save_chat_tokenizer(model_dir: Path, *, template: str | None = CHAT_TEMPLATE) -> None:
+    """A Llama-style WordLevel tokenizer over WORDS: <s> before each text, </s> as eos, <pad> 0; role markers
+    as words; with `template` saved as its chat template (None: a tokenizer without one)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<s>", "</s>", "<unk>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"]
+    vocab = {tok: i for i, tok in enumerate(specials + WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", vocab["<s>"])])
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                      unk_token="<unk>")
+    if template is not None:
+        wrapped.chat_template = template
+    wrapped.save_pretrained(model_dir)
+
+
+def conversations(n: int, seed: int = 0) -> list[list[dict]]:
+    """`n` two- or three-turn chats over WORDS (a system turn in every third)."""
+    user, answer = sentences(n, seed=seed), sentences(n, seed=seed + 1)
+    out = []
+    for i in range(n):
+        turns = [{"role": "user", "content": user[i]}, {"role": "assistant", "content": answer[i]}]
+        out.append(([{"role": "system", "content": "w0 w1"}] if i % 3 == 0 else []) + turns)
+    return out

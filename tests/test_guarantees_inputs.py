@@ -276,6 +276,9 @@ BAD_FEATCAL = {
     "tune_tiebreak": ["kl", 1],
     "tune_fixed": ["lambda", ["rho"], "auto,lambda_ratio", 3],
     "tune_head_pooling": ["cls", 1],
+    "text_unit": ["sentence", "Line", 1],
+    "data_format": ["csv", "images", 1],
+    "pack_texts": ["sometimes", 2],
 }
 BAD_MERGE = {
     "method": ["nope", "TIES"],
@@ -290,6 +293,9 @@ BAD_MERGE = {
     "calibration_batch_size": [0, -1],
     "text_column": ["", 3],
     "allow_test_split": ["sometimes"],
+    "text_unit": ["sentence", "Line", 1],
+    "data_format": ["csv", "images", 1],
+    "pack_texts": ["sometimes", 2],
     "method_options": ["x", {"scaling_typo": 1}],  # the built-in methods take none
 }
 

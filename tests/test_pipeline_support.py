@@ -7,7 +7,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from test_data_support import save_image_processor, save_tokenizer, sentences, write_jsonl, write_png_folder
+from test_data_support import (
+    CHAT_TEMPLATE,
+    save_chat_tokenizer,
+    save_image_processor,
+    save_tokenizer,
+    sentences,
+    write_jsonl,
+    write_png_folder,
+)
 from tiny import make_family, tiny_model
 
 
@@ -58,3 +66,15 @@ def t5_family(root: Path, n_experts: int = 2, n_texts: int = 6) -> dict:
         for i, t in enumerate(experts)
     }
     return {"base": base, "experts": experts, "merged": merged, "data": data}
+
+
+def llama_family(root: Path, n_experts: int = 2, *, template_with: str = "merged") -> dict:
+    """A LlamaForCausalLM family; a chat tokenizer saved with the merge (`template_with="merged"`), or a
+    tokenizer without a chat template there and one with it beside every expert (`"experts"`)."""
+    base, experts = make_family("llama", root, n_experts)
+    merged = task_arithmetic("llama", base, experts, root / "merged")
+    on_experts = template_with == "experts"
+    save_chat_tokenizer(merged, template=None if on_experts else CHAT_TEMPLATE)
+    for d in experts.values() if on_experts else ():
+        save_chat_tokenizer(d)
+    return {"base": base, "experts": experts, "merged": merged, "data": {}}

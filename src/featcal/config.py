@@ -163,7 +163,9 @@ class MergeConfig(_Strict):
     alpha: float = Field(0.9, ge=0.0, le=1.0, description="RegMean(++): scale of the Grams' off-diagonal entries")
     steps: int = Field(300, ge=0, description="WUDI: Adam iterations per Linear weight")
     lr: float = Field(1e-5, gt=0.0, description="WUDI: Adam learning rate, in parameter units")
-    num_calibration_examples: int = Field(256, ge=1, description="RegMean(++): calibration examples per task")
+    num_calibration_examples: int = Field(
+        256, ge=1, description="RegMean(++): calibration examples per task (left at the default: at most that many)"
+    )
     calibration_batch_size: int = Field(16, ge=1, description="RegMean(++): examples per forward")
     text_column: str | None = Field(
         None, min_length=1, description="RegMean(++): the column of JSONL / parquet / saved-dataset data holding "
@@ -173,6 +175,18 @@ class MergeConfig(_Strict):
     allow_test_split: bool = Field(
         False, description="RegMean(++): accept a saved dataset of test data (its only split 'test', or saved from "
         "a test split) as calibration data"
+    )
+    text_unit: Literal["line", "paragraph", "file"] | None = Field(
+        None, description="RegMean(++): one example of a plain-text file; unset: a folder's files, a single file's "
+        "blank-line paragraphs"
+    )
+    data_format: Literal["image", "text"] | None = Field(
+        None, description="RegMean(++): read a folder holding several kinds of files as its images or its text "
+        "files, or any file as plain text"
+    )
+    pack_texts: bool | None = Field(
+        None, description="RegMean(++): concatenate documents and cut them into max_length-token windows; unset: "
+        "plain-text files read by a decoder are packed"
     )
     method_options: dict[str, Any] = Field(
         default_factory=dict, description="parameters of the method's own parameter model that MergeConfig has no "
@@ -266,7 +280,10 @@ class FeatCalConfig(_Strict):
     )
     calibrate_bias: bool = True
     calibrate_layernorm: bool = True
-    num_calibration_examples: int = Field(256, ge=1, description="examples per task")
+    num_calibration_examples: int = Field(
+        256, ge=1, description="examples per task; left at the default, a task holding fewer uses them all (with a "
+        "warning), while a number given is required (fewer are refused unless --allow-fewer)"
+    )
     calibration_batch_size: int = Field(16, ge=1)
     cls_token_weight: float = Field(0.01, ge=0.0, le=1.0, description="weight of non-class tokens, last CLIP/ViT block")
     seed: int = seed_field("which calibration examples are drawn")
@@ -293,6 +310,18 @@ class FeatCalConfig(_Strict):
     allow_test_split: bool = Field(
         False, description="accept a saved dataset of test data (its only split 'test', or saved from a test "
         "split) as calibration data"
+    )
+    text_unit: Literal["line", "paragraph", "file"] | None = Field(
+        None, description="one example of a plain-text file: a line, a blank-line paragraph or a whole file; unset: "
+        "a folder's files, a single file's paragraphs (docs/data.md)"
+    )
+    data_format: Literal["image", "text"] | None = Field(
+        None, description="read a folder holding several kinds of files as its images or its text files, or any "
+        "file as plain text; unset: known from the folder's content or the file's suffix"
+    )
+    pack_texts: bool | None = Field(
+        None, description="concatenate documents and cut them into max_length-token windows; unset: plain-text "
+        "files read by a decoder (a causal LM) are packed, everything else is one example per record"
     )
     bias_solve: Literal["sequential", "joint"] = Field(
         "sequential", description="Linear biases: sequential (the paper: W without intercept, then b given W) or "

@@ -3,6 +3,7 @@ or the label-free hyperparameter search (tuning.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -11,6 +12,7 @@ from torch import nn
 from featcal.calibration import core, tuning
 from featcal.calibration.inputs import ModelLike, adapter_reader, resolve_device
 from featcal.calibration.result import CalibrationResult
+from featcal.calibration.task_data import resolve_calibration
 from featcal.config import FeatCalConfig, check_expert_kinds, run_options
 from featcal.errors import ConfigError
 
@@ -23,7 +25,7 @@ def calibrate(
     *,
     base: ModelLike | None = None,
     experts: Mapping[str, ModelLike],
-    calibration: Mapping[str, Iterable[Any]],
+    calibration: Mapping[str, Any | Iterable[Any]],
     config: FeatCalConfig | None = None,
     progress: bool = True,
     inplace: bool = False,
@@ -34,13 +36,23 @@ def calibrate(
     merge_scaling: float | None = None,
     return_result: bool = False,
     expert_kind: Mapping[str, str] | None = None,
+    tokenizer: Any = None,
+    max_length: int = 128,
+    allow_fewer: bool = False,
 ) -> nn.Module | CalibrationResult:
     """Calibrate a merged model toward its experts with FeatCal (SPEC §2); returns the calibrated model.
 
     merged, base, experts: transformers models, or checkpoint paths / hub ids. Experts and base given as
     paths are read block by block from their safetensors and never loaded whole. calibration: per task,
-    a list of batches (a tensor for the model's main input, or a dict of keyword inputs). The calibrated
-    model is the merged model's class; a model passed as `merged` is copied unless `inplace=True`.
+    what `featcal calibrate --calib` takes (a path, a hub dataset id `NAME[:CONFIG][@SPLIT]`, a
+    `datasets.Dataset`, a list of texts, chat conversations, records or PIL images; docs/data.md), sampled
+    and tokenised as the CLI does it with `config`'s data options (num_calibration_examples, seed, text_column,
+    text_unit, pack_texts, ...), texts cut to `max_length` tokens, `allow_fewer` as --allow-fewer; or model-ready
+    batches (a tensor for the model's main input, or a dict of keyword inputs, or a list of those), used as
+    given. Sources are read with `tokenizer` (a tokenizer, or a folder holding it / the image processor), else
+    the one saved with the merged model or the base (task_data.py); the result's `.calibration_data` says how
+    each source was read. The calibrated model is the merged model's class; a model passed as `merged` is
+    copied unless `inplace=True`.
 
     With `return_result=True` a `CalibrationResult` comes back instead (result.py): `.model` (the calibrated
     model), `.drift = [{"block", "stack", "layer", "before", "after"}]`, `.end_to_end = {"merged",
@@ -69,6 +81,10 @@ def calibrate(
     if isinstance(experts, Mapping):
         check_expert_kinds(kinds, experts)
     tuning.check_request(config, base, experts, heads, merge_scaling)
+    calibration, data_records = resolve_calibration(
+        merged, base=base, experts=experts, calibration=calibration, config=config, tokenizer=tokenizer,
+        max_length=max_length, allow_fewer=allow_fewer, progress=progress,
+    )
     common = dict(base=base, experts=experts, calibration=calibration, config=config, progress=progress,
                   inplace=inplace, allow_pickle=allow_pickle, keep_resume_state=keep_resume_state,
                   check_finite=check_finite, expert_kind=kinds)
@@ -76,6 +92,8 @@ def calibrate(
         result = tuning.calibrate_tuned(merged, heads=heads, merge_scaling=merge_scaling, **common)
     else:
         result = core.calibrate_setting(merged, **common)
+    if data_records:
+        result = dataclasses.replace(result, calibration_data=data_records)
     return result if return_result else result.model
 
 

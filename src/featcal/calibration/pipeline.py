@@ -32,8 +32,10 @@ from featcal.data.calibration import (
     batches_record,
     check_calibration_source,
     check_task_names,
+    data_options,
     load_calibration_batches,
     naming_task,
+    template_dirs,
 )
 from featcal.data.preprocess import (
     IMAGE_PROCESSOR_FILES,
@@ -258,17 +260,12 @@ def check_calibration_inputs(
                               "the base's tokenizer files: run featcal merge, then featcal calibrate on its output")
     model_config = load_config(inputs[reference])
     check_config(model_config)  # an architecture featcal cannot calibrate: refused from its config, no weights read
-    for t in tasks:
-        if not Path(calibration_sources[t]).expanduser().exists():
-            raise CalibrationDataError(f"calibration data for task {t!r}: {calibration_sources[t]} does not exist")
     data_dir = processor_dir(inputs[reference], base_dir, model_config)
+    options = data_options(config, max_length=max_length, allow_fewer=allow_fewer)
     for t in tasks:
         with naming_task(t):
-            check_calibration_source(
-                calibration_sources[t], model_dir=data_dir, num_examples=config.num_calibration_examples,
-                allow_fewer=allow_fewer, config=model_config, text_column=config.text_column,
-                allow_test_split=config.allow_test_split,
-            )
+            check_calibration_source(calibration_sources[t], model_dir=data_dir, config=model_config,
+                                     template_dirs=template_dirs(expert_dirs, t), **options)
     if check_finite:  # the costliest check, last: reads every checkpoint once, one tensor at a time
         for label, d in inputs.items():
             name = label if label.startswith("expert") else f"{label} model"
@@ -474,13 +471,13 @@ def _load_calibration(
     calibration: dict[str, list[Batch]] = {}
     read_as: dict[str, dict] = {t: {} for t in checked.tasks}
     model_config = load_config(checked.data_dir, error=CalibrationDataError)
+    options = data_options(config, max_length=max_length, allow_fewer=allow_fewer)
     for t in checked.tasks:
         with naming_task(t):
             calibration[t] = load_calibration_batches(
-                calibration_sources[t], model_dir=checked.data_dir, num_examples=config.num_calibration_examples,
-                batch_size=config.calibration_batch_size, seed=config.seed, max_length=max_length,
-                allow_fewer=allow_fewer, progress=progress, text_column=config.text_column,
-                allow_test_split=config.allow_test_split, record=read_as[t], config=model_config,
+                calibration_sources[t], model_dir=checked.data_dir, batch_size=config.calibration_batch_size,
+                progress=progress, record=read_as[t], config=model_config,
+                template_dirs=template_dirs(checked.experts, t), **options,
             )
     return calibration, read_as
 
@@ -533,10 +530,8 @@ def _inputs_report(
         "base": {"path": str(base_dir), "sha256": checkpoint_hashes(base_dir), **_input_kind("base", base_dir, {})},
         "experts": {t: {"path": str(d), "sha256": checkpoint_hashes(d), **_input_kind(f"expert {t!r}", d, checked.kinds())}
                     for t, d in checked.experts.items()},
-        "calibration": {
-            t: {"source": str(calibration_sources[t]), **read_as[t], **batches_record(b)}
-            for t, b in calibration.items()
-        },
+        "calibration": {t: {**read_as[t], "source": str(calibration_sources[t]), **batches_record(b)}
+                        for t, b in calibration.items()},
         "processor_dir": str(checked.data_dir),
     }
 

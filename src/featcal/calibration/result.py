@@ -39,6 +39,7 @@ class CalibrationResult:
     # per stack, the modules of its blocks that keep their merged values and why (a mixture of experts' experts
     # and router, DINOv2's LayerScale, T5's position bias table): what featcal.json records under "kept_merged"
     kept_merged: dict[str, dict[str, str]] | None = None
+    calibration_data: dict[str, dict[str, Any]] | None = None  # per task given as a source: how it was read
 
     def with_tuning(self, record: dict[str, Any]) -> CalibrationResult:
         """The same result carrying the tuning search's record."""

@@ -102,7 +102,8 @@ def batches_digest(batches: Iterable[Mapping[str, torch.Tensor]]) -> str:
 # options added after resume states existed -> their default (the paper's method)
 OPTIONS_ADDED_LATER: dict[str, Any] = {"calibrate_final_norm": False, "block_statistics": "as_merged",
                                        "calibrate_stem_norm": False, "tune_fixed": [],
-                                       "tune_folds": "auto"}
+                                       "tune_folds": "auto", "text_unit": None, "data_format": None,
+                                       "pack_texts": None}
 
 
 def config_digest(config: Any) -> str:

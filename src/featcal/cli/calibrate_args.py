@@ -120,7 +120,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "adapter folder (applied to the base)")
     add_expert_kind(p)
     p.add_argument("--calib", action="append", metavar="NAME=DATA", required=True,
-                   help="a task's calibration data: image folder, saved dataset, .jsonl or .parquet (repeat per task)")
+                   help="a task's calibration data (repeat per task): an image folder, a text file or folder, chat / "
+                   "SFT .jsonl, .csv / .tsv, .parquet, a saved dataset, or a hub dataset id NAME[:CONFIG][@SPLIT] "
+                   "(docs/data.md)")
     p.add_argument("--out", required=True, help="output directory for the calibrated checkpoint")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
     p.add_argument("--allow-pickle", action="store_true", help="accept pickled (*.bin) checkpoints")

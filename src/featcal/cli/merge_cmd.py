@@ -59,8 +59,9 @@ def register(subparsers) -> None:
     p.add_argument("--allow-pickle", action="store_true", help="accept pickled (*.bin) checkpoints")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--calib", action="append", metavar="NAME=DATA",
-                   help="regmean, regmean++: a task's calibration data, as for featcal calibrate: image folder, "
-                   "saved dataset, .jsonl or .parquet (repeat per expert); data-free methods refuse it")
+                   help="regmean, regmean++: a task's calibration data, as for featcal calibrate (an image folder, "
+                   "text, chat / SFT JSONL, CSV, parquet, a saved or hub dataset: docs/data.md; repeat per expert); "
+                   "data-free methods refuse it")
     p.add_argument("--max-length", type=int, default=128, metavar="INT",
                    help="regmean, regmean++: truncate texts to this many tokens")
     p.add_argument("--allow-fewer", action="store_true",

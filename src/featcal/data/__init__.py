@@ -1,6 +1,9 @@
-"""Calibration data: read image folders, saved datasets, JSONL and parquet; preprocess for a model."""
+"""The data seam: every calibration (and evaluation) source, read into examples (layer 1, `read_examples`)
+and turned into model batches (layer 2, `load_calibration_batches`). docs/data.md lists the sources."""
 
 from featcal.data.calibration import load_calibration_batches, sample_indices
+from featcal.data.examples import Examples, read_examples
 from featcal.data.sources import open_source
+from featcal.data.types import Example
 
-__all__ = ["load_calibration_batches", "open_source", "sample_indices"]
+__all__ = ["Example", "Examples", "load_calibration_batches", "open_source", "read_examples", "sample_indices"]

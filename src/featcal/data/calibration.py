@@ -1,8 +1,16 @@
-"""Load one task's calibration set as ready-to-run batches: open, check, sample, preprocess.
+"""Layer 2 of the data seam: one task's calibration set as ready-to-run batches: open, check, sample, preprocess.
 
 Every check that can fail (missing path, empty set, too few examples, wrong modality, missing
-tokenizer) runs before any example is read, and the examples are drawn with a seeded permutation,
-so the same source, size and seed always give the same batches.
+tokenizer or chat template) runs before any model is loaded, and the examples are drawn with a seeded
+permutation, so the same source, size and seed always give the same batches. A task's data is any
+source `featcal.data.read_examples` reads (a path, a hub id, a `datasets.Dataset`, a list of texts or
+conversations); texts are tokenised as `tokenizer(texts)` does, conversations as
+`tokenizer.apply_chat_template(conversations)` does, and with packing (decoders reading plain-text files,
+by default) documents are concatenated and cut into windows of `max_length` tokens (data/packing.py).
+
+Example counts: `num_examples` is a ceiling when it is the default (`num_examples_explicit=False`: a task
+holding fewer uses them all, with one warning), and a requirement when the user asked for it (fewer are
+refused unless `allow_fewer`).
 """
 
 from __future__ import annotations
@@ -11,6 +19,7 @@ import contextlib
 import hashlib
 import logging
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,15 +27,17 @@ import torch
 from tqdm.auto import tqdm
 
 from featcal.data.batch import Batch, BatchLike, batch_size
-from featcal.data.preprocess import make_preprocessor, model_modality
-from featcal.data.sources import open_source
+from featcal.data.packing import documents_in_order, pack
+from featcal.data.preprocess import TextPreprocessor, is_causal_lm, make_preprocessor, model_modality
+from featcal.data.sources import TextSource, open_source
+from featcal.data.types import ExampleSource, Modality
 from featcal.errors import CalibrationDataError, ConfigError
 from featcal.io.models import load_config
 from featcal.io.validate import validate_expert_names
 
 log = logging.getLogger(__name__)
 
-_NOUN = {"image": "images", "text": "texts"}
+_NOUN = {"image": "images", "text": "texts", "chat": "chat conversations"}
 
 
 def sample_indices(count: int, num: int, seed: int) -> list[int]:
@@ -35,99 +46,201 @@ def sample_indices(count: int, num: int, seed: int) -> list[int]:
     return torch.randperm(count, generator=generator)[:num].tolist()
 
 
-def check_calibration_source(
-    source: str | Path, *, model_dir: str | Path, num_examples: int, allow_fewer: bool = False, config=None,
-    text_column: str | None = None, allow_test_split: bool = False,
-):
-    """Open `source` and check it can feed the model in `model_dir`, reading no example.
+@dataclass
+class SourcePlan:
+    """What checking a source established: the source, what the model reads from it and how."""
 
-    Refuses an empty set, the wrong modality, an ambiguous or missing text column, a test split (unless
-    `allow_test_split`), and fewer examples than asked (unless `allow_fewer`).
-    Returns (source, modality the model takes, number of examples that will be drawn). `config` is
-    the model's transformers config when the caller already has it.
-    """
-    config = config if config is not None else load_config(model_dir, error=CalibrationDataError)
+    source: ExampleSource
+    modality: Modality
+    count: int  # examples (or packed windows) that will be used
+    requested: int
+    explicit: bool  # whether the count was asked for (else it is the default ceiling)
+    preprocessor: Any = None  # a TextPreprocessor, built when checking needed it (text models)
+    windows: list[list[int]] | None = None  # packed windows of token ids, when packing
+    shortfall: str | None = None  # the warning to give when the source holds fewer than requested
+    record: dict[str, Any] = field(default_factory=dict)
+
+
+def data_options(config: Any, *, max_length: int = 128, allow_fewer: bool = False) -> dict[str, Any]:
+    """The keyword options of check_calibration_source / load_calibration_batches a FeatCalConfig or
+    MergeConfig (and the run options) set: one place maps the config onto the data seam."""
+    return {
+        "num_examples": config.num_calibration_examples,
+        "num_examples_explicit": "num_calibration_examples" in config.model_fields_set,
+        "seed": config.seed, "max_length": max_length, "allow_fewer": allow_fewer,
+        "text_column": config.text_column, "allow_test_split": config.allow_test_split,
+        "text_unit": config.text_unit, "data_format": config.data_format, "pack_texts": config.pack_texts,
+    }
+
+
+def _model_label(model_dir: str | Path | None, config) -> str:
+    return f"the model in {model_dir} ({config.model_type})" if model_dir is not None else f"the model ({config.model_type})"
+
+
+def plan_source(
+    source: Any, *, model_dir: str | Path | None, num_examples: int, allow_fewer: bool = False, config=None,
+    text_column: str | None = None, allow_test_split: bool = False, text_unit: str | None = None,
+    data_format: str | None = None, pack_texts: bool | None = None, max_length: int = 128,
+    num_examples_explicit: bool = True, tokenizer=None, template_dirs: Mapping[str, Path] | None = None,
+    seed: int = 0,
+) -> SourcePlan:
+    """Open `source` and check it can feed the model, loading no model (see check_calibration_source)."""
+    if config is None:
+        if model_dir is None:
+            raise ConfigError("the model's config is needed to read calibration data (pass config= or model_dir=)")
+        config = load_config(model_dir, error=CalibrationDataError)
     wanted = model_modality(config)
-    if text_column is not None and wanted != "text":  # an option that cannot apply is a mistake, not a no-op
-        raise CalibrationDataError(
-            f"text_column {text_column!r} is set, but the model in {model_dir} ({config.model_type}) takes images"
-        )
-    src = open_source(source, text_column=text_column, allow_test_split=allow_test_split)
+    label = _model_label(model_dir, config)
+    _refuse_text_options(wanted, label, text_column=text_column, text_unit=text_unit, pack_texts=pack_texts)
+    src = open_source(source, text_column=text_column, allow_test_split=allow_test_split, text_unit=text_unit,
+                      data_format=data_format, modality=wanted)
     if len(src) == 0:
-        raise CalibrationDataError(f"calibration data {src.path} ({src.kind}) holds no examples")
+        hint = src.empty_hint() if hasattr(src, "empty_hint") else ""
+        raise CalibrationDataError(f"calibration data {src.path} ({src.kind}) holds no examples{hint}")
     if wanted not in src.modalities:
-        held = " and ".join(_NOUN[m] for m in src.modalities) or "no image or text column"
+        held = " and ".join(_NOUN[src.content(m)] for m in src.modalities) or "no image or text column"
         strings = src.string_columns() if wanted == "text" and hasattr(src, "string_columns") else []
         hint = f" (string columns: {', '.join(map(repr, strings))}; name the text one with --text-column)" if strings else ""
         raise CalibrationDataError(
-            f"calibration data {src.path} ({src.kind}) holds {held}, but the model in {model_dir} "
-            f"({config.model_type}) takes {_NOUN[wanted]}{hint}"
+            f"calibration data {src.path} ({src.kind}) holds {held}, but {label} takes {_NOUN[wanted]}{hint}"
         )
+    plan = SourcePlan(src, wanted, 0, num_examples, num_examples_explicit)
+    plan.record = {"source": str(src.path), **src.describe(wanted)}  # refuses an ambiguous text column
+    available, unit = len(src), "example"
     if wanted == "text":
-        src.text_column  # noqa: B018 - refuses an ambiguous or unusable text column before any example is read
-    available = len(src)
+        plan.preprocessor = make_preprocessor(model_dir, config, max_length, tokenizer=tokenizer)
+        if src.content("text") == "chat":
+            plan.record["chat_template"] = plan.preprocessor.use_chat_template(template_dirs).record()
+        if _packs(pack_texts, src, config):
+            plan.windows = _pack(src, plan.preprocessor, num_examples, seed)
+            available, unit = len(plan.windows), "window"
+            plan.record["packed"] = {"window": plan.preprocessor.max_length, "documents": len(src)}
+    plan.count = min(num_examples, available)
+    plan.record["requested"] = num_examples
     if available < num_examples:
-        message = f"calibration data {src.path} holds {available} examples, fewer than the {num_examples} asked for"
-        if not allow_fewer:
+        asked = "asked for" if num_examples_explicit else "used by default (num_calibration_examples)"
+        held = f"{available} {unit}{'' if available == 1 else 's'}"
+        if plan.windows is not None:
+            held += f" of {plan.preprocessor.max_length} tokens"
+        message = f"calibration data {src.path} holds {held}, fewer than the {num_examples} {asked}"
+        if num_examples_explicit and not allow_fewer:
             raise CalibrationDataError(message + " (pass --allow-fewer, allow_fewer=True, to use them all)")
-        log.warning("%s; using all %d", message, available)
-    return src, wanted, min(num_examples, available)
+        plan.shortfall = f"{message}; using all {available}{_unit_hint(src, plan.windows is not None)}"
+    return plan
 
 
-def source_record(src, modality: str) -> dict:
-    """What featcal.json records about how a source was read: its kind, split and the column(s) used."""
-    out: dict = {"kind": src.kind}
-    if getattr(src, "split", None) is not None:
-        out["split"] = src.split
-    if modality == "text" and getattr(src, "text_column", None) is not None:
-        out["text_column"] = src.text_column
-        if getattr(src, "target_column", None) is not None:
-            out["target_column"] = src.target_column
-    elif modality == "image" and getattr(src, "image_column", None) is not None:
-        out["image_column"] = src.image_column
+def _refuse_text_options(wanted: Modality, label: str, **options: Any) -> None:
+    """Options that only text models read are a mistake, not a no-op, for an image model."""
+    if wanted == "text":
+        return
+    for name, value in options.items():
+        if value is not None and value is not False:
+            raise CalibrationDataError(f"{name} {value!r} is set, but {label} takes images")
+
+
+def _packs(pack_texts: bool | None, src: ExampleSource, config) -> bool:
+    """Whether this source's documents are packed into windows: as `pack_texts` says, else (unset) plain-text
+    files read by a decoder (is_causal_lm)."""
+    if pack_texts is False:
+        return False
+    if getattr(config, "is_encoder_decoder", False):
+        if pack_texts:
+            raise CalibrationDataError(
+                f"pack_texts is set, but the model ({config.model_type}) is an encoder-decoder: its decoder reads "
+                "each example's target, which packed windows do not have"
+            )
+        return False
+    return bool(pack_texts) or (isinstance(src, TextSource) and is_causal_lm(config))
+
+
+def _pack(src: ExampleSource, preprocessor: TextPreprocessor, count: int, seed: int) -> list[list[int]]:
+    order = sample_indices(len(src), len(src), seed)
+    docs = documents_in_order(lambda idx: src.examples(idx, "text"), order, preprocessor.token_ids)
+    return pack(docs, preprocessor.max_length, count)
+
+
+def _unit_hint(src: ExampleSource, packed: bool) -> str:
+    """How to get more examples out of a short text source."""
+    if packed:
+        return (f" ({len(src)} documents packed into windows; a smaller --max-length makes more of them, "
+                "--no-pack-texts makes one example per document)")
+    if isinstance(src, TextSource) and src.unit != "line":
+        return f" (one example per {src.unit}; --text-unit line makes one per line)"
+    return ""
+
+
+def template_dirs(experts: Mapping[str, Any], task: str) -> dict[str, Path]:
+    """Where chat templates are looked for when the model's tokenizer has none: the task's own expert first
+    (the model fine-tuned on this task's conversations), then the other experts; folders only."""
+    order = [task, *(t for t in experts if t != task)] if task in experts else list(experts)
+    out = {}
+    for t in order:
+        path = experts[t]
+        if isinstance(path, (str, Path)) and Path(path).expanduser().is_dir():
+            out[f"expert {t!r}"] = Path(path).expanduser()
     return out
 
 
+def check_calibration_source(source: Any, *, model_dir: str | Path | None, num_examples: int, **options: Any):
+    """Open `source` and check it can feed the model in `model_dir`, loading no model.
+
+    Refuses an empty set, the wrong modality, an ambiguous or missing text column, a test split (unless
+    `allow_test_split`), chat data without a chat template, and fewer examples than asked when the count
+    was asked for (`num_examples_explicit`, the default here) unless `allow_fewer`. Options: as
+    `plan_source` takes them (config, text_column, allow_test_split, text_unit, data_format, pack_texts,
+    max_length, num_examples_explicit, tokenizer, template_dirs, seed). Returns (source, modality the model
+    takes, number of examples that will be drawn).
+    """
+    plan = plan_source(source, model_dir=model_dir, num_examples=num_examples, **options)
+    return plan.source, plan.modality, plan.count
+
+
 def load_calibration_batches(
-    source: str | Path,
+    source: Any,
     *,
-    model_dir: str | Path,
+    model_dir: str | Path | None,
     num_examples: int,
     batch_size: int,
     seed: int = 0,
     max_length: int = 128,
     allow_fewer: bool = False,
     progress: bool = False,
-    text_column: str | None = None,
-    allow_test_split: bool = False,
     record: dict | None = None,
-    config=None,
+    **options: Any,
 ) -> list[Batch]:
     """Draw `num_examples` examples from `source` and preprocess them for the model in `model_dir`.
 
     Returns batches of at most `batch_size` examples, each a dict of keyword inputs
     (pixel_values; or input_ids, attention_mask[, decoder_input_ids, ...]). `record`, when given, is
-    filled with what a report should say about the source (its kind; the text column read), so a
-    featcal.json shows which column the model was calibrated on. `config`: the model's transformers
-    config when the caller already has it (a run reads it once, not once per task).
+    filled with what featcal.json says about the source (its format, content and unit, the column or chat
+    layout read, the chat template and where it came from, packing, the count requested, and the warning
+    when the source held fewer). Other options: as `check_calibration_source` takes them (`config`: the
+    model's transformers config when the caller already has it, so a run reads it once).
     """
     if num_examples < 1 or batch_size < 1 or max_length < 1:
         raise ConfigError(
             f"num_examples, batch_size and max_length must be >= 1 (got {num_examples}, {batch_size}, {max_length})"
         )
-    config = config if config is not None else load_config(model_dir, error=CalibrationDataError)
-    src, wanted, count = check_calibration_source(
-        source, model_dir=model_dir, num_examples=num_examples, allow_fewer=allow_fewer, config=config,
-        text_column=text_column, allow_test_split=allow_test_split,
-    )
+    config = options.pop("config", None)
+    if config is None:
+        config = load_config(model_dir, error=CalibrationDataError)
+    plan = plan_source(source, model_dir=model_dir, num_examples=num_examples, allow_fewer=allow_fewer,
+                       config=config, max_length=max_length, seed=seed, **options)
+    if plan.shortfall is not None:
+        log.warning("%s", plan.shortfall)
+        plan.record["warning"] = plan.shortfall
     if record is not None:
-        record.update(source_record(src, wanted))
-    preprocess = make_preprocessor(model_dir, config, max_length)
-    indices = sample_indices(len(src), count, seed)
+        record.update(plan.record)
+    name = Path(str(plan.source.path)).name
+    preprocess = plan.preprocessor or make_preprocessor(model_dir, config, max_length)
+    if plan.windows is not None:
+        chunks = [plan.windows[i : i + batch_size] for i in range(0, len(plan.windows), batch_size)]
+        return [preprocess.windows(c) for c in tqdm(chunks, desc=f"data {name}", unit="batch", disable=not progress)]
+    indices = sample_indices(len(plan.source), plan.count, seed)
     chunks = [indices[i : i + batch_size] for i in range(0, len(indices), batch_size)]
     return [
-        preprocess(src.fetch(chunk, wanted))
-        for chunk in tqdm(chunks, desc=f"data {Path(source).name}", unit="batch", disable=not progress)
+        preprocess(plan.source.examples(chunk, plan.modality))
+        for chunk in tqdm(chunks, desc=f"data {name}", unit="batch", disable=not progress)
     ]
 
 
@@ -178,6 +291,22 @@ def naming_task(task: str) -> Iterator[None]:
 
 
 def batches_record(batches: list[BatchLike]) -> dict[str, Any]:
-    """What featcal.json says about one task's batches: examples, batches and the tensors' fingerprint."""
-    return {"examples": sum(batch_size(b) for b in batches), "batches": len(batches),
-            "tensors_sha256": batches_sha256(batches)}
+    """What featcal.json says about one task's batches: examples, batches, the tokens they hold (text; the
+    attention mask's ones, padding excluded) and the tensors' fingerprint."""
+    out: dict[str, Any] = {"examples": sum(batch_size(b) for b in batches), "batches": len(batches)}
+    tokens = _tokens(batches)
+    if tokens is not None:
+        out["tokens"] = tokens
+    out["tensors_sha256"] = batches_sha256(batches)
+    return out
+
+
+def _tokens(batches: list[BatchLike]) -> int | None:
+    total = None
+    for b in batches:
+        if not isinstance(b, Mapping) or not isinstance(b.get("input_ids"), torch.Tensor):
+            continue
+        mask = b.get("attention_mask")
+        count = int(mask.sum()) if isinstance(mask, torch.Tensor) else int(b["input_ids"].numel())
+        total = (total or 0) + count
+    return total

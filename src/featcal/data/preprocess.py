@@ -1,23 +1,28 @@
-"""Turn raw calibration examples into the keyword inputs a model takes, using the model's own processor.
+"""Turn examples into the keyword inputs a model takes, using the model's own processor.
 
 Vision models get `pixel_values` from the image processor saved with the checkpoint (or, when none
 was saved, a resize + CLIP normalisation, with a warning). Text models get `input_ids` and
-`attention_mask` from the saved tokenizer; encoder-decoders also get teacher-forced
-`decoder_input_ids`. Only inputs the model's forward names are kept, so a BERT tokenizer's
-`token_type_ids` never reach a model that would reject them.
+`attention_mask` from the saved tokenizer: texts as `tokenizer(texts)` gives them, chat conversations
+as `tokenizer.apply_chat_template(conversations)` gives them (the tokenizer's template, else one found
+beside an expert: `ChatTemplate` says which); encoder-decoders also get teacher-forced
+`decoder_input_ids`. Packed windows (data/packing.py) are padded as the tokenizer pads. Only inputs the
+model's forward names are kept, so a BERT tokenizer's `token_type_ids` never reach a model that would
+reject them.
 """
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from featcal.data.batch import Batch
-from featcal.data.sources import Modality, TextExample
+from featcal.data.types import Example, Modality
 from featcal.errors import CalibrationDataError
 from featcal.io.checkpoint import TOKENIZER_FILES
 
@@ -40,8 +45,10 @@ def model_modality(config) -> Modality:
     return "image" if _vision_config(config) is not None else "text"
 
 
-def has_processor_files(model_dir: str | Path, modality: Modality) -> bool:
+def has_processor_files(model_dir: str | Path | None, modality: Modality) -> bool:
     """Whether `model_dir` holds the preprocessing files a model of this modality needs."""
+    if model_dir is None:
+        return False
     names = IMAGE_PROCESSOR_FILES if modality == "image" else TOKENIZER_FILES
     return any((Path(model_dir) / n).is_file() for n in names)
 
@@ -85,7 +92,7 @@ def to_8bit(image):
 class ImagePreprocessor:
     """PIL images -> {"pixel_values"} at the size the model was configured for."""
 
-    def __init__(self, model_dir: Path, config) -> None:
+    def __init__(self, model_dir: Path | None, config) -> None:
         vision = _vision_config(config)
         self.image_size = int(vision.image_size)
         self.channels = int(getattr(vision, "num_channels", 3))
@@ -102,10 +109,11 @@ class ImagePreprocessor:
             log.warning(
                 "%s has no image processor (preprocessor_config.json); resizing calibration images to %dx%d "
                 "and normalising with CLIP's mean/std instead",
-                model_dir, self.image_size, self.image_size,
+                model_dir or "the model", self.image_size, self.image_size,
             )
 
     def __call__(self, images: Sequence) -> Batch:
+        images = [im.image if isinstance(im, Example) else im for im in images]  # PIL images, or image Examples
         if self.processor is None:
             pixels = torch.stack([self._fallback(im) for im in images])
         else:
@@ -139,26 +147,69 @@ class ImagePreprocessor:
         return ((array - mean) / std).permute(2, 0, 1).contiguous()
 
 
+@dataclass(frozen=True)
+class ChatTemplate:
+    """The chat template conversations are rendered with, and where it came from (featcal.json records both)."""
+
+    text: str
+    origin: str  # "the tokenizer in DIR", or "expert 'code' (DIR)"
+
+    def record(self) -> dict[str, str]:
+        return {"from": self.origin, "sha256": hashlib.sha256(self.text.encode()).hexdigest()}
+
+
+def load_tokenizer(directory: Path, what: str = "a text model"):
+    """The tokenizer saved in `directory` (never custom code); one-line errors naming the folder."""
+    if directory is None or not has_processor_files(directory, "text"):
+        raise CalibrationDataError(
+            f"{directory} has no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...); {what} needs "
+            "its tokenizer saved beside the checkpoint to tokenize calibration texts"
+        )
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(directory, trust_remote_code=False)
+    except Exception as exc:
+        raise CalibrationDataError(f"cannot load the tokenizer saved in {directory}: {exc}") from None
+
+
+def is_causal_lm(config) -> bool:
+    """Whether the model is a decoder that reads one token stream (transformers' causal-LM classes, or a
+    config marked is_decoder): the models whose long documents are packed into windows by default."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if getattr(config, "is_encoder_decoder", False):
+        return False
+    causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    architectures = getattr(config, "architectures", None) or []
+    return any(a in causal for a in architectures) or bool(getattr(config, "is_decoder", False))
+
+
 class TextPreprocessor:
-    """TextExamples -> padded, truncated token ids (+ teacher-forced decoder ids for encoder-decoders)."""
+    """Text or chat Examples -> padded, truncated token ids (+ teacher-forced decoder ids for encoder-decoders).
 
-    def __init__(self, model_dir: Path, config, max_length: int) -> None:
-        if not has_processor_files(model_dir, "text"):
-            raise CalibrationDataError(
-                f"{model_dir} has no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...); a text model needs "
-                "its tokenizer saved beside the checkpoint to tokenize calibration texts"
-            )
-        from transformers import AutoTokenizer
+    `tokenizer`: a tokenizer object to use instead of the one saved in `model_dir` (the Python API's
+    `tokenizer=`); it is copied before a pad token is set on it. `chat_template` renders conversations;
+    unset, the tokenizer's own is used (`use_chat_template` finds one or refuses).
+    """
 
-        try:
-            self.tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
-        except Exception as exc:
-            raise CalibrationDataError(f"cannot load the tokenizer saved in {model_dir}: {exc}") from None
+    def __init__(self, model_dir: Path | None, config, max_length: int, *, tokenizer=None) -> None:
+        if tokenizer is None:
+            tokenizer = load_tokenizer(model_dir)
+            where = f"the tokenizer in {model_dir}"
+        else:
+            import copy
+
+            tokenizer = copy.deepcopy(tokenizer)  # the caller's object is not changed (pad token below)
+            where = "the tokenizer given"
+        self.tokenizer = tokenizer
+        self.source = where
         if self.tokenizer.pad_token is None:
             if self.tokenizer.eos_token is None:
-                raise CalibrationDataError(f"the tokenizer in {model_dir} has neither a pad nor an eos token")
+                raise CalibrationDataError(f"{where} has neither a pad nor an eos token")
             self.tokenizer.pad_token = self.tokenizer.eos_token  # padding is masked out anyway
         self.model_dir = model_dir
+        self.chat_template: ChatTemplate | None = None
         self.vocab_size = getattr(config, "vocab_size", None)
         positions = getattr(config, "max_position_embeddings", None)
         self.max_length = min(max_length, positions) if positions else max_length
@@ -173,18 +224,75 @@ class TextPreprocessor:
                 )
             self.pad_id = self.tokenizer.pad_token_id
 
-    def __call__(self, examples: Sequence[TextExample]) -> Batch:
-        enc = self.tokenizer(
-            [e.text for e in examples], padding=True, truncation=True, max_length=self.max_length,
-            return_tensors="pt",
+    def use_chat_template(self, fallbacks: Mapping[str, Path] | None = None) -> ChatTemplate:
+        """The tokenizer's chat template, else the first of `fallbacks` (label -> a folder with a tokenizer,
+        e.g. an expert's) that has one; refused when none has. Conversations are rendered with it."""
+        own = getattr(self.tokenizer, "chat_template", None)
+        if isinstance(own, str) and own:
+            self.chat_template = ChatTemplate(own, self.source)
+            return self.chat_template
+        for label, directory in (fallbacks or {}).items():
+            found = _saved_chat_template(directory)
+            if found is not None:
+                self.chat_template = ChatTemplate(found, f"{label} ({directory})")
+                return self.chat_template
+        looked = f" nor do {', '.join(fallbacks)}" if fallbacks else ""
+        raise CalibrationDataError(
+            f"chat data needs a chat template to render its conversations, and {self.source} has none{looked}; "
+            "save a tokenizer with a chat_template beside the model, or read plain texts from a column "
+            "with --text-column"
         )
+
+    def __call__(self, examples: Sequence[Example]) -> Batch:
+        if examples and examples[0].messages is not None:
+            enc = self.tokenizer.apply_chat_template(
+                [list(e.messages) for e in examples], chat_template=self._template(), tokenize=True,
+                return_dict=True, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt",
+            )
+        else:
+            enc = self.tokenizer(
+                [e.text for e in examples], padding=True, truncation=True, max_length=self.max_length,
+                return_tensors="pt",
+            )
+        return self._finish(dict(enc), examples)
+
+    def token_ids(self, example: Example) -> list[int]:
+        """One document's ids, untruncated, ending with eos (what packing concatenates): a text as
+        `tokenizer(text)` gives it, a conversation as `apply_chat_template` does."""
+        if example.messages is not None:
+            ids = list(self.tokenizer.apply_chat_template(
+                list(example.messages), chat_template=self._template(), tokenize=True, return_dict=True,
+            )["input_ids"])
+        else:
+            ids = list(self.tokenizer(example.text)["input_ids"])
+        eos = self.tokenizer.eos_token_id
+        if eos is not None and (not ids or ids[-1] != eos):
+            ids.append(eos)
+        return ids
+
+    def windows(self, rows: Sequence[Sequence[int]]) -> Batch:
+        """Packed windows of token ids -> input_ids / attention_mask, padded on the tokenizer's padding side."""
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), self.tokenizer.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        left = getattr(self.tokenizer, "padding_side", "right") == "left"
+        for i, row in enumerate(rows):
+            cut = slice(width - len(row), width) if left else slice(0, len(row))
+            ids[i, cut] = torch.tensor(list(row), dtype=torch.long)
+            mask[i, cut] = 1
+        return self._finish({"input_ids": ids, "attention_mask": mask}, [Example(text="") for _ in rows])
+
+    def _template(self) -> str:
+        return (self.chat_template or self.use_chat_template()).text
+
+    def _finish(self, enc: dict, examples: Sequence[Example]) -> Batch:
         batch = {k: v for k, v in enc.items() if self.accepted is None or k in self.accepted}
         if self.encoder_decoder:
             batch.update(self._decoder_inputs(examples))
         self._check_vocab(batch)
         return batch
 
-    def _decoder_inputs(self, examples: Sequence[TextExample]) -> Batch:
+    def _decoder_inputs(self, examples: Sequence[Example]) -> Batch:
         targets = None if all(e.target is None for e in examples) else [e.target or "" for e in examples]
         ids, mask = teacher_forced_decoder_inputs(
             self.tokenizer, targets, len(examples), decoder_start_token_id=self.decoder_start, pad_token_id=self.pad_id,
@@ -201,9 +309,17 @@ class TextPreprocessor:
         for key in ("input_ids", "decoder_input_ids"):
             if key in batch and int(batch[key].max()) >= self.vocab_size:
                 raise CalibrationDataError(
-                    f"the tokenizer in {self.model_dir} produced token id {int(batch[key].max())}, but the model's "
+                    f"{self.source} produced token id {int(batch[key].max())}, but the model's "
                     f"vocabulary has {self.vocab_size} entries: tokenizer and checkpoint do not match"
                 )
+
+
+def _saved_chat_template(directory: Path) -> str | None:
+    """The chat template of the tokenizer saved in `directory`, None when there is none (or no tokenizer)."""
+    if not Path(directory).is_dir() or not has_processor_files(directory, "text"):
+        return None
+    template = getattr(load_tokenizer(Path(directory)), "chat_template", None)
+    return template if isinstance(template, str) and template else None
 
 
 def teacher_forced_decoder_inputs(
@@ -229,8 +345,10 @@ def teacher_forced_decoder_inputs(
     return ids, mask
 
 
-def make_preprocessor(model_dir: str | Path, config, max_length: int = 128) -> Preprocessor:
-    """The preprocessor for the model whose config (and processor files) live in `model_dir`."""
+def make_preprocessor(model_dir: str | Path | None, config, max_length: int = 128, *, tokenizer=None) -> Preprocessor:
+    """The preprocessor for the model whose config (and processor files) live in `model_dir` (None: no folder,
+    the API's in-memory model; then `tokenizer` tokenizes, and images get the fallback preprocessing)."""
+    directory = None if model_dir is None else Path(model_dir)
     if model_modality(config) == "image":
-        return ImagePreprocessor(Path(model_dir), config)
-    return TextPreprocessor(Path(model_dir), config, max_length)
+        return ImagePreprocessor(directory, config)
+    return TextPreprocessor(directory, config, max_length, tokenizer=tokenizer)

@@ -61,7 +61,7 @@ def resolve_config(method: str, config: MergeConfig | None, params: Mapping[str,
     check_method(config.method)
     if method != DEFAULT_METHOD and method != config.method:
         raise ConfigError(f"method={method!r} contradicts config.method={config.method!r}; give one of them")
-    return parse(MergeConfig, {**config.model_dump(), **params})
+    return parse(MergeConfig, {**config.model_dump(exclude_unset=True), **params})  # unset fields stay unset
 
 
 def _describe(source) -> dict[str, Any]:
@@ -169,14 +169,14 @@ def merge(
     model_dir = None if isinstance(base_src, ModuleSource) else Path(base_src.path)
     if calibration:
         check_calibration_data(calibration, model_dir=model_dir, config=cfg, max_length=max_length,
-                               allow_fewer=allow_fewer)
+                               allow_fewer=allow_fewer, experts=experts)
     validate_family(base_src, expert_srcs, progress=progress)
     validate_seconds = total.seconds
 
     loaded, data_timer = None, Timer()
     if calibration:
         loaded = load_calibration(calibration, model_dir=model_dir, config=cfg, max_length=max_length,
-                                  allow_fewer=allow_fewer, progress=progress)
+                                  allow_fewer=allow_fewer, progress=progress, experts=experts)
     data_seconds = {"load_data": data_timer.seconds} if loaded is not None else {}
     merger = make_merger(cfg, calibration=loaded, allow_pickle=allow_pickle)
     family = Family(base_src, expert_srcs)

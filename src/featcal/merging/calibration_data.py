@@ -1,11 +1,12 @@
 """Calibration data of the merges that read it (RegMean, RegMean++: needs_calibration in the registry), checked
 before any work.
 
-A task's data is either a source path (image folder, saved dataset, .jsonl, .parquet), loaded exactly
-as `featcal calibrate` loads it (a seeded sample of `num_calibration_examples`, in batches of
-`calibration_batch_size`, preprocessed with the base's image processor or tokenizer), or batches
-already in memory (a tensor or a dict of model inputs, or a list of those), as `featcal.calibrate`
-takes them. Data-free methods refuse calibration data rather than silently ignore it.
+A task's data is either a source (a path, a hub dataset id, a `datasets.Dataset`, a list of texts or chat
+conversations: docs/data.md), loaded exactly as `featcal calibrate` loads it (a seeded sample of
+`num_calibration_examples`, in batches of `calibration_batch_size`, preprocessed with the base's image
+processor or tokenizer), or batches already in memory (a tensor or a dict of model inputs, or a list of
+those), as `featcal.calibrate` takes them. Data-free methods refuse calibration data rather than
+silently ignore it.
 """
 
 from __future__ import annotations
@@ -22,17 +23,21 @@ from featcal.data.calibration import (
     batches_record,
     check_calibration_source,
     check_task_names,
+    data_options,
     load_calibration_batches,
     naming_task,
+    template_dirs,
 )
+from featcal.data.sources import is_batch_data
 from featcal.errors import CalibrationDataError, ConfigError
 from featcal.io.models import load_config
 
-CalibrationInput = Union[str, os.PathLike, BatchLike, Sequence[BatchLike]]
+CalibrationInput = Union[str, os.PathLike, BatchLike, Sequence[BatchLike], Sequence[Any]]
 
 
-def _is_path(data: Any) -> bool:
-    return isinstance(data, (str, os.PathLike))
+def _is_source(data: Any) -> bool:
+    """A source to read (a path, hub id, dataset, texts, conversations), not batches already made."""
+    return not is_batch_data(data)
 
 
 def check_calibration_request(
@@ -64,25 +69,28 @@ def check_calibration_data(
     config: MergeConfig,
     max_length: int = 128,
     allow_fewer: bool = False,
+    experts: Mapping[str, Any] | None = None,
 ) -> None:
-    """Every task's data usable, reading no example: a path exists and holds enough examples of the
+    """Every task's data usable, loading no model: a source exists and holds enough examples of the
     base's modality; in-memory batches are non-empty tensors or dicts. `model_dir`: the base checkpoint
-    directory (its config and processor decide how sources are read), None for an in-memory base."""
+    directory (its config and processor decide how sources are read), None for an in-memory base;
+    `experts`: where a chat template is looked for when the base's tokenizer has none."""
     if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
         raise ConfigError(f"max_length must be an integer of at least 1, got {max_length!r}")
-    paths = [t for t, d in calibration.items() if _is_path(d)]
-    if paths and model_dir is None:
+    sources = [t for t, d in calibration.items() if _is_source(d)]
+    if sources and model_dir is None:
         raise ConfigError(
-            f"calibration data of task(s) {', '.join(map(repr, paths))} is given as a path, which needs the base as "
-            "a checkpoint directory (its image processor or tokenizer); pass batches instead, or the base's path"
+            f"calibration data of task(s) {', '.join(map(repr, sources))} is given as a path (or another source to "
+            "read), which needs the base as a checkpoint directory (its image processor or tokenizer); pass batches "
+            "instead, or the base's path"
         )
-    model_config = load_config(model_dir, error=CalibrationDataError) if paths else None
+    model_config = load_config(model_dir, error=CalibrationDataError) if sources else None
+    options = data_options(config, max_length=max_length, allow_fewer=allow_fewer)
     for task, data in calibration.items():
         with naming_task(task):
-            if _is_path(data):
-                check_calibration_source(data, model_dir=model_dir, num_examples=config.num_calibration_examples,
-                                         allow_fewer=allow_fewer, config=model_config, text_column=config.text_column,
-                                         allow_test_split=config.allow_test_split)
+            if _is_source(data):
+                check_calibration_source(data, model_dir=model_dir, config=model_config,
+                                         template_dirs=template_dirs(experts or {}, task), **options)
             else:
                 as_batches(data, task)
 
@@ -104,31 +112,32 @@ def load_calibration(
     max_length: int = 128,
     allow_fewer: bool = False,
     progress: bool = False,
+    experts: Mapping[str, Any] | None = None,
 ) -> LoadedCalibration:
     """The batches of every task (checked by `check_calibration_data` first); the model's config is read
-    once for all the tasks given as paths."""
+    once for all the tasks given as sources."""
     batches: dict[str, list[BatchLike]] = {}
     report: dict[str, dict[str, Any]] = {}
-    model_config = load_config(model_dir, error=CalibrationDataError) if any(_is_path(d) for d in calibration.values()) else None
+    any_source = any(_is_source(d) for d in calibration.values())
+    model_config = load_config(model_dir, error=CalibrationDataError) if any_source else None
+    options = data_options(config, max_length=max_length, allow_fewer=allow_fewer)
     for task, data in calibration.items():
-        read_as: dict[str, Any] = {}  # the source's kind and the column its texts came from
-        if _is_path(data):
+        read_as: dict[str, Any] = {"source": "<in-memory batches>"}  # else: the source, its format, unit, ...
+        if _is_source(data):
             with naming_task(task):
                 batches[task] = load_calibration_batches(
-                    data, model_dir=model_dir, num_examples=config.num_calibration_examples,
-                    batch_size=config.calibration_batch_size, seed=config.seed, max_length=max_length,
-                    allow_fewer=allow_fewer, progress=progress, text_column=config.text_column,
-                    allow_test_split=config.allow_test_split, record=read_as, config=model_config,
+                    data, model_dir=model_dir, batch_size=config.calibration_batch_size, progress=progress,
+                    record=read_as, config=model_config, template_dirs=template_dirs(experts or {}, task), **options,
                 )
-            source = str(data)
+            read_as["source"] = str(data) if isinstance(data, (str, os.PathLike)) else read_as["source"]
         else:
             batches[task] = as_batches(data, task)
-            source = "<in-memory batches>"
-        report[task] = {"source": source, **read_as, **batches_record(batches[task])}
+        report[task] = {**read_as, **batches_record(batches[task])}
     params: dict[str, Any] = {}
-    if any(_is_path(d) for d in calibration.values()):  # how the sources were sampled and read
+    if any_source:  # how the sources were sampled and read
         params = {"num_calibration_examples": config.num_calibration_examples,
                   "calibration_batch_size": config.calibration_batch_size, "seed": config.seed,
                   "max_length": max_length, "allow_fewer": allow_fewer, "text_column": config.text_column,
-                  "allow_test_split": config.allow_test_split}
+                  "allow_test_split": config.allow_test_split, "text_unit": config.text_unit,
+                  "data_format": config.data_format, "pack_texts": config.pack_texts}
     return LoadedCalibration(batches, report, params)

@@ -1,0 +1,409 @@
+"""Tables of records: JSONL / JSON, CSV / TSV, parquet, saved datasets, hub and in-memory datasets.
+
+Every table is a `datasets.Dataset` read through one `TableSource`, so the column rules are the same
+whatever the file: images from the first Image feature or a column named image / img; chat
+conversations from a chat layout (data/chat.py: messages, prompt / completion, instruction / input /
+output); else texts from the column the user names, else a conventionally named one (TEXT_COLUMNS),
+else the one string column that is no id, label, target or image. Several candidates are refused
+naming them, never picked.
+"""
+
+from __future__ import annotations
+
+import csv as csv_module
+import io
+import json
+import logging
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from featcal.data.chat import CHAT_LAYOUTS, chat_layout, conversation
+from featcal.data.text_files import read_utf8
+from featcal.data.types import Content, Example, Modality
+from featcal.errors import CalibrationDataError
+
+log = logging.getLogger(__name__)
+
+IMAGE_COLUMNS = ("image", "img")
+TEXT_COLUMNS = ("text", "sentence", "content", "prompt", "input", "question", "document", "premise", "sentence1")
+TARGET_COLUMNS = ("target", "label_text")
+# string columns that name or label an example rather than hold its text: never taken as the text by default
+NON_TEXT_COLUMNS = (
+    "id", "idx", "uid", "guid", "uuid", "key", "label", "labels", "class", "category", "split", "source", "path",
+    "file", "filename", "url",
+)
+TEST_SPLITS = ("test", "testing")
+TABLE_SUFFIXES = (".jsonl", ".ndjson", ".json", ".csv", ".tsv", ".parquet")
+# tables this long have their chat records checked when read, not all when opened (time stays bounded)
+CHECK_ALL_ROWS_UP_TO = 200_000
+
+
+class TableSource:
+    """A `datasets.Dataset` with its columns resolved: what it holds, and how each example is read."""
+
+    def __init__(self, dataset, path: Path | str, kind: str, *, text_column: str | None = None,
+                 image_root: Path | None = None, locate: Callable[[int], str] | None = None) -> None:
+        self.path = path
+        self.kind = kind
+        self.split: str | None = None  # a saved or hub dataset's split, when known
+        self._locate = locate or (lambda i: f"{path}, row {i + 1}")
+        self.dataset, self.image_column = _resolve_image_column(dataset, path, image_root)
+        columns = self.dataset.column_names
+        self.chat_layout = chat_layout(columns) if text_column is None else None
+        if self.chat_layout is not None:
+            self._text_candidates, self._text_problem = [], None
+            self._check_conversations()
+        else:
+            self._text_candidates, self._text_problem = _text_column(
+                self.dataset, path, text_column, exclude=(self.image_column,)
+            )
+        self.target_column = next(
+            (c for c in TARGET_COLUMNS if c in columns and _is_string(self.dataset, c)), None
+        )
+
+    @property
+    def text_column(self) -> str | None:
+        """The column texts are read from; an ambiguous or unusable choice is refused here, before any read."""
+        if self._text_problem is not None:
+            raise CalibrationDataError(self._text_problem)
+        return self._text_candidates[0] if self._text_candidates else None
+
+    @property
+    def modalities(self) -> tuple[Modality, ...]:
+        found: list[Modality] = []
+        if self.image_column is not None:
+            found.append("image")
+        if self.chat_layout is not None or self._text_candidates or self._text_problem is not None:
+            found.append("text")
+        return tuple(found)
+
+    def content(self, modality: Modality) -> Content:
+        if modality == "image":
+            return "image"
+        return "chat" if self.chat_layout is not None else "text"
+
+    def describe(self, modality: Modality) -> dict[str, Any]:
+        out: dict[str, Any] = {"format": self.kind, "content": self.content(modality), "unit": "record"}
+        if self.split is not None:
+            out["split"] = self.split
+        if modality == "image":
+            out["image_column"] = self.image_column
+        elif self.chat_layout is not None:
+            out["chat_layout"] = self.chat_layout
+        elif self.text_column is not None:
+            out["text_column"] = self.text_column
+            if self.target_column is not None:
+                out["target_column"] = self.target_column
+        return out
+
+    def string_columns(self) -> list[str]:
+        """Every string column (what a user may pass as the text column)."""
+        return [c for c in self.dataset.column_names if _is_string(self.dataset, c)]
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def examples(self, indices: Sequence[int], modality: Modality) -> list[Example]:
+        return [self._example(int(i), modality) for i in indices]
+
+    def _example(self, i: int, modality: Modality) -> Example:
+        if modality == "image":
+            return self._image(i)
+        row = self.dataset[i]
+        if self.chat_layout is not None:
+            used = CHAT_LAYOUTS[self.chat_layout] + (("input",) if self.chat_layout.startswith("instruction") else ())
+            return Example(messages=conversation(row, self.chat_layout, self._locate(i)),
+                           fields=_other_fields(row, used))
+        column = self.text_column
+        text = row[column]
+        if not isinstance(text, str) or not text.strip():
+            raise CalibrationDataError(f"{self.path}: row {i} has no text in column {column!r}")
+        target = row[self.target_column] if self.target_column else None
+        return Example(text=text, target=target if isinstance(target, str) else None,
+                       fields=_other_fields(row, (column,)))
+
+    def _image(self, i: int) -> Example:
+        try:
+            row = self.dataset[i]
+            image = row[self.image_column]
+        except Exception as exc:  # decoding errors surface here, one row at a time
+            raise CalibrationDataError(
+                f"{self.path}: cannot decode the image in row {i} (column {self.image_column!r}): {exc}"
+            ) from None
+        if image is None:
+            raise CalibrationDataError(f"{self.path}: row {i} has no image (column {self.image_column!r} is empty)")
+        return Example(image=image, fields=_other_fields(row, (self.image_column,)))
+
+    def _check_conversations(self) -> None:
+        """Every record a conversation with known roles and text turns, refused naming the first that is not
+        (all of them for tables up to CHECK_ALL_ROWS_UP_TO rows; longer ones as their records are read)."""
+        if len(self.dataset) > CHECK_ALL_ROWS_UP_TO:
+            return
+        columns = [c for c in self.dataset.column_names if c in ("messages", "prompt", "completion", "instruction",
+                                                                 "input", "output")]
+        rows = self.dataset.select_columns(columns)
+        start = 0
+        for batch in rows.iter(batch_size=1000):
+            size = len(batch[columns[0]])
+            for k in range(size):
+                conversation({c: batch[c][k] for c in columns}, self.chat_layout, self._locate(start + k))
+            start += size
+
+
+def _other_fields(row: dict, used: Sequence[str]) -> dict[str, Any]:
+    return {k: v for k, v in row.items() if k not in used}
+
+
+def _is_string(dataset, column: str) -> bool:
+    from datasets import Value
+
+    feature = dataset.features.get(column)
+    return isinstance(feature, Value) and feature.dtype in ("string", "large_string")
+
+
+def _resolve_image_column(dataset, path: Path | str, root: Path | None = None):
+    """The first Image feature, else a column named image/img cast to Image (paths or bytes).
+
+    With `root` (the folder of a JSONL / parquet file), relative image paths are taken from there, so a
+    data file reads the same images from whatever directory featcal is run.
+    """
+    from datasets import Image
+
+    found = next((name for name, feature in dataset.features.items() if isinstance(feature, Image)), None)
+    if found is None:
+        found = next((name for name in IMAGE_COLUMNS if name in dataset.column_names), None)
+    if found is None:
+        return dataset, None
+    try:
+        if root is not None:
+            dataset = _anchor_image_paths(dataset, found, root)
+        if not isinstance(dataset.features[found], Image) or not dataset.features[found].decode:
+            dataset = dataset.cast_column(found, Image())
+    except Exception as exc:
+        raise CalibrationDataError(
+            f"{path}: column {found!r} cannot be read as images ({type(exc).__name__}: {exc})"
+        ) from None
+    return dataset, found
+
+
+def _anchor_image_paths(dataset, column: str, root: Path):
+    """`dataset` with the relative paths of image column `column` (no embedded bytes) made relative to `root`.
+
+    Works on the Arrow chunks, so embedded image bytes are never copied into Python objects.
+    """
+    import os
+
+    import pyarrow as pa
+    from datasets import Image
+    from datasets.table import InMemoryTable
+
+    def anchored(p: str | None, has_bytes: bool) -> str | None:
+        if p is None or has_bytes or "://" in p:
+            return p
+        q = os.path.expanduser(p)
+        return q if os.path.isabs(q) else str(root / q)
+
+    raw = dataset.cast_column(column, Image(decode=False))  # struct<bytes, path>, whatever the column held
+    cells = raw.data.column(column)
+    chunks, changed = [], False
+    for chunk in cells.chunks:
+        data, paths = chunk.field("bytes"), chunk.field("path").to_pylist()
+        new_paths = [anchored(p, b) for p, b in zip(paths, data.is_valid().to_pylist(), strict=True)]
+        changed = changed or new_paths != paths
+        chunks.append(pa.StructArray.from_arrays(
+            [data, pa.array(new_paths, type=pa.string())], names=["bytes", "path"], mask=chunk.is_null()
+        ))
+    if not changed:
+        return raw
+    table = raw.data.table
+    table = table.set_column(table.schema.get_field_index(column), column, pa.chunked_array(chunks, type=cells.type))
+    return type(dataset)(InMemoryTable(table), info=raw.info)
+
+
+def _text_column(
+    dataset, path: Path | str, chosen: str | None, exclude: Sequence[str | None]
+) -> tuple[list[str], str | None]:
+    """(candidate text columns, the problem with them or None): the column the user chose, else a
+    conventionally named one, else the one string column that is not an image, target, id or label.
+
+    Several candidates are a problem, not a choice to make silently: calibrating on ids or label words
+    instead of the texts gives a wrong model with no error, so the user must name the column.
+    """
+    strings = [c for c in dataset.column_names if _is_string(dataset, c)]
+    held = ", ".join(repr(c) for c in strings) or "none"
+    if chosen is not None:
+        if chosen not in dataset.column_names:
+            return [], f"{path}: text column {chosen!r} does not exist (string columns: {held})"
+        if not _is_string(dataset, chosen):
+            return [], f"{path}: text column {chosen!r} does not hold strings (string columns: {held})"
+        return [chosen], None
+    for name in TEXT_COLUMNS:
+        if name in strings:
+            return [name], None
+    odd = next((n for n in TEXT_COLUMNS if n in dataset.column_names and n not in exclude), None)
+    if odd is not None:  # e.g. pre-tokenised ids under `text`: the texts are not where the name says
+        return [], (
+            f"{path}: column {odd!r} does not hold strings ({dataset.features[odd]}); name the column holding "
+            f"the texts with --text-column (string columns: {held})"
+        )
+    candidates = [c for c in strings if c not in exclude and c not in TARGET_COLUMNS and c.lower() not in NON_TEXT_COLUMNS]
+    if len(candidates) > 1:
+        return candidates, (
+            f"{path}: no conventionally named text column ({', '.join(TEXT_COLUMNS[:4])}, ...) and several string "
+            f"columns could hold the texts: {', '.join(map(repr, candidates))}; name one with --text-column "
+            "(text_column in the config)"
+        )
+    return candidates, None
+
+
+def is_test_split(name: object) -> bool:
+    """Whether a split name (as datasets records it: 'test', 'test[:100]', 'train+test') holds test data."""
+    if name is None:
+        return False
+    return any(part.split("[", 1)[0].strip().lower() in TEST_SPLITS for part in str(name).split("+"))
+
+
+def refuse_test_split(path: Path | str, split: object, allowed: bool) -> None:
+    """Test data must never become calibration data by accident: only when the user says so."""
+    if not is_test_split(split):
+        return
+    if not allowed:
+        raise CalibrationDataError(
+            f"{path} is the {str(split)!r} split, test data: calibrating on it would leak it into the model "
+            "evaluated on it. Use a training split, or pass --allow-test-split (allow_test_split: true) if you mean it"
+        )
+    log.warning("%s: calibrating on its %r split, as allowed by allow_test_split", path, str(split))
+
+
+def train_split(loaded, path: Path | str, allow_test_split: bool):
+    """(the Dataset, its split name) of a DatasetDict: its 'train' split, else its only split; else refused."""
+    if "train" in loaded:
+        return loaded["train"], "train"
+    if len(loaded) == 1:
+        (split,) = loaded.keys()
+        refuse_test_split(path, split, allow_test_split)
+        log.info("%s has no 'train' split; using its only split %r", path, split)
+        return loaded[split], split
+    raise CalibrationDataError(
+        f"{path} is a DatasetDict without a 'train' split (splits: {', '.join(loaded)}); "
+        "calibration data must come from training data"
+    )
+
+
+def saved_dataset(path: Path, *, text_column: str | None = None, allow_test_split: bool = False) -> TableSource:
+    import datasets
+
+    try:
+        loaded = datasets.load_from_disk(str(path))
+    except Exception as exc:
+        raise CalibrationDataError(f"cannot load the saved dataset {path}: {type(exc).__name__}: {exc}") from None
+    return dataset_source(loaded, path, "saved dataset", text_column=text_column, allow_test_split=allow_test_split)
+
+
+def dataset_source(loaded, name: Path | str, kind: str, *, text_column: str | None = None,
+                   allow_test_split: bool = False) -> TableSource:
+    """A Dataset or DatasetDict (saved, from the hub, or in memory) as a source; a dict's train split."""
+    import datasets
+
+    if isinstance(loaded, datasets.DatasetDict):
+        loaded, split = train_split(loaded, name, allow_test_split)
+    else:  # a Dataset loaded from a split remembers which one
+        split = getattr(loaded, "split", None)
+        refuse_test_split(name, split, allow_test_split)
+    source = TableSource(loaded, name, kind, text_column=text_column)
+    source.split = None if split is None else str(split)  # featcal.json records which split was read
+    return source
+
+
+def records_source(records: list[dict], name: Path | str, kind: str, *, text_column: str | None = None,
+                   image_root: Path | None = None, locate: Callable[[int], str] | None = None) -> TableSource:
+    """Records (dicts, as JSON objects come) as one table."""
+    import datasets
+
+    try:
+        dataset = datasets.Dataset.from_list(records)
+    except Exception as exc:  # mixed types in one field, nested garbage
+        raise CalibrationDataError(f"{name}: records cannot be read as one table: {exc}") from None
+    return TableSource(dataset, name, kind, text_column=text_column, image_root=image_root, locate=locate)
+
+
+def jsonl_file(path: Path, *, text_column: str | None = None) -> TableSource:
+    text = read_utf8(path)
+    records: list[dict] = []
+    lines: list[int] = []
+    if path.suffix.lower() == ".json" and text.lstrip().startswith("["):
+        try:
+            records = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise CalibrationDataError(f"{path} is not valid JSON: {exc}") from None
+        if not all(isinstance(r, dict) for r in records):
+            raise CalibrationDataError(f"{path}: a JSON array of calibration records must hold objects")
+    else:
+        # JSON Lines ends records at "\n" only: str.splitlines() would also split at U+2028, U+0085, ...,
+        # which valid JSON may hold unescaped inside a string
+        for lineno, line in enumerate(text.split("\n"), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise CalibrationDataError(f"{path}, line {lineno}: not valid JSON ({exc})") from None
+            if not isinstance(record, dict):
+                raise CalibrationDataError(f"{path}, line {lineno}: expected a JSON object, got {type(record).__name__}")
+            records.append(record)
+            lines.append(lineno)
+    locate = (lambda i: f"{path}, line {lines[i]}") if lines else (lambda i: f"{path}, record {i + 1}")
+    return records_source(records, path, "jsonl", text_column=text_column, image_root=path.parent, locate=locate)
+
+
+def csv_file(path: Path, *, text_column: str | None = None) -> TableSource:
+    """A CSV (or, by its .tsv suffix, tab-separated) file with a header row; text-like columns stay strings."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.csv as pcsv
+    from datasets.table import InMemoryTable
+
+    tsv = path.suffix.lower() == ".tsv"
+    kind = "tsv" if tsv else "csv"
+    text = read_utf8(path)  # refuses a non-UTF-8 file naming the line
+    if not text.strip():
+        return records_source([], path, kind)
+    delimiter = "\t" if tsv else ","
+    names = next(csv_module.reader(io.StringIO(text), delimiter=delimiter), [])
+    textual = set(TEXT_COLUMNS) | set(TARGET_COLUMNS) | {c for cols in CHAT_LAYOUTS.values() for c in cols}
+    textual |= {"input"} | ({text_column} if text_column else set())
+    try:
+        table = pcsv.read_csv(
+            io.BytesIO(text.encode("utf-8")),
+            parse_options=pcsv.ParseOptions(delimiter=delimiter, newlines_in_values=True),
+            convert_options=pcsv.ConvertOptions(column_types={n: pa.string() for n in names if n in textual}),
+        )
+    except pa.ArrowInvalid as exc:
+        raise CalibrationDataError(f"{path}: not a readable {kind.upper()} file ({' '.join(str(exc).split())})") from None
+    return TableSource(datasets.Dataset(InMemoryTable(table)), path, kind, text_column=text_column,
+                       image_root=path.parent, locate=lambda i: f"{path}, row {i + 1}")
+
+
+def parquet_file(path: Path, *, text_column: str | None = None) -> TableSource:
+    import datasets
+    import pyarrow.parquet as pq
+    from datasets.table import InMemoryTable
+
+    try:
+        table = pq.read_table(path)
+    except Exception as exc:
+        raise CalibrationDataError(f"cannot read parquet file {path}: {exc}") from None
+    return TableSource(
+        datasets.Dataset(InMemoryTable(table)), path, "parquet", text_column=text_column, image_root=path.parent
+    )
+
+
+def table_file(path: Path, *, text_column: str | None = None) -> TableSource:
+    """A data file read by its suffix (TABLE_SUFFIXES)."""
+    suffix = path.suffix.lower()
+    if suffix in (".jsonl", ".ndjson", ".json"):
+        return jsonl_file(path, text_column=text_column)
+    if suffix in (".csv", ".tsv"):
+        return csv_file(path, text_column=text_column)
+    return parquet_file(path, text_column=text_column)
