@@ -46,7 +46,7 @@ def test_every_schema_method_is_registered():
     from featcal.config import MERGE_METHODS
 
     assert available_methods() == sorted(MERGE_METHODS) == sorted(
-        ["average", "task_arithmetic", "ties", "dare_ta", "dare_ties", "regmean", "regmean++", "wudi"]
+        ["average", "linear", "task_arithmetic", "ties", "dare_ta", "dare_ties", "regmean", "regmean++", "wudi"]
     )
 
 
@@ -259,7 +259,7 @@ def test_config_object_and_overrides(bert):
 
 @pytest.mark.parametrize(
     "kwargs,match",
-    [({"method": "regmeen"}, r"unknown merge method 'regmeen'; valid methods: average, dare_ta, dare_ties, regmean, regmean\+\+, "
+    [({"method": "regmeen"}, r"unknown merge method 'regmeen'; valid methods: average, dare_ta, dare_ties, linear, regmean, regmean\+\+, "
                                r"task_arithmetic, ties, wudi"),
      ({"density": 0.0}, "density"), ({"density": 1.5}, "density"), ({"scaling": -1.0}, "scaling"),
      ({"drop_rate": 1.0}, "drop_rate"), ({"seed": -1}, "seed"), ({"desnity": 0.2}, "desnity")],

@@ -6,6 +6,7 @@ value is rejected with the same message whichever way it arrived, before any wor
 
 from __future__ import annotations
 
+import math
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ import yaml
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     ValidationError,
@@ -142,6 +144,32 @@ MethodName = Annotated[str, AfterValidator(_registered)]
 MergeMethod = MethodName
 
 
+def _per_expert(low: float, high: float, low_open: bool = False, high_open: bool = False):
+    """A validator of an expert name -> number mapping: numbers (not booleans), finite, within the bounds; the
+    error names the expert (and the field, which a nested location would hide)."""
+
+    def check(v: Any) -> Any:
+        if not isinstance(v, Mapping):
+            raise ValueError(f"a mapping of expert name -> number, not {v!r}")
+        for name, x in v.items():
+            if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+                raise ValueError(f"expert {name!r}: a finite number, not {x!r}")
+            if x < low or x > high or (low_open and x == low) or (high_open and x == high):
+                raise ValueError(f"expert {name!r}: {x!r} is outside {'(' if low_open else '['}{low:g}, {high:g}"
+                                 f"{')' if high_open else ']'}")
+        return {str(k): float(x) for k, x in v.items()}
+
+    return BeforeValidator(check)
+
+
+# per-expert values; mergekit allows negative weights (task negation)
+Weight = Annotated[dict[str, float], _per_expert(-100.0, 100.0)]
+Densities = Annotated[dict[str, float], _per_expert(0.0, 1.0, low_open=True)]
+DropRates = Annotated[dict[str, float], _per_expert(0.0, 1.0, high_open=True)]
+# MergeConfig fields that are left out of a report's params while at their defaults
+RECIPE_OPTIONS: tuple[str, ...] = ("weights", "densities", "drop_rates", "normalize", "ties_threshold", "dare_rescale")
+
+
 class MergeConfig(_Strict):
     """How to merge: the method and its hyperparameters (unused ones are ignored by the method).
 
@@ -176,6 +204,31 @@ class MergeConfig(_Strict):
     method_options: dict[str, Any] = Field(
         default_factory=dict, description="parameters of the method's own parameter model that MergeConfig has no "
         "field for (a registered method's; the built-in methods take none)",
+    )
+    # --- the recipe's per-expert and mergekit-compatible options (docs/mergekit.md); omitted from featcal.json's
+    # params while at their defaults, so that a recipe that does not use them is reported as before
+    weights: Weight = Field(
+        default_factory=dict, description="per-expert weight w_t (experts not listed: 1): θ0 + s·Σ w_t·τ_t (TA, "
+        "TIES, DARE), Σ w_t·θ_t (linear)",
+    )
+    densities: Densities = Field(
+        default_factory=dict, description="per-expert TIES density (experts not listed: density)",
+    )
+    drop_rates: DropRates = Field(
+        default_factory=dict, description="per-expert DARE drop rate (experts not listed: drop_rate)",
+    )
+    normalize: bool | None = Field(
+        None, description="divide the weighted sum of task vectors by the sum of the weights (TIES: of the agreeing "
+        "ones); unset: the method's default (task_arithmetic, dare_ta: no; ties, dare_ties, linear: yes)",
+    )
+    ties_threshold: Literal["global", "per_tensor"] = Field(
+        "global", description="TIES trim: 'global' keeps each expert's top-density entries of its whole task vector "
+        "(the TIES paper's Algorithm 1), 'per_tensor' those of each tensor, k = max(1, floor(density·n)) "
+        "(mergekit's ties)",
+    )
+    dare_rescale: Literal["inverse", "l1", "none"] = Field(
+        "inverse", description="DARE: rescale the kept entries by 1/(1−p) ('inverse', the DARE paper), so that the "
+        "tensor keeps its L1 norm ('l1', mergekit's), or not at all",
     )
 
     @model_validator(mode="before")
@@ -229,12 +282,17 @@ def params_model(name: str, *fields: str, base: type[BaseModel] = MethodParams, 
     return create_model(name, __base__=base, **made)
 
 
+_TIES_OPTIONS = ("weights", "densities", "normalize", "ties_threshold")
+_DARE_OPTIONS = ("weights", "drop_rates", "normalize", "dare_rescale")
 BUILTIN_METHODS: tuple[MethodSpec, ...] = tuple(add_method(s) for s in (
     MethodSpec("average", "streaming", params_model("AverageParams")),
-    MethodSpec("task_arithmetic", "streaming", params_model("TaskArithmeticParams", "scaling")),
-    MethodSpec("ties", "streaming", params_model("TiesParams", "scaling", "density")),
-    MethodSpec("dare_ta", "streaming", params_model("DareTaskArithmeticParams", "scaling", "drop_rate", "seed")),
-    MethodSpec("dare_ties", "streaming", params_model("DareTiesParams", "scaling", "density", "drop_rate", "seed")),
+    MethodSpec("linear", "streaming", params_model("LinearParams", "weights", "normalize")),
+    MethodSpec("task_arithmetic", "streaming", params_model("TaskArithmeticParams", "scaling", "weights", "normalize")),
+    MethodSpec("ties", "streaming", params_model("TiesParams", "scaling", "density", *_TIES_OPTIONS)),
+    MethodSpec("dare_ta", "streaming", params_model("DareTaskArithmeticParams", "scaling", "drop_rate", "seed",
+                                                    *_DARE_OPTIONS)),
+    MethodSpec("dare_ties", "streaming", params_model("DareTiesParams", "scaling", "density", "drop_rate", "seed",
+                                                      *dict.fromkeys(_TIES_OPTIONS + _DARE_OPTIONS))),
     MethodSpec("regmean", "whole_model", params_model("RegMeanMergeParams", "alpha"), needs_calibration=True),
     MethodSpec("regmean++", "whole_model", params_model("RegMeanPlusPlusMergeParams", "alpha"), needs_calibration=True),
     MethodSpec("wudi", "whole_model", params_model("WudiMergeParams", "steps", "lr", "seed")),

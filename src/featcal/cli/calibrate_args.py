@@ -62,10 +62,11 @@ def add_config_flags(parser: argparse.ArgumentParser, model: type[BaseModel], ti
         )
 
 
-def config_from_args(args: argparse.Namespace, model: type[BaseModel]):
-    """The validated config built from the flags that were given (ConfigError on a bad value)."""
+def config_from_args(args: argparse.Namespace, model: type[BaseModel], **extra: Any):
+    """The validated config built from the flags that were given, plus `extra` fields (ConfigError on a bad
+    value)."""
     given = {k[len(_PREFIX):]: v for k, v in vars(args).items() if k.startswith(_PREFIX)}
-    return parse(model, given)
+    return parse(model, {**given, **extra})
 
 
 def run_options_from_args(args: argparse.Namespace) -> RunOptions:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +61,17 @@ def resolve_config(method: str, config: MergeConfig | None, params: Mapping[str,
     if method != DEFAULT_METHOD and method != config.method:
         raise ConfigError(f"method={method!r} contradicts config.method={config.method!r}; give one of them")
     return parse(MergeConfig, {**config.model_dump(), **params})
+
+
+def check_expert_options(config: MergeConfig, experts: Iterable[str]) -> None:
+    """Per-expert weights, densities and drop rates must name experts of this merge (a typo would otherwise
+    merge at the default silently)."""
+    names = list(experts)
+    for field in ("weights", "densities", "drop_rates"):
+        unknown = [n for n in getattr(config, field) if n not in names]
+        if unknown:
+            raise ConfigError(f"{field} names {', '.join(map(repr, unknown))}, not an expert of this merge "
+                              f"(experts: {', '.join(names)})")
 
 
 def _describe(source) -> dict[str, Any]:
@@ -144,6 +155,7 @@ def merge(
     if not isinstance(experts, Mapping):
         raise ConfigError(f"experts must be a mapping of task name -> checkpoint, got {type(experts).__name__}")
     validate_expert_names(experts.keys())
+    check_expert_options(cfg, experts.keys())
     check_calibration_request(cfg.method, experts, calibration)
     if out is not None:
         check_output_dir(out, overwrite)
