@@ -209,8 +209,8 @@ def test_report_and_output_files(bert, tmp_path):
         merge(base, experts, "ties", density=0.5, out=out, progress=False)
     finally:
         (base / "tokenizer_config.json").unlink()
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "featcal.json", "model.safetensors",
-                                                       "tokenizer_config.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "featcal.json", "model.safetensors",
+                                                       "tokenizer_config.json"]  # README.md: the card (io/card.py)
     report = json.loads((out / "featcal.json").read_text())
     assert report["command"] == "merge"
     assert report["params"] == {"method": "ties", "scaling": 0.3, "density": 0.5}

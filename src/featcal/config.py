@@ -459,14 +459,46 @@ class FeatCalConfig(_Strict):
         return v
 
 
+# a run file's per-expert entry key -> the MergeConfig field that holds it
+EXPERT_ENTRY_KEYS = {"weight": "weights", "density": "densities", "drop_rate": "drop_rates"}
+
+
 class MergeSpec(_Strict):
-    """The merge section of a run file: inputs plus how to merge them (and, for RegMean, its data)."""
+    """The merge section of a run file: inputs plus how to merge them (and, for RegMean, its data). An expert
+    is a path, or an entry {path, weight, density, drop_rate} carrying its own recipe values."""
 
     base: str
     experts: dict[str, str]
     method: MethodName = "task_arithmetic"
     calibration: dict[str, str] | None = Field(None, description="RegMean(++): task -> calibration data")
     params: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _expert_entries(cls, data: Any) -> Any:
+        """An expert given as {path, weight, density, drop_rate} (a per-expert entry) is its path, and its values
+        go to params' weights / densities / drop_rates; naming one expert in both places is refused."""
+        if not isinstance(data, Mapping) or not isinstance(data.get("experts"), Mapping):
+            return data
+        data, params = dict(data), dict(data.get("params") or {})
+        experts = {}
+        for name, entry in data["experts"].items():
+            if not isinstance(entry, Mapping):
+                experts[name] = entry
+                continue
+            unknown = sorted(set(entry) - {"path", *EXPERT_ENTRY_KEYS})
+            if unknown or "path" not in entry:
+                raise ValueError(f"expert {name!r}: an entry holds path (required) and optionally "
+                                 f"{', '.join(EXPERT_ENTRY_KEYS)}" + (f", not {', '.join(unknown)}" if unknown else ""))
+            experts[name] = entry["path"]
+            for key, field in EXPERT_ENTRY_KEYS.items():
+                if key in entry:
+                    values = dict(params.get(field) or {})
+                    if name in values:
+                        raise ValueError(f"expert {name!r}: {key} is given both in its entry and in params.{field}")
+                    params[field] = {**values, name: entry[key]}
+        data["experts"], data["params"] = experts, params
+        return data
 
     @field_validator("experts")
     @classmethod
@@ -493,6 +525,22 @@ class CalibrateSpec(_Strict):
         return parse(FeatCalConfig, self.config)
 
 
+class MergedSpec(_Strict):
+    """A run file's `merged:` section, instead of `merge:`: an existing merge (featcal's, mergekit's, any) to
+    calibrate, with the base and experts it was merged from."""
+
+    path: str
+    base: str
+    experts: dict[str, str]
+
+    @field_validator("experts")
+    @classmethod
+    def _non_empty(cls, v: dict[str, str]) -> dict[str, str]:
+        if not v:
+            raise ValueError("at least one expert is needed")
+        return v
+
+
 class RunOptions(_Strict):
     """What a run is told besides the methods' parameters: how it reads its inputs and writes its output.
 
@@ -516,16 +564,51 @@ class RunOptions(_Strict):
         return v
 
 
-class RunConfig(RunOptions):
-    """A whole `featcal run FILE.yaml`: merge, then optionally calibrate, into `out`; the run options
-    (overwrite, allow_pickle, max_length, allow_fewer) are top-level keys."""
+OutputDtype = Literal["float32", "bfloat16", "float16"]
 
-    merge: MergeSpec
+
+class OutputOptions(_Strict):
+    """What the written checkpoint holds besides the weights' values: `featcal merge` / `calibrate` flags
+    (--dtype, --tokenizer-source), featcal.merge's keywords and a run file's top-level keys (mergekit's dtype,
+    out_dtype and tokenizer_source)."""
+
+    dtype: OutputDtype | None = Field(
+        None, description="floating dtype of the written weights (computed in float32 either way); unset: the "
+        "base's (merge), the merged checkpoint's (calibrate)",
+    )
+    tokenizer_source: str | None = Field(
+        None, min_length=1, description="merge: whose tokenizer the output carries: 'base' or an expert's name; "
+        "unset: the base's, completed by what every expert agrees on and the base lacks (a chat template), and a "
+        "conflict among the experts is refused (docs/outputs.md)",
+    )
+
+
+class RunConfig(RunOptions, OutputOptions):
+    """A whole `featcal run FILE.yaml`: merge (or take an existing merge), then optionally calibrate, into `out`;
+    the run options (overwrite, allow_pickle, max_length, allow_fewer, dtype, tokenizer_source) are top-level
+    keys. A mergekit YAML is translated into this first (featcal.merging.mergekit_config)."""
+
+    merge: MergeSpec | None = None
+    merged: MergedSpec | None = Field(None, description="an existing merge to calibrate, instead of `merge:`")
     calibrate: CalibrateSpec | None = None
     out: str
 
+    @model_validator(mode="after")
+    def _one_source_of_the_merge(self) -> RunConfig:
+        if (self.merge is None) == (self.merged is None):
+            raise ValueError("give either merge: (merge, then calibrate if asked) or merged: (an existing merge to "
+                             "calibrate), not both" if self.merge is not None else "a run file needs merge: or merged:")
+        if self.merged is not None and self.calibrate is None:
+            raise ValueError("merged: names a merge to calibrate, so a calibrate: section is needed")
+        if self.merged is not None and self.tokenizer_source is not None:
+            raise ValueError("tokenizer_source applies to a merge; a merged: run keeps the merge's tokenizer")
+        return self
+
     def run_options(self) -> RunOptions:
         return RunOptions(**{k: getattr(self, k) for k in RunOptions.model_fields})
+
+    def output_options(self) -> OutputOptions:
+        return OutputOptions(**{k: getattr(self, k) for k in OutputOptions.model_fields})
 
 
 def run_options(**values: Any) -> RunOptions:
@@ -568,6 +651,17 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 def load_run_file(path: str | Path) -> RunConfig:
     """Read and validate a YAML run file: one-line errors for a missing, non-UTF-8 or invalid file."""
+    return run_config(read_run_data(path))
+
+
+def run_config(data: dict[str, Any]) -> RunConfig:
+    """A run file's mapping, validated (the run options first, with the CLI flags' own errors)."""
+    run_options(**{k: v for k, v in data.items() if k in RunOptions.model_fields})
+    return parse(RunConfig, data)
+
+
+def read_run_data(path: str | Path) -> dict[str, Any]:
+    """A YAML run file's top-level mapping, not yet validated (a mergekit YAML is translated before)."""
     p = Path(path)
     if not p.exists():
         raise ConfigError(f"run file {p} does not exist")
@@ -589,5 +683,4 @@ def load_run_file(path: str | Path) -> RunConfig:
         loader.dispose()
     if not isinstance(data, dict):
         raise ConfigError(f"{p} must hold a mapping at the top level")
-    run_options(**{k: v for k, v in data.items() if k in RunOptions.model_fields})  # the CLI flags' own errors
-    return parse(RunConfig, data)
+    return data

@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from featcal.config import FeatCalConfig, RunOptions, parse, run_options
+from featcal.config import FeatCalConfig, OutputDtype, RunOptions, parse, run_options
 from featcal.errors import ConfigError
 
 _PREFIX = "cfg_"
@@ -87,6 +87,13 @@ def parse_pairs(pairs: list[str] | None, flag: str) -> dict[str, str]:
             raise ConfigError(f"{flag} {name!r} is given twice")
         out[name] = value.strip()
     return out
+
+
+def add_output_flags(p: argparse.ArgumentParser) -> None:
+    """--dtype: the written weights' floating dtype (featcal merge and calibrate)."""
+    p.add_argument("--dtype", default=None, choices=typing.get_args(OutputDtype),
+                   help="floating dtype of the written weights (computed in float32 either way; default: the base's "
+                   "for a merge, the merged checkpoint's for a calibration)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

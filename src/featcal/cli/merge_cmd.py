@@ -11,7 +11,13 @@ from __future__ import annotations
 
 import argparse
 
-from featcal.cli.calibrate_args import add_config_flags, config_from_args, parse_pairs, run_options_from_args
+from featcal.cli.calibrate_args import (
+    add_config_flags,
+    add_output_flags,
+    config_from_args,
+    parse_pairs,
+    run_options_from_args,
+)
 from featcal.config import MergeConfig, method_names
 from featcal.errors import ConfigError
 
@@ -47,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     calibration = parse_pairs(args.calib, "--calib") or None
     merged = merge(
         args.base, experts, config=config, out=args.out, progress=not args.no_progress, calibration=calibration,
-        **options.model_dump(),
+        **options.model_dump(), dtype=args.dtype, tokenizer_source=args.tokenizer_source,
     )
     print(
         f"merged {len(experts)} experts with {config.method} ({len(merged)} tensors) into {args.out} "
@@ -79,6 +85,11 @@ def register(subparsers) -> None:
                    help="regmean, regmean++: truncate texts to this many tokens")
     p.add_argument("--allow-fewer", action="store_true",
                    help="regmean, regmean++: use all examples of a task holding fewer than --num-calibration-examples")
+    add_output_flags(p)
+    p.add_argument("--tokenizer-source", default=None, metavar="base|NAME",
+                   help="whose tokenizer the output carries: the base's, or an expert's (default: the base's, "
+                   "completed by what every expert agrees on and the base lacks, e.g. a chat template; experts that "
+                   "disagree there are refused until this picks one)")
     p.add_argument("--weight", action="append", dest="weights", metavar="NAME=W",
                    help="an expert's weight w (repeat per expert; others: 1): θ0 + s·Σ w·τ (task_arithmetic, ties, "
                    "dare_ta, dare_ties), Σ w·θ / Σ w (linear)")
