@@ -147,6 +147,7 @@ def plan_tokenizer(base: Path | None, experts: Mapping[str, Path | None], source
             raise ConfigError(f"tokenizer_source {source!r}: {_label(source)} ships no tokenizer files")
         return TokenizerPlan(source, folders, chosen_by="tokenizer_source")
     plan = TokenizerPlan("base", folders)
+    experts = {n: d for n, d in experts.items() if d is not None}  # an in-memory expert ships no files to compare
     if tokenizer_fingerprint(base) is None:
         prints = {n: tokenizer_fingerprint(d) for n, d in experts.items()}
         if any(p is not None for p in prints.values()):
