@@ -297,6 +297,12 @@ BAD_MERGE = {
     "data_format": ["csv", "images", 1],
     "pack_texts": ["sometimes", 2],
     "method_options": ["x", {"scaling_typo": 1}],  # the built-in methods take none
+    "weights": [{"a": 100.5}, {"a": math.nan}, {"a": math.inf}, {"a": True}, [0.5]],
+    "densities": [{"a": 0.0}, {"a": 1.01}, {"a": math.nan}],
+    "drop_rates": [{"a": 1.0}, {"a": -0.1}],
+    "normalize": ["maybe"],
+    "ties_threshold": ["per_layer", 1],
+    "dare_rescale": ["l2", True],
 }
 
 

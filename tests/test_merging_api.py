@@ -46,7 +46,7 @@ def test_every_schema_method_is_registered():
     from featcal.config import MERGE_METHODS
 
     assert available_methods() == sorted(MERGE_METHODS) == sorted(
-        ["average", "task_arithmetic", "ties", "dare_ta", "dare_ties", "regmean", "regmean++", "wudi"]
+        ["average", "linear", "task_arithmetic", "ties", "dare_ta", "dare_ties", "regmean", "regmean++", "wudi"]
     )
 
 
@@ -209,8 +209,8 @@ def test_report_and_output_files(bert, tmp_path):
         merge(base, experts, "ties", density=0.5, out=out, progress=False)
     finally:
         (base / "tokenizer_config.json").unlink()
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "featcal.json", "model.safetensors",
-                                                       "tokenizer_config.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "featcal.json", "model.safetensors",
+                                                       "tokenizer_config.json"]  # README.md: the card (io/card.py)
     report = json.loads((out / "featcal.json").read_text())
     assert report["command"] == "merge"
     assert report["params"] == {"method": "ties", "scaling": 0.3, "density": 0.5}
@@ -259,7 +259,7 @@ def test_config_object_and_overrides(bert):
 
 @pytest.mark.parametrize(
     "kwargs,match",
-    [({"method": "regmeen"}, r"unknown merge method 'regmeen'; valid methods: average, dare_ta, dare_ties, regmean, regmean\+\+, "
+    [({"method": "regmeen"}, r"unknown merge method 'regmeen'; valid methods: average, dare_ta, dare_ties, linear, regmean, regmean\+\+, "
                                r"task_arithmetic, ties, wudi"),
      ({"density": 0.0}, "density"), ({"density": 1.5}, "density"), ({"scaling": -1.0}, "scaling"),
      ({"drop_rate": 1.0}, "drop_rate"), ({"seed": -1}, "seed"), ({"desnity": 0.2}, "desnity")],

@@ -63,9 +63,11 @@ def _register_blend():
 def test_builtin_methods_are_the_registry(registry):
     assert available_methods() == method_names() == sorted(MERGE_METHODS)
     assert {m: method_spec(m).implementation.__name__ for m in MERGE_METHODS} == {
-        "average": "Average", "task_arithmetic": "TaskArithmetic", "ties": "Ties", "dare_ta": "DareTaskArithmetic",
+        "average": "Average", "linear": "Linear", "task_arithmetic": "TaskArithmetic", "ties": "Ties", "dare_ta": "DareTaskArithmetic",
         "dare_ties": "DareTies", "regmean": "RegMean", "regmean++": "RegMeanPlusPlus", "wudi": "Wudi"}
-    assert list(method_spec("dare_ties").params.model_fields) == ["scaling", "density", "drop_rate", "seed"]
+    assert list(method_spec("dare_ties").params.model_fields) == [
+        "scaling", "density", "drop_rate", "seed", "weights", "densities", "normalize", "ties_threshold", "drop_rates",
+        "dare_rescale"]
     assert method_spec("regmean").needs_calibration and method_spec("wudi").kind == "whole_model"
     # each built-in method's parameters are MergeConfig's: the same bounds, one declaration
     with pytest.raises(ConfigError, match="density: Input should be greater than 0"):
@@ -118,7 +120,7 @@ def test_a_registered_method_from_the_cli_and_a_run_file(bert, registry, tmp_pat
 
 def test_an_unknown_method_is_refused_with_the_registered_ones(bert, registry, tmp_path, capsys):
     _register_blend()
-    listing = "valid methods: average, dare_ta, dare_ties, regmean, regmean++, task_arithmetic, test_blend, ties, wudi"
+    listing = "valid methods: average, dare_ta, dare_ties, linear, regmean, regmean++, task_arithmetic, test_blend, ties, wudi"
     message = re.escape(f"unknown merge method 'blend'; {listing}")
     with pytest.raises(ConfigError, match=f"invalid MergeConfig: method: Value error, {message}"):
         parse(MergeConfig, {"method": "blend"})

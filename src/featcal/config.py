@@ -6,6 +6,7 @@ value is rejected with the same message whichever way it arrived, before any wor
 
 from __future__ import annotations
 
+import math
 import os
 import typing
 from collections.abc import Mapping
@@ -17,6 +18,7 @@ import yaml
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     ValidationError,
@@ -143,6 +145,32 @@ MethodName = Annotated[str, AfterValidator(_registered)]
 MergeMethod = MethodName
 
 
+def _per_expert(low: float, high: float, low_open: bool = False, high_open: bool = False):
+    """A validator of an expert name -> number mapping: numbers (not booleans), finite, within the bounds; the
+    error names the expert (and the field, which a nested location would hide)."""
+
+    def check(v: Any) -> Any:
+        if not isinstance(v, Mapping):
+            raise ValueError(f"a mapping of expert name -> number, not {v!r}")
+        for name, x in v.items():
+            if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+                raise ValueError(f"expert {name!r}: a finite number, not {x!r}")
+            if x < low or x > high or (low_open and x == low) or (high_open and x == high):
+                raise ValueError(f"expert {name!r}: {x!r} is outside {'(' if low_open else '['}{low:g}, {high:g}"
+                                 f"{')' if high_open else ']'}")
+        return {str(k): float(x) for k, x in v.items()}
+
+    return BeforeValidator(check)
+
+
+# per-expert values; mergekit allows negative weights (task negation)
+Weight = Annotated[dict[str, float], _per_expert(-100.0, 100.0)]
+Densities = Annotated[dict[str, float], _per_expert(0.0, 1.0, low_open=True)]
+DropRates = Annotated[dict[str, float], _per_expert(0.0, 1.0, high_open=True)]
+# MergeConfig fields that are left out of a report's params while at their defaults
+RECIPE_OPTIONS: tuple[str, ...] = ("weights", "densities", "drop_rates", "normalize", "ties_threshold", "dare_rescale")
+
+
 class MergeConfig(_Strict):
     """How to merge: the method and its hyperparameters (unused ones are ignored by the method).
 
@@ -191,6 +219,31 @@ class MergeConfig(_Strict):
     method_options: dict[str, Any] = Field(
         default_factory=dict, description="parameters of the method's own parameter model that MergeConfig has no "
         "field for (a registered method's; the built-in methods take none)",
+    )
+    # --- the recipe's per-expert and mergekit-compatible options (docs/mergekit.md); omitted from featcal.json's
+    # params while at their defaults, so that a recipe that does not use them is reported as before
+    weights: Weight = Field(
+        default_factory=dict, description="per-expert weight w_t (experts not listed: 1): θ0 + s·Σ w_t·τ_t (TA, "
+        "TIES, DARE), Σ w_t·θ_t (linear)",
+    )
+    densities: Densities = Field(
+        default_factory=dict, description="per-expert TIES density (experts not listed: density)",
+    )
+    drop_rates: DropRates = Field(
+        default_factory=dict, description="per-expert DARE drop rate (experts not listed: drop_rate)",
+    )
+    normalize: bool | None = Field(
+        None, description="divide the weighted sum of task vectors by the sum of the weights (TIES: of the agreeing "
+        "ones); unset: the method's default (task_arithmetic, dare_ta: no; ties, dare_ties, linear: yes)",
+    )
+    ties_threshold: Literal["global", "per_tensor"] = Field(
+        "global", description="TIES trim: 'global' keeps each expert's top-density entries of its whole task vector "
+        "(the TIES paper's Algorithm 1), 'per_tensor' those of each tensor, k = max(1, floor(density·n)) "
+        "(mergekit's ties)",
+    )
+    dare_rescale: Literal["inverse", "l1", "none"] = Field(
+        "inverse", description="DARE: rescale the kept entries by 1/(1−p) ('inverse', the DARE paper), so that the "
+        "tensor keeps its L1 norm ('l1', mergekit's), or not at all",
     )
 
     @model_validator(mode="before")
@@ -244,12 +297,17 @@ def params_model(name: str, *fields: str, base: type[BaseModel] = MethodParams, 
     return create_model(name, __base__=base, **made)
 
 
+_TIES_OPTIONS = ("weights", "densities", "normalize", "ties_threshold")
+_DARE_OPTIONS = ("weights", "drop_rates", "normalize", "dare_rescale")
 BUILTIN_METHODS: tuple[MethodSpec, ...] = tuple(add_method(s) for s in (
     MethodSpec("average", "streaming", params_model("AverageParams")),
-    MethodSpec("task_arithmetic", "streaming", params_model("TaskArithmeticParams", "scaling")),
-    MethodSpec("ties", "streaming", params_model("TiesParams", "scaling", "density")),
-    MethodSpec("dare_ta", "streaming", params_model("DareTaskArithmeticParams", "scaling", "drop_rate", "seed")),
-    MethodSpec("dare_ties", "streaming", params_model("DareTiesParams", "scaling", "density", "drop_rate", "seed")),
+    MethodSpec("linear", "streaming", params_model("LinearParams", "weights", "normalize")),
+    MethodSpec("task_arithmetic", "streaming", params_model("TaskArithmeticParams", "scaling", "weights", "normalize")),
+    MethodSpec("ties", "streaming", params_model("TiesParams", "scaling", "density", *_TIES_OPTIONS)),
+    MethodSpec("dare_ta", "streaming", params_model("DareTaskArithmeticParams", "scaling", "drop_rate", "seed",
+                                                    *_DARE_OPTIONS)),
+    MethodSpec("dare_ties", "streaming", params_model("DareTiesParams", "scaling", "density", "drop_rate", "seed",
+                                                      *dict.fromkeys(_TIES_OPTIONS + _DARE_OPTIONS))),
     MethodSpec("regmean", "whole_model", params_model("RegMeanMergeParams", "alpha"), needs_calibration=True),
     MethodSpec("regmean++", "whole_model", params_model("RegMeanPlusPlusMergeParams", "alpha"), needs_calibration=True),
     MethodSpec("wudi", "whole_model", params_model("WudiMergeParams", "steps", "lr", "seed")),
@@ -431,14 +489,46 @@ class FeatCalConfig(_Strict):
         return v
 
 
+# a run file's per-expert entry key -> the MergeConfig field that holds it
+EXPERT_ENTRY_KEYS = {"weight": "weights", "density": "densities", "drop_rate": "drop_rates"}
+
+
 class MergeSpec(_Strict):
-    """The merge section of a run file: inputs plus how to merge them (and, for RegMean, its data)."""
+    """The merge section of a run file: inputs plus how to merge them (and, for RegMean, its data). An expert
+    is a path, or an entry {path, weight, density, drop_rate} carrying its own recipe values."""
 
     base: str
     experts: dict[str, str]
     method: MethodName = "task_arithmetic"
     calibration: dict[str, str] | None = Field(None, description="RegMean(++): task -> calibration data")
     params: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _expert_entries(cls, data: Any) -> Any:
+        """An expert given as {path, weight, density, drop_rate} (a per-expert entry) is its path, and its values
+        go to params' weights / densities / drop_rates; naming one expert in both places is refused."""
+        if not isinstance(data, Mapping) or not isinstance(data.get("experts"), Mapping):
+            return data
+        data, params = dict(data), dict(data.get("params") or {})
+        experts = {}
+        for name, entry in data["experts"].items():
+            if not isinstance(entry, Mapping):
+                experts[name] = entry
+                continue
+            unknown = sorted(set(entry) - {"path", *EXPERT_ENTRY_KEYS})
+            if unknown or "path" not in entry:
+                raise ValueError(f"expert {name!r}: an entry holds path (required) and optionally "
+                                 f"{', '.join(EXPERT_ENTRY_KEYS)}" + (f", not {', '.join(unknown)}" if unknown else ""))
+            experts[name] = entry["path"]
+            for key, field in EXPERT_ENTRY_KEYS.items():
+                if key in entry:
+                    values = dict(params.get(field) or {})
+                    if name in values:
+                        raise ValueError(f"expert {name!r}: {key} is given both in its entry and in params.{field}")
+                    params[field] = {**values, name: entry[key]}
+        data["experts"], data["params"] = experts, params
+        return data
 
     @field_validator("experts")
     @classmethod
@@ -463,6 +553,22 @@ class CalibrateSpec(_Strict):
 
     def featcal_config(self) -> FeatCalConfig:
         return check_tune_options(parse(FeatCalConfig, self.config), "calibrate.config")
+
+
+class MergedSpec(_Strict):
+    """A run file's `merged:` section, instead of `merge:`: an existing merge (featcal's, mergekit's, any) to
+    calibrate, with the base and experts it was merged from."""
+
+    path: str
+    base: str
+    experts: dict[str, str]
+
+    @field_validator("experts")
+    @classmethod
+    def _non_empty(cls, v: dict[str, str]) -> dict[str, str]:
+        if not v:
+            raise ValueError("at least one expert is needed")
+        return v
 
 
 class RunOptions(_Strict):
@@ -492,16 +598,51 @@ class RunOptions(_Strict):
         return v
 
 
-class RunConfig(RunOptions):
-    """A whole `featcal run FILE.yaml`: merge, then optionally calibrate, into `out`; the run options
-    (overwrite, allow_pickle, max_length, allow_fewer) are top-level keys."""
+OutputDtype = Literal["float32", "bfloat16", "float16"]
 
-    merge: MergeSpec
+
+class OutputOptions(_Strict):
+    """What the written checkpoint holds besides the weights' values: `featcal merge` / `calibrate` flags
+    (--dtype, --tokenizer-source), featcal.merge's keywords and a run file's top-level keys (mergekit's dtype,
+    out_dtype and tokenizer_source)."""
+
+    dtype: OutputDtype | None = Field(
+        None, description="floating dtype of the written weights (computed in float32 either way); unset: the "
+        "base's (merge), the merged checkpoint's (calibrate)",
+    )
+    tokenizer_source: str | None = Field(
+        None, min_length=1, description="merge: whose tokenizer the output carries: 'base' or an expert's name; "
+        "unset: the base's, completed by what every expert agrees on and the base lacks (a chat template), and a "
+        "conflict among the experts is refused (docs/outputs.md)",
+    )
+
+
+class RunConfig(RunOptions, OutputOptions):
+    """A whole `featcal run FILE.yaml`: merge (or take an existing merge), then optionally calibrate, into `out`;
+    the run options (overwrite, allow_pickle, max_length, allow_fewer, dtype, tokenizer_source) are top-level
+    keys. A mergekit YAML is translated into this first (featcal.merging.mergekit_config)."""
+
+    merge: MergeSpec | None = None
+    merged: MergedSpec | None = Field(None, description="an existing merge to calibrate, instead of `merge:`")
     calibrate: CalibrateSpec | None = None
     out: str
 
+    @model_validator(mode="after")
+    def _one_source_of_the_merge(self) -> RunConfig:
+        if (self.merge is None) == (self.merged is None):
+            raise ValueError("give either merge: (merge, then calibrate if asked) or merged: (an existing merge to "
+                             "calibrate), not both" if self.merge is not None else "a run file needs merge: or merged:")
+        if self.merged is not None and self.calibrate is None:
+            raise ValueError("merged: names a merge to calibrate, so a calibrate: section is needed")
+        if self.merged is not None and self.tokenizer_source is not None:
+            raise ValueError("tokenizer_source applies to a merge; a merged: run keeps the merge's tokenizer")
+        return self
+
     def run_options(self) -> RunOptions:
         return RunOptions(**{k: getattr(self, k) for k in RunOptions.model_fields})
+
+    def output_options(self) -> OutputOptions:
+        return OutputOptions(**{k: getattr(self, k) for k in OutputOptions.model_fields})
 
 
 def check_tune_options(config: FeatCalConfig, where: str = "") -> FeatCalConfig:
@@ -596,6 +737,17 @@ def _check_run_file_shape(path: Path, data: Any) -> None:
 
 def load_run_file(path: str | Path) -> RunConfig:
     """Read and validate a YAML run file: one-line errors for a missing, non-UTF-8 or invalid file."""
+    return run_config(read_run_data(path))
+
+
+def run_config(data: dict[str, Any]) -> RunConfig:
+    """A run file's mapping, validated (the run options first, with the CLI flags' own errors)."""
+    run_options(**{k: v for k, v in data.items() if k in RunOptions.model_fields})
+    return parse(RunConfig, data)
+
+
+def read_run_data(path: str | Path) -> dict[str, Any]:
+    """A YAML run file's top-level mapping, not yet validated (a mergekit YAML is translated before)."""
     p = Path(path)
     if not p.exists():
         raise ConfigError(f"run file {p} does not exist")
@@ -622,5 +774,4 @@ def load_run_file(path: str | Path) -> RunConfig:
     _check_run_file_shape(p, data)
     if not isinstance(data, dict):
         raise ConfigError(f"{p} must hold a mapping at the top level")
-    run_options(**{k: v for k, v in data.items() if k in RunOptions.model_fields})  # the CLI flags' own errors
-    return parse(RunConfig, data)
+    return data

@@ -26,7 +26,7 @@ from featcal.calibration.inputs import resolve_device
 from featcal.calibration.result import CalibrationResult
 from featcal.calibration.resume import default_resume_dir, discard_on_error
 from featcal.calibration.tuning import load_heads, merge_scaling_from_report
-from featcal.config import FeatCalConfig, check_expert_kinds, run_options
+from featcal.config import FeatCalConfig, OutputOptions, check_expert_kinds, parse, run_options
 from featcal.data.batch import Batch
 from featcal.data.calibration import (
     batches_record,
@@ -50,6 +50,7 @@ from featcal.io.atomic import (
     check_replaceable,
     refuse_output_over_inputs,
 )
+from featcal.io.card import replaced_files, write_card
 from featcal.io.checkpoint import CheckpointReader, copy_side_files, read_json, resolve_checkpoint
 from featcal.io.gguf import gguf_config, gguf_file, open_gguf
 from featcal.io.layouts import harmonise
@@ -57,6 +58,8 @@ from featcal.io.lora import kind_record, open_adapter, reads_as_adapter
 from featcal.io.models import check_loadable, hf_progress_bars, load_config, load_model
 from featcal.io.report import Timer, build_report, checkpoint_hashes, peak_rss_mb, write_report
 from featcal.io.sources import UnmappedReader
+from featcal.io.task_heads import HEADS_DIR
+from featcal.io.tokenizer import TokenizerPlan, input_folder, plan_tokenizer
 from featcal.io.validate import (
     check_finite_state,
     check_same_config,
@@ -376,8 +379,9 @@ def calibrate_to_dir(
     merge_scaling: float | None = None,
     heads: Mapping[str, str | Path] | None = None,
     expert_kind: Mapping[str, str] | None = None,
+    dtype: str | None = None,
 ) -> dict[str, Any]:
-    """Calibrate the merged checkpoint toward its experts and write the result (+ featcal.json) to `out`.
+    """Calibrate the merged checkpoint toward its experts and write the result (+ featcal.json, README.md) to `out`.
 
     Returns the report that was written; its `warnings` list what featcal warned about during the run
     (e.g. a Gram matrix that needed the pseudo-inverse fallback). Nothing is written if anything fails,
@@ -386,7 +390,8 @@ def calibrate_to_dir(
     With `config.tune`, `merge_scaling` is the s of a task-vector merge θ0 + s·v (featcal run knows it; else
     it is read from the merged checkpoint's featcal.json when that ties it to these inputs), and the
     report's `tuning` records every candidate and the choice (tuning.py); `heads` (task -> a head saved by
-    featcal) add agreement with the experts' predictions to its score.
+    featcal) add agreement with the experts' predictions to its score. `dtype` ('float32', 'bfloat16',
+    'float16'): the written weights' floating dtype (default: the merged checkpoint's stored one).
     """
     with hf_progress_bars(progress):
         return _calibrate_to_dir(
@@ -394,6 +399,7 @@ def calibrate_to_dir(
             overwrite=overwrite, allow_pickle=allow_pickle, progress=progress, max_length=max_length,
             allow_fewer=allow_fewer, check_finite=check_finite, merge_scaling=merge_scaling, heads=heads,
             expert_kind=expert_kind,
+            dtype=parse(OutputOptions, {"dtype": dtype}).dtype,
         )
 
 
@@ -402,7 +408,7 @@ def _calibrate_to_dir(
     calibration_sources: Mapping[str, str | Path], config: FeatCalConfig, out: str | Path, overwrite: bool,
     allow_pickle: bool, progress: bool, max_length: int, allow_fewer: bool, check_finite: bool,
     merge_scaling: float | None = None, heads: Mapping[str, str | Path] | None = None,
-    expert_kind: Mapping[str, str] | None = None,
+    expert_kind: Mapping[str, str] | None = None, dtype: str | None = None,
 ) -> dict[str, Any]:
     total = Timer()
     if merged is None:
@@ -422,7 +428,9 @@ def _calibrate_to_dir(
         calibration, read_as = _load_calibration(checked, calibration_sources, config, max_length, allow_fewer,
                                                  progress)
         data_seconds = load.seconds
-        out_dtype = stored_float_dtype(merged_dir, allow_pickle)  # loaded (and computed) in float32
+        tokenizer = _tokenizer_plan(checked, merged_dir)  # refused here, before any work
+        # loaded (and computed) in float32; written in --dtype, else the merge's stored dtype
+        out_dtype = getattr(torch, dtype) if dtype is not None else stored_float_dtype(merged_dir, allow_pickle)
         merged_model = load_model(merged_dir, allow_pickle=allow_pickle)
         load_seconds = load.seconds
 
@@ -445,7 +453,7 @@ def _calibrate_to_dir(
         result, checked, merged_dir, overwrite,
         params={**config.model_dump(mode="json"), "max_length": max_length, "allow_fewer": allow_fewer},
         inputs_report=inputs_report, warnings=warnings.messages, seconds=seconds, total=total,
-        tuning=_tuning_report(result, scaling_from, heads),
+        tuning=_tuning_report(result, scaling_from, heads), tokenizer=tokenizer,
     )
     group.barrier()
     if result.resume_store is not None:  # the checkpoint is safely in place: the resume state has served
@@ -553,19 +561,36 @@ def _tuning_report(result: CalibrationResult, scaling_from: str | None,
             "head_files": {t: str(p) for t, p in (heads or {}).items()}}
 
 
+def _tokenizer_plan(checked: CheckedInputs, merged_dir: Path) -> TokenizerPlan | None:
+    """The calibrated output carries the merge's tokenizer (else the base's: `data_dir`), completed by a chat
+    template every expert agrees on where it lacks one (io/tokenizer.py); a disagreement among the experts is
+    logged, not refused (calibrate keeps the merge's tokenizer, which a merge tool chose)."""
+    experts = {t: input_folder(d) for t, d in checked.experts.items()}
+    try:
+        plan = plan_tokenizer(checked.data_dir, experts)
+    except ConfigError as exc:
+        log.warning("the calibrated model keeps the merge's tokenizer: %s", exc)
+        return None
+    return plan if plan.source == "base" else None  # the merge's own tokenizer files are never swapped
+
+
 def _write_calibrated(
     result: CalibrationResult, checked: CheckedInputs, merged_dir: Path, overwrite: bool, *,
     params: dict[str, Any], inputs_report: dict[str, Any], warnings: list[str], seconds: dict[str, float],
-    total: Timer, tuning: dict[str, Any] | None,
+    total: Timer, tuning: dict[str, Any] | None, tokenizer: TokenizerPlan | None = None,
 ) -> dict[str, Any]:
-    """The calibrated checkpoint, its preprocessing files and featcal.json, through a temporary directory
-    renamed into place; the report written."""
+    """The calibrated checkpoint, its preprocessing files, task heads, featcal.json and model card, through a
+    temporary directory renamed into place; the report written."""
     calibrated, out_path, data_dir = result.model, checked.out, checked.data_dir
     save = Timer()
     with discard_on_error(result.resume_store), atomic_output_dir(out_path, overwrite) as tmp:
         copy_side_files(merged_dir, tmp)  # tokenizer / processor files first: save_pretrained's config wins
         if data_dir != merged_dir:
             _copy_processor_files(data_dir, tmp)  # the output preprocesses like the data it was calibrated on
+        if tokenizer is not None:
+            tokenizer.write(tmp)
+        if (merged_dir / HEADS_DIR).is_dir():  # a featcal merge's per-task heads go on with the model
+            shutil.copytree(merged_dir / HEADS_DIR, tmp / HEADS_DIR)
         calibrated.save_pretrained(tmp)
         report = build_report(
             "calibrate", params, inputs=inputs_report, drift=result.drift, end_to_end_drift=result.end_to_end,
@@ -586,5 +611,23 @@ def _write_calibrated(
             report["stem_norm"] = result.stem_norm
         if result.kept_merged:  # block parameters left as merged (a mixture of experts' experts, LayerScale, ...)
             report["kept_merged"] = result.kept_merged
+        merged_report = _merged_report(merged_dir)
+        if merged_report is not None and merged_report.get("task_heads"):
+            report["task_heads"] = merged_report["task_heads"]
+        if tokenizer is not None and tokenizer.template is not None:
+            report["tokenizer"] = {**tokenizer.report(tmp), "source": "the merge's"}
+        replaced = replaced_files({"merged": merged_dir})
+        if replaced:
+            report["replaced_input_files"] = replaced
+        write_card(tmp, report, merged_report)
         write_report(tmp, report)
     return report
+
+
+def _merged_report(merged_dir: Path) -> dict[str, Any] | None:
+    """The merged checkpoint's own featcal.json (a featcal merge), None for another tool's merge."""
+    path = merged_dir / "featcal.json"
+    try:
+        return read_json(path) if path.is_file() else None
+    except CheckpointError:
+        return None

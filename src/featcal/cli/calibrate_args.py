@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from featcal.config import FeatCalConfig, RunOptions, check_tune_options, parse, run_options
+from featcal.config import FeatCalConfig, OutputDtype, RunOptions, check_tune_options, parse, run_options
 from featcal.errors import ConfigError
 
 _PREFIX = "cfg_"
@@ -62,10 +62,11 @@ def add_config_flags(parser: argparse.ArgumentParser, model: type[BaseModel], ti
         )
 
 
-def config_from_args(args: argparse.Namespace, model: type[BaseModel]):
-    """The validated config built from the flags that were given (ConfigError on a bad value)."""
+def config_from_args(args: argparse.Namespace, model: type[BaseModel], **extra: Any):
+    """The validated config built from the flags that were given, plus `extra` fields (ConfigError on a bad
+    value)."""
     given = {k[len(_PREFIX):]: v for k, v in vars(args).items() if k.startswith(_PREFIX)}
-    config = parse(model, given)
+    config = parse(model, {**given, **extra})
     return check_tune_options(config) if isinstance(config, FeatCalConfig) else config
 
 
@@ -108,6 +109,13 @@ def parse_pairs(pairs: list[str] | None, flag: str) -> dict[str, str]:
             raise ConfigError(f"{flag} {name!r} is given twice")
         out[name] = value.strip()
     return out
+
+
+def add_output_flags(p: argparse.ArgumentParser) -> None:
+    """--dtype: the written weights' floating dtype (featcal merge and calibrate)."""
+    p.add_argument("--dtype", default=None, choices=typing.get_args(OutputDtype),
+                   help="floating dtype of the written weights (computed in float32 either way; default: the base's "
+                   "for a merge, the merged checkpoint's for a calibration)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

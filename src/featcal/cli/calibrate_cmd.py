@@ -12,6 +12,7 @@ import argparse
 from featcal.cli.calibrate_args import (  # noqa: F401  (add_config_flags, parse_pairs: re-exported)
     add_arguments,
     add_config_flags,
+    add_output_flags,
     config_from_args,
     parse_pairs,
     run_options_from_args,
@@ -57,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
         args.merged, base=args.base, experts=parse_pairs(args.expert, "--expert"),
         calibration_sources=parse_pairs(args.calib, "--calib"), config=config, out=args.out,
         progress=not args.no_progress, **options.model_dump(),
-        heads=parse_pairs(args.tune_head, "--tune-head"),
+        heads=parse_pairs(args.tune_head, "--tune-head"), dtype=args.dtype,
     )
     if not group.is_main:
         return 0  # rank 0 wrote the checkpoint and prints the summary
@@ -86,5 +87,6 @@ def register(subparsers) -> None:
         "its config.",
     )
     add_arguments(p)
+    add_output_flags(p)
     p.add_argument("--dry-run", action="store_true", help="print the memory plan (featcal plan) and stop")
     p.set_defaults(func=run)

@@ -13,6 +13,11 @@
     overwrite: false                 # run options (RunOptions), as the CLI flags: also allow_pickle,
     max_length: 128                  # max_length (calibration texts' tokens), allow_fewer
 
+An expert may be an entry {path: ..., weight: 0.5, density: 0.3, drop_rate: 0.1} (its own recipe values).
+`merged: {path: a/merge, base: ..., experts: {...}}` instead of `merge:` calibrates an existing merge.
+A mergekit configuration (merge_method, base_model, models, ...) is read too, alone or with a
+`calibrate:` section (featcal.merging.mergekit_config, docs/mergekit.md); `--out` gives its output.
+
 Relative paths are taken relative to the YAML file's directory (so a run file works from any
 working directory); an input that does not exist there is passed on as given (e.g. a hub id).
 Everything is validated before work starts, the calibration's inputs included (against the base,
@@ -26,7 +31,8 @@ import argparse
 import shutil
 from pathlib import Path
 
-from featcal.config import RunConfig, load_run_file
+from featcal.config import RunConfig, read_run_data, run_config
+from featcal.errors import ConfigError
 from featcal.io.atomic import (
     check_output_dir,
     check_replaceable,
@@ -52,13 +58,19 @@ def _output_path(value: str, root: Path) -> Path:
 
 def resolve_paths(run: RunConfig, root: Path) -> RunConfig:
     """A copy of `run` with relative paths resolved against `root` (the run file's directory)."""
-    merge = run.merge.model_copy(update={
-        "base": _input_path(run.merge.base, root),
-        "experts": {t: _input_path(p, root) for t, p in run.merge.experts.items()},
-        "calibration": None if run.merge.calibration is None
-        else {t: _input_path(p, root) for t, p in run.merge.calibration.items()},
-    })
-    update = {"merge": merge, "out": str(_output_path(run.out, root))}
+    update: dict = {"out": str(_output_path(run.out, root))}
+    if run.merge is not None:
+        update["merge"] = run.merge.model_copy(update={
+            "base": _input_path(run.merge.base, root),
+            "experts": {t: _input_path(p, root) for t, p in run.merge.experts.items()},
+            "calibration": None if run.merge.calibration is None
+            else {t: _input_path(p, root) for t, p in run.merge.calibration.items()},
+        })
+    if run.merged is not None:
+        update["merged"] = run.merged.model_copy(update={
+            "path": _input_path(run.merged.path, root), "base": _input_path(run.merged.base, root),
+            "experts": {t: _input_path(p, root) for t, p in run.merged.experts.items()},
+        })
     if run.calibrate is not None:
         config = dict(run.calibrate.config)
         for key in ("resume_dir", "spill_dir"):  # directories featcal writes: from the file's folder, like `out`
@@ -73,12 +85,32 @@ def resolve_paths(run: RunConfig, root: Path) -> RunConfig:
     return run.model_copy(update=update)
 
 
+def load(path: Path, out: str | None = None) -> RunConfig:
+    """A run file, featcal's or mergekit's (translated: featcal.merging.mergekit_config), with `out` (the
+    --out flag, relative to the working directory) where the file names none; paths resolved."""
+    from featcal.merging.mergekit_config import is_mergekit, translate
+
+    data = read_run_data(path)
+    if is_mergekit(data):
+        data = translate(data, str(path))
+    if out is not None:
+        if "out" in data and _output_path(str(data["out"]), path.resolve().parent) != Path(out).resolve():
+            raise ConfigError(f"{path} names out: {data['out']} and --out names {out}; give one of them")
+        data = {**data, "out": str(Path(out).resolve())}
+    elif "out" not in data:
+        raise ConfigError(f"{path} names no out: directory; add one, or pass --out DIR")
+    return resolve_paths(run_config(data), path.resolve().parent)
+
+
 def execute(run: RunConfig, *, progress: bool = True) -> Path:
-    """Merge, then calibrate if asked; returns the output directory."""
+    """Merge (or take the `merged:` merge), then calibrate if asked; returns the output directory."""
     from featcal.merging.api import merge
 
+    if run.merged is not None:
+        return _calibrate_existing(run, progress=progress)
     merge_config = run.merge.merge_config()
     options = run.run_options().model_dump()  # overwrite, allow_pickle, max_length, allow_fewer
+    outputs = run.output_options().model_dump()  # dtype, tokenizer_source
     calibration = run.merge.calibration  # RegMean(++)'s own data (merge() checks its sources before it works)
     check_calibration_request(merge_config.method, run.merge.experts, calibration)
     out = check_output_dir(run.out, run.overwrite)
@@ -87,7 +119,7 @@ def execute(run: RunConfig, *, progress: bool = True) -> Path:
     check_replaceable(out, run.overwrite)
     if run.calibrate is None:
         merge(run.merge.base, run.merge.experts, config=merge_config, out=out, progress=progress,
-              calibration=calibration, **options)
+              calibration=calibration, **options, **outputs)
         return out
 
     from featcal.calibration.pipeline import calibrate_to_dir, check_calibration_inputs, feature_width
@@ -108,14 +140,14 @@ def execute(run: RunConfig, *, progress: bool = True) -> Path:
         make_owned(scratch)
         merged_dir = scratch / "merged"
         merge(run.merge.base, run.merge.experts, config=merge_config, out=merged_dir, progress=progress,
-              calibration=calibration, **{**options, "overwrite": False})
+              calibration=calibration, **{**options, "overwrite": False}, **outputs)
         calibrate_to_dir(
             merged=merged_dir, base=run.merge.base, experts=run.merge.experts,
             calibration_sources=run.calibrate.calibration, config=featcal_config, out=out,
             **options, progress=progress, check_finite=False,
             merge_scaling=merge_config.scaling if featcal_config.tune and merge_config.method in TASK_VECTOR_METHODS
             else None,  # tune may rebuild a task-vector merge at other scalings
-            heads=run.calibrate.heads,
+            heads=run.calibrate.heads, dtype=run.dtype,
         )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -133,11 +165,28 @@ def _base_config(base: str):
         return None
 
 
+def _calibrate_existing(run: RunConfig, *, progress: bool) -> Path:
+    """A `merged:` run: calibrate that merge into `out` (the calibration checks it like featcal calibrate)."""
+    from featcal.calibration.pipeline import calibrate_to_dir
+
+    merged = run.merged
+    refuse_output_over_inputs(run.out, {"merged model": merged.path})
+    calibrate_to_dir(
+        merged.path, base=merged.base, experts=merged.experts, calibration_sources=run.calibrate.calibration,
+        config=run.calibrate.featcal_config(), out=run.out, **run.run_options().model_dump(), progress=progress,
+        heads=run.calibrate.heads, dtype=run.dtype,
+    )
+    return Path(run.out)
+
+
 def run_file(args: argparse.Namespace) -> int:
     path = Path(args.file)
-    run = resolve_paths(load_run_file(path), path.resolve().parent)
+    run = load(path, args.out)
     refuse_output_over_inputs(run.out, {"run file": path})  # `out: .` with overwrite would delete the file itself
     out = execute(run, progress=not args.no_progress)
+    if run.merged is not None:
+        print(f"calibrated {run.merged.path} toward {len(run.merged.experts)} experts into {out}")
+        return 0
     what = "merged and calibrated" if run.calibrate is not None else "merged"
     print(f"{what} {len(run.merge.experts)} experts with {run.merge.method} into {out}")
     return 0
@@ -150,6 +199,9 @@ def register(subparsers) -> None:
         "from one YAML file validated by the same schema as the CLI flags. Relative paths are relative "
         "to the file's directory.",
     )
-    p.add_argument("file", metavar="FILE.yaml", help="the run file")
+    p.add_argument("file", metavar="FILE.yaml", help="the run file: featcal's, or a mergekit configuration "
+                   "(merge_method, base_model, models, ...; docs/mergekit.md)")
+    p.add_argument("--out", default=None, help="the output directory, where the file names none (a mergekit "
+                   "configuration has no out:)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=run_file)

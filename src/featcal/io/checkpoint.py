@@ -220,12 +220,18 @@ _DTYPES = {
 }
 
 
+# an input's files that describe that input (its model card, mergekit's recipe): an output gets its own card
+# (io/card.py), so these are never copied stale; featcal.json keeps their sha256
+CARRIED_FILES = ("README.md", "mergekit_config.yml", "mergekit_config.yaml")
+
+
 def copy_side_files(src: str | os.PathLike, dst: str | os.PathLike) -> list[str]:
-    """Copy a checkpoint's non-weight files (config, tokenizer, processor) into `dst`."""
+    """Copy a checkpoint's non-weight files (config, tokenizer, processor) into `dst`; not its report, card or
+    mergekit recipe (CARRIED_FILES)."""
     copied = []
     for p in Path(src).iterdir():
         if p.is_file() and not p.name.endswith(WEIGHT_SUFFIXES) and not p.name.endswith(".index.json"):
-            if p.name in ("featcal.json", "adapter_config.json"):  # an adapter's config is no part of the output
+            if p.name in ("featcal.json", "adapter_config.json", *CARRIED_FILES):  # an adapter's config is no part of the output
                 continue
             shutil.copy2(p, Path(dst) / p.name)
             copied.append(p.name)

@@ -8,15 +8,18 @@ through a temporary directory that only replaces `out` once complete.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import Tensor
 
-from featcal.config import MergeConfig, check_expert_kinds, parse, run_options
+from featcal.config import MergeConfig, OutputOptions, check_expert_kinds, parse, run_options
 from featcal.errors import ConfigError
 from featcal.io.atomic import (
     atomic_output_dir,
@@ -24,12 +27,15 @@ from featcal.io.atomic import (
     check_replaceable,
     refuse_output_over_inputs,
 )
+from featcal.io.card import replaced_files, write_card
 from featcal.io.checkpoint import CheckpointReader, copy_side_files
 from featcal.io.inputs import open_source
 from featcal.io.layouts import RenamedSource, harmonise
 from featcal.io.lora import kind_record
 from featcal.io.report import Timer, build_report, checkpoint_hashes, peak_rss_mb, write_report
 from featcal.io.sources import MergeInput, ModuleSource
+from featcal.io.task_heads import HeadPlan, plan_heads
+from featcal.io.tokenizer import TokenizerPlan, input_folder, plan_tokenizer
 from featcal.io.validate import check_finite_state, validate_expert_names, validate_family
 from featcal.io.vocab import VocabPlan, grown_vocabulary
 from featcal.merging.calibration_data import (
@@ -64,6 +70,17 @@ def resolve_config(method: str, config: MergeConfig | None, params: Mapping[str,
     return parse(MergeConfig, {**config.model_dump(exclude_unset=True), **params})  # unset fields stay unset
 
 
+def check_expert_options(config: MergeConfig, experts: Iterable[str]) -> None:
+    """Per-expert weights, densities and drop rates must name experts of this merge (a typo would otherwise
+    merge at the default silently)."""
+    names = list(experts)
+    for option in ("weights", "densities", "drop_rates"):
+        unknown = [n for n in getattr(config, option) if n not in names]
+        if unknown:
+            raise ConfigError(f"{option} names {', '.join(map(repr, unknown))}, not an expert of this merge "
+                              f"(experts: {', '.join(names)})")
+
+
 def _describe(source) -> dict[str, Any]:
     if hasattr(source, "describe"):  # a LoRA adapter applied to the base (io/lora.py), a dequantised GGUF
         return source.describe()
@@ -74,29 +91,71 @@ def _describe(source) -> dict[str, Any]:
     return {"path": str(source.path), "in_memory": True}
 
 
+@dataclass
+class OutputPlan:
+    """What the written folder holds besides the weights (decided, and refused where ambiguous, before any
+    merging): its dtype, tokenizer, task heads, and the input cards and mergekit files it replaces."""
+
+    dtype: torch.dtype | None = None
+    tokenizer: TokenizerPlan | None = None
+    heads: HeadPlan | None = None
+    replaced: dict[str, dict[str, str]] = field(default_factory=dict)
+
+
+def plan_output(base: MergeInput, experts: Mapping[str, MergeInput], base_src, expert_srcs: Mapping[str, Any],
+                names: list[str], options: OutputOptions, vocab: VocabPlan | None) -> OutputPlan:
+    """The OutputPlan of a merge (ConfigError for a tokenizer conflict no tokenizer_source settles)."""
+    folders = {n: input_folder(experts[n], s) for n, s in expert_srcs.items()}
+    base_folder = input_folder(base, base_src)
+    tokenizer = None
+    if vocab is not None and vocab.tokenizer_from is not None:  # a grown vocabulary needs the grown tokenizer
+        if options.tokenizer_source not in (None, vocab.tokenizer_from):
+            raise ConfigError(f"tokenizer_source {options.tokenizer_source!r}: the merge's vocabulary grows to expert "
+                              f"{vocab.tokenizer_from!r}'s rows, so its tokenizer is the one the output can carry")
+    elif base_folder is not None or options.tokenizer_source is not None:
+        tokenizer = plan_tokenizer(base_folder, folders, options.tokenizer_source)
+    dtype = getattr(torch, options.dtype) if options.dtype is not None else None
+    replaced = replaced_files({"base": base_folder, **{f"expert {n!r}": f for n, f in folders.items()}})
+    return OutputPlan(dtype, tokenizer, plan_heads(base_src, expert_srcs, names), replaced)
+
+
+def cast_floating(state: dict[str, Tensor], dtype: torch.dtype | None) -> dict[str, Tensor]:
+    """The floating tensors in `dtype` (None: as they are); integer tensors (position ids) untouched."""
+    if dtype is None:
+        return state
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+
+
 def _write_output(
     out: Path, overwrite: bool, merged: dict[str, Tensor], merger, family: Family, *, seconds: dict[str, float],
-    total: Timer, vocab: VocabPlan | None = None,
+    total: Timer, vocab: VocabPlan | None = None, plan: OutputPlan | None = None,
 ) -> None:
-    """The checkpoint directory: the base's side files, the weights, then featcal.json, atomically."""
+    """The checkpoint directory: the base's side files, the weights, the tokenizer, the task heads, then
+    featcal.json and the model card, atomically."""
+    plan = plan or OutputPlan()
     save = Timer()
     with atomic_output_dir(out, overwrite) as tmp:
         if isinstance(family.base, ModuleSource):
             family.base.save_config(tmp)
         else:
-            copy_side_files(family.base.path, tmp)
+            copy_side_files(family.base.path, tmp)  # never the base's card nor a mergekit recipe (io/card.py)
             if isinstance(family.base, RenamedSource):
                 family.base.write_config(tmp)  # a CLIPModel base's vision tower: a CLIPVisionModel config
         files = save_state_dict(merged, tmp)
+        if plan.dtype is not None:
+            _set_config_dtype(tmp, plan.dtype)
+        if plan.tokenizer is not None:
+            plan.tokenizer.write(tmp)
         if vocab is not None:  # config vocab_size and tokenizer of the grown rows (merging/vocab.py)
             vocab.write(tmp)
+        heads = plan.heads.write(tmp, family.experts) if plan.heads is not None else None
         copied = [n for n in family.names if not family.is_floating(n)]
         report = build_report(
             "merge",
             merger.params(),
             inputs={"base": _describe(family.base), "experts": {n: _describe(s) for n, s in family.experts.items()},
                     **merger.report_inputs()},
-            output={"path": str(out), "files": files, "sha256": checkpoint_hashes(tmp)},
+            output={"path": str(out), "files": files, "sha256": checkpoint_hashes(tmp), "dtype": _dtype_name(merged)},
             tensors={"total": len(family.names), "merged": len(family.names) - len(copied), "copied_from_base": copied},
         )
         report["seconds"] = {
@@ -105,8 +164,34 @@ def _write_output(
         report["peak_rss_mb"] = round(peak_rss_mb(), 1)
         if vocab is not None:
             report["vocabulary"] = vocab.report()
+        if plan.tokenizer is not None:
+            report["tokenizer"] = plan.tokenizer.report(tmp)
+        elif vocab is not None and vocab.tokenizer_from is not None:
+            report["tokenizer"] = {"source": f"expert {vocab.tokenizer_from!r}", "chosen_by": "grown vocabulary"}
+        if heads:
+            report["task_heads"] = heads
+        if plan.replaced:
+            report["replaced_input_files"] = plan.replaced
+        write_card(tmp, report)
         write_report(tmp, report)
     log.info("merged checkpoint written to %s", out)
+
+
+def _dtype_name(state: Mapping[str, Tensor]) -> str | None:
+    """The floating dtype of the written weights (None when they mix several)."""
+    dtypes = {str(t.dtype).removeprefix("torch.") for t in state.values() if t.is_floating_point()}
+    return dtypes.pop() if len(dtypes) == 1 else None
+
+
+def _set_config_dtype(directory: Path, dtype: torch.dtype) -> None:
+    """config.json's dtype (transformers 5's key; `torch_dtype` before) says what the weights are stored in."""
+    config_file = directory / "config.json"
+    if not config_file.is_file():
+        return
+    config = json.loads(config_file.read_text())
+    name = str(dtype).removeprefix("torch.")
+    config["dtype" if "torch_dtype" not in config else "torch_dtype"] = name
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def merge(
@@ -123,6 +208,8 @@ def merge(
     max_length: int = 128,
     allow_fewer: bool = False,
     expert_kind: Mapping[str, str] | None = None,
+    dtype: str | None = None,
+    tokenizer_source: str | None = None,
     **params: Any,
 ) -> dict[str, Tensor]:
     """Merge `experts` (name -> checkpoint dir, hub id or nn.Module) into `base` with `method`.
@@ -134,6 +221,11 @@ def merge(
     the CLI flags and a run file's keys are). Hyperparameters (`scaling`, `density`, `drop_rate`, `seed`, `alpha`, `steps`,
     `lr`, `num_calibration_examples`, `calibration_batch_size`) come as keywords or in `config`; they
     are validated by MergeConfig, and unknown ones are refused.
+
+    `dtype` ('float32', 'bfloat16', 'float16'): the floating dtype of the result and the written weights
+    (default: the base's). `tokenizer_source` ('base' or an expert's name): whose tokenizer the output carries
+    when the experts' disagree where the base lacks one (a chat template; io/tokenizer.py). The output also
+    gets a model card (README.md) and, when the experts' label sets differ, each task's head in heads/.
 
     `calibration` (regmean, regmean++ only; data-free methods refuse it): task -> a data source path,
     read like `featcal calibrate` reads it (`num_calibration_examples` drawn with `seed`, in batches of
@@ -147,10 +239,12 @@ def merge(
     cfg = resolve_config(method, config, params)
     kinds = run_options(overwrite=overwrite, allow_pickle=allow_pickle, max_length=max_length,
                         allow_fewer=allow_fewer, expert_kind=expert_kind or {}).expert_kind
+    output_options = parse(OutputOptions, {"dtype": dtype, "tokenizer_source": tokenizer_source})
     if not isinstance(experts, Mapping):
         raise ConfigError(f"experts must be a mapping of task name -> checkpoint, got {type(experts).__name__}")
     validate_expert_names(experts.keys())
     check_expert_kinds(kinds, experts)
+    check_expert_options(cfg, experts.keys())
     check_calibration_request(cfg.method, experts, calibration)
     if out is not None:
         check_output_dir(out, overwrite)
@@ -171,6 +265,7 @@ def merge(
         check_calibration_data(calibration, model_dir=model_dir, config=cfg, max_length=max_length,
                                allow_fewer=allow_fewer, experts=experts)
     validate_family(base_src, expert_srcs, progress=progress)
+    plan = plan_output(base, experts, base_src, expert_srcs, sorted(base_src.keys()), output_options, vocab)
     validate_seconds = total.seconds
 
     loaded, data_timer = None, Timer()
@@ -184,12 +279,13 @@ def merge(
     merged = merge_family(merger, family, progress=progress)
     if vocab is not None:
         merged = vocab.grow(merged)  # the extra vocabulary rows: the mean of the experts that have them
-    check_finite_state(f"the {cfg.method} merge", merged)  # finite inputs can still overflow the base dtype
+    merged = cast_floating(merged, plan.dtype)
+    check_finite_state(f"the {cfg.method} merge", merged)  # finite inputs can still overflow the output dtype
     merge_seconds = work.seconds
     log.info("merged %d experts with %s in %.2f s", len(expert_srcs), cfg.method, merge_seconds)
 
     if out is not None:
         _write_output(Path(out), overwrite, merged, merger, family,
                       seconds={"validate": validate_seconds, **data_seconds, "merge": merge_seconds}, total=total,
-                      vocab=vocab)
+                      vocab=vocab, plan=plan)
     return merged

@@ -19,7 +19,15 @@ from typing import ClassVar
 from pydantic import BaseModel
 from torch import Tensor
 
-from featcal.config import MergeConfig, MethodKind, MethodSpec, add_method, find_method, params_model
+from featcal.config import (
+    RECIPE_OPTIONS,
+    MergeConfig,
+    MethodKind,
+    MethodSpec,
+    add_method,
+    find_method,
+    params_model,
+)
 from featcal.errors import ConfigError
 from featcal.merging.family import Family
 
@@ -51,7 +59,11 @@ class Merger(ABC):
 
     def params(self) -> dict:
         """The hyperparameters this method actually uses (what a report should show)."""
-        return {"method": self.name, **self.method_params.model_dump()}
+        params = self.method_params
+        # the per-expert and mergekit options appear only when used: other recipes are reported as before
+        unused = {k for k in RECIPE_OPTIONS if k in type(params).model_fields
+                  and getattr(params, k) == type(params).model_fields[k].get_default(call_default_factory=True)}
+        return {"method": self.name, **params.model_dump(exclude=unused)}
 
     def report_inputs(self) -> dict:
         """Inputs besides the checkpoints that featcal.json should record (RegMean: its calibration data)."""

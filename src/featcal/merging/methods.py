@@ -85,28 +85,32 @@ def trim(tau: Tensor, threshold: float) -> Tensor:
 class DisjointMean:
     """TIES' elect + disjoint merge, accumulated one trimmed task vector at a time.
 
-    Keeps four tensors of the merged tensor's shape (positive and negative sums, and how many
-    experts contributed to each), whatever the number of experts: γ = sgn(P + N), and the
-    disjoint mean is P / #positive where γ > 0, N / #negative where γ < 0, 0 where γ = 0.
+    Keeps four tensors of the merged tensor's shape (positive and negative sums of the weighted
+    trimmed vectors w_t·τ̂t, and the weights that contributed to each), whatever the number of
+    experts: γ = sgn(P + N), and the disjoint mean is P / Σ_{w·τ̂>0} w where γ > 0, N / Σ_{w·τ̂<0} w
+    where γ < 0, 0 where γ = 0 (with unit weights: the paper's mean over the agreeing experts; with
+    `normalize=False` the sums P and N themselves, mergekit's dare_ties default).
     """
 
     def __init__(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> None:
         self.pos = torch.zeros(shape, dtype=dtype)
         self.neg = torch.zeros(shape, dtype=dtype)
-        self.n_pos = torch.zeros(shape, dtype=torch.int32)
-        self.n_neg = torch.zeros(shape, dtype=torch.int32)
+        self.n_pos = torch.zeros(shape, dtype=dtype)  # summed weights (counts with unit weights: exact)
+        self.n_neg = torch.zeros(shape, dtype=dtype)
 
-    def add(self, trimmed: Tensor) -> None:
-        positive, negative = trimmed > 0, trimmed < 0
-        self.pos += torch.where(positive, trimmed, 0.0)
-        self.neg += torch.where(negative, trimmed, 0.0)
-        self.n_pos += positive
-        self.n_neg += negative
+    def add(self, trimmed: Tensor, weight: float = 1.0) -> None:
+        weighted = trimmed if weight == 1.0 else trimmed * weight
+        positive, negative = weighted > 0, weighted < 0
+        self.pos += torch.where(positive, weighted, 0.0)
+        self.neg += torch.where(negative, weighted, 0.0)
+        self.n_pos += torch.where(positive, weight, 0.0)
+        self.n_neg += torch.where(negative, weight, 0.0)
 
-    def result(self) -> Tensor:
+    def result(self, normalize: bool = True) -> Tensor:
         elected = torch.sign(self.pos + self.neg)
-        up = self.pos / self.n_pos.clamp(min=1)
-        down = self.neg / self.n_neg.clamp(min=1)
+        one = torch.ones((), dtype=self.pos.dtype)
+        up = self.pos / torch.where(self.n_pos == 0, one, self.n_pos) if normalize else self.pos
+        down = self.neg / torch.where(self.n_neg == 0, one, self.n_neg) if normalize else self.neg
         zero = torch.zeros((), dtype=self.pos.dtype)
         return torch.where(elected > 0, up, torch.where(elected < 0, down, zero))
 
@@ -139,12 +143,39 @@ def derive_seed(seed: int, *parts: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def dare(tau: Tensor, drop_rate: float, generator: torch.Generator) -> Tensor:
-    """Drop each entry with probability p, rescale the survivors by 1/(1−p) (p = 0: τ unchanged)."""
+def dare_mask(shape: torch.Size | tuple[int, ...], drop_rate: float, generator: torch.Generator) -> Tensor:
+    """Which entries DARE keeps: each is dropped with probability p, from the seeded generator."""
+    return torch.rand(shape, generator=generator) >= drop_rate
+
+
+def dare(tau: Tensor, drop_rate: float, generator: torch.Generator, rescale: str = "inverse") -> Tensor:
+    """Drop each entry with probability p; rescale the survivors by 1/(1−p) ('inverse', the DARE paper), by
+    ‖τ‖₁ / ‖kept‖₁ ('l1', mergekit's: left unscaled when either norm is below 1e-7) or not ('none').
+    p = 0: τ unchanged."""
     if drop_rate == 0.0:
         return tau
-    keep = torch.rand(tau.shape, generator=generator) >= drop_rate
-    return torch.where(keep, tau / (1.0 - drop_rate), torch.zeros((), dtype=tau.dtype))
+    keep = dare_mask(tau.shape, drop_rate, generator)
+    zero = torch.zeros((), dtype=tau.dtype)
+    if rescale == "inverse":
+        return torch.where(keep, tau / (1.0 - drop_rate), zero)
+    kept = torch.where(keep, tau, zero)
+    if rescale == "none":
+        return kept
+    before, after = tau.abs().sum(), kept.abs().sum()
+    if before < L1_RESCALE_EPS or after < L1_RESCALE_EPS:
+        return kept
+    return kept * (before / after)
+
+
+L1_RESCALE_EPS = 1e-7
+
+
+def floor_keep_count(numel: int, density: float) -> int:
+    """How many entries a per-tensor TIES trim keeps: max(1, floor(density·n)), all of them at density 1
+    (mergekit's magnitude sparsification; the global trim rounds instead: keep_count)."""
+    if numel == 0:
+        return 0
+    return numel if density >= 1.0 else min(numel, max(1, int(density * numel)))
 
 
 def dare_ta(
