@@ -21,3 +21,11 @@ class CalibrationDataError(FeatCalError):
 
 class OutputExistsError(FeatCalError):
     """The output directory exists and is not empty, and overwriting was not requested."""
+
+
+class EvaluationDataError(FeatCalError):
+    """An evaluation set is missing, unreadable, or lacks what a model needs to be scored on it."""
+
+
+class CalibrationOverlapError(FeatCalError):
+    """A model would be evaluated on examples it was calibrated on (featcal eval's leakage guard)."""

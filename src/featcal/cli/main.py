@@ -14,7 +14,7 @@ from featcal.io import host_allocator
 from featcal.io.atomic import os_error_of
 
 # sub-command modules, each with register(subparsers) setting `func` on its parser
-COMMANDS = ("merge", "calibrate", "run", "zoo", "bench", "reproduce", "plan")
+COMMANDS = ("merge", "calibrate", "run", "eval", "zoo", "bench", "reproduce", "plan")
 
 
 def build_parser() -> argparse.ArgumentParser:

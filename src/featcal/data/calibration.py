@@ -18,6 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from featcal.data.batch import Batch, BatchLike, batch_size
+from featcal.data.fingerprint import example_sha256
 from featcal.data.preprocess import make_preprocessor, model_modality
 from featcal.data.sources import open_source
 from featcal.errors import CalibrationDataError, ConfigError
@@ -107,8 +108,9 @@ def load_calibration_batches(
 
     Returns batches of at most `batch_size` examples, each a dict of keyword inputs
     (pixel_values; or input_ids, attention_mask[, decoder_input_ids, ...]). `record`, when given, is
-    filled with what a report should say about the source (its kind; the text column read), so a
-    featcal.json shows which column the model was calibrated on. `config`: the model's transformers
+    filled with what a report should say about the source (its kind; the text column read; each drawn
+    example's fingerprint, `example_sha256`), so a featcal.json shows which column the model was calibrated
+    on, and `featcal eval` can refuse to score it on those very examples. `config`: the model's transformers
     config when the caller already has it (a run reads it once, not once per task).
     """
     if num_examples < 1 or batch_size < 1 or max_length < 1:
@@ -125,10 +127,14 @@ def load_calibration_batches(
     preprocess = make_preprocessor(model_dir, config, max_length)
     indices = sample_indices(len(src), count, seed)
     chunks = [indices[i : i + batch_size] for i in range(0, len(indices), batch_size)]
-    return [
-        preprocess(src.fetch(chunk, wanted))
-        for chunk in tqdm(chunks, desc=f"data {Path(source).name}", unit="batch", disable=not progress)
-    ]
+    batches, fingerprints = [], []
+    for chunk in tqdm(chunks, desc=f"data {Path(source).name}", unit="batch", disable=not progress):
+        examples = src.fetch(chunk, wanted)
+        fingerprints.extend(example_sha256(e) for e in examples)  # what `featcal eval`'s leakage guard reads
+        batches.append(preprocess(examples))
+    if record is not None:
+        record["example_sha256"] = fingerprints
+    return batches
 
 
 def check_task_names(experts: Mapping[str, Any], calibration_sources: Mapping[str, Any]) -> list[str]:
