@@ -73,7 +73,7 @@ def _translated(labels: list[int], names: list[str], named: dict[int, str], *, t
         return labels
     if sorted(data_names) != sorted(model_names.values()):
         raise EvaluationDataError(
-            f"task {task!r}: the data's classes ({_shown(names)}) are not model {model!r}'s "
+            f"task {task!r}: the data's classes ({_shown(names)}) are not those of model {model!r} "
             f"(id2label: {_shown(named)}): the label maps differ, and scoring through either would be wrong"
         )
     to_model = {i: next(k for k, v in model_names.items() if v == n) for i, n in enumerate(data_names)}
