@@ -128,7 +128,7 @@ def eval_plot(report: Mapping[str, Any], path: str | os.PathLike) -> None:
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(tasks))], tasks)
         ax.set_ylabel(METRIC_LABELS.get(metric, metric), fontsize=8)
         ax.grid(axis="y", alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
