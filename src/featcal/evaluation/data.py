@@ -78,8 +78,15 @@ class EvalSet:
         return list(self._source.dataset.select(self.rows)[self._columns["label"]])
 
     def texts(self) -> list[str]:
-        """Every example's input text."""
-        return [e.text for e in self.examples()] if "text" in self.fields else []
+        """Every example's input text, read as one column (no row-by-row reads, no image decoded)."""
+        if "text" not in self.fields:
+            return []
+        column = self._columns["text"]
+        texts = list(self._without_images().select(self.rows)[column])
+        for row, text in zip(self.rows, texts, strict=True):
+            if not isinstance(text, str) or not text.strip():
+                raise EvaluationDataError(f"task {self.task!r}: {self.path}: row {row} has no text in column {column!r}")
+        return texts
 
     def fingerprints(self) -> list[str]:
         """Each example's content fingerprint (data.fingerprint), computed once."""
@@ -159,14 +166,14 @@ def read_eval_set(
         raise EvaluationDataError(f"task {task!r}: evaluation data {path} does not exist")
     try:
         src = _open(path, text_column=text_column, split=split)
+        if len(src) == 0:
+            raise EvaluationDataError(f"task {task!r}: evaluation data {path} ({src.kind}) holds no examples")
+        rows = _rows(len(src), max_examples, seed)
+        if isinstance(src, ImageFolderSource):
+            return _image_folder_set(task, src, rows, label_column, target_column, text_column)
+        return _table_set(task, src, rows, label_column=label_column, target_column=target_column)
     except CalibrationDataError as exc:  # featcal.data's messages speak of calibration data
         raise EvaluationDataError(f"task {task!r}: " + str(exc).replace("calibration data", "evaluation data")) from None
-    if len(src) == 0:
-        raise EvaluationDataError(f"task {task!r}: evaluation data {path} ({src.kind}) holds no examples")
-    rows = _rows(len(src), max_examples, seed)
-    if isinstance(src, ImageFolderSource):
-        return _image_folder_set(task, src, rows, label_column, target_column, text_column)
-    return _table_set(task, src, rows, label_column=label_column, target_column=target_column)
 
 
 def _rows(n: int, max_examples: int | None, seed: int) -> list[int]:

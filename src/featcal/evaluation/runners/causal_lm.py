@@ -48,16 +48,15 @@ class CausalLMRunner(Runner):
         """(input ids, labels: the id where the token is scored, IGNORE elsewhere) of every example."""
         encoded, truncated = [], 0
         limit = self.max_length()
-        for example in data.examples():
-            if example.messages is not None:
+        if "messages" in data.fields:
+            for example in data.examples():
                 ids, labels, cut = chat_labels(self.tokenizer, example.messages, limit)
-            else:
-                ids = self.tokenizer(example.text, truncation=False)["input_ids"]
-                cut = len(ids) > limit
-                ids = ids[:limit]
-                labels = list(ids)
-            truncated += cut
-            encoded.append((ids, labels))
+                truncated += cut
+                encoded.append((ids, labels))
+        else:
+            for ids in self.tokenizer(data.texts(), truncation=False)["input_ids"]:  # one call: the fast path
+                truncated += len(ids) > limit
+                encoded.append((ids[:limit], list(ids[:limit])))
         if truncated:
             log.warning("task %r: %d of %d examples are longer than %d tokens and were truncated (--max-length)",
                         data.task, truncated, len(encoded), limit)

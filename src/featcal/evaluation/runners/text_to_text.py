@@ -28,7 +28,7 @@ class TextToTextRunner(Runner):
     @torch.no_grad()
     def score(self, model: nn.Module, data: EvalSet, *, progress: bool) -> Scored:
         examples = data.examples()
-        texts, targets = [e.text for e in examples], [e.target or "" for e in examples]
+        texts, targets = data.texts(), [e.target or "" for e in examples]
         lengths = [len(ids) for ids in self.tokenizer(texts, truncation=True, max_length=self.max_length())["input_ids"]]
         longest = max(len(ids) for ids in self.tokenizer(text_target=targets)["input_ids"])
         generated = [""] * len(texts)
