@@ -178,3 +178,12 @@ def test_lm_eval_runs_when_installed_and_its_results_are_read_back(family, tmp_p
     ran = json.loads(next((tmp_path / "lm" / "lm_eval" / "m").rglob("results_*.json")).read_text())["args"]
     assert ran["--model_args"] == f"pretrained={family['merged'].resolve()}" and ran["--tasks"] == "hellaswag"
     assert "## lm-evaluation-harness" in (tmp_path / "lm" / "table.md").read_text()
+
+
+def test_no_progress_draws_no_bar(family, tmp_path, capfd):
+    held = write_jsonl(tmp_path / "held.jsonl", [{"text": s} for s in HELD_OUT["task0"]])
+    capfd.readouterr()
+    assert main(["eval", "--model", f"m={family['merged']}", "--task", f"t={held}", "--out", str(tmp_path / "e"),
+                 "--no-progress"]) == 0
+    err = capfd.readouterr().err
+    assert not re.search(r"Loading weights|\d+%\||it/s|s/it", err), err[-2000:]

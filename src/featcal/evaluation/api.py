@@ -25,6 +25,7 @@ from featcal.evaluation import lm_eval as harness
 from featcal.evaluation.options import EvalOptions
 from featcal.evaluation.plan import EXPERTS, EvalPlan, build_plan
 from featcal.evaluation.report import GAP, eval_plot, eval_table, gap_rows
+from featcal.io.models import hf_progress_bars
 from featcal.io.report import Timer, build_report
 
 log = logging.getLogger(__name__)
@@ -66,7 +67,8 @@ def evaluate(
     found = [o for e in plan.entries
              for o in leakage.overlaps(e.name, e.path, [plan.sets[t] for x, t in plan.pairs if x is e])]
     leakage.guard(found, opts.allow_calibration_overlap)
-    results = _score(plan, opts, progress, {(o.model, o.task) for o in found})
+    with hf_progress_bars(progress):  # --no-progress silences transformers' loading bars too
+        results = _score(plan, opts, progress, {(o.model, o.task) for o in found})
     primary = {plan.row_name(e): (e.kind.primary, e.kind.better_is_higher(e.kind.primary)) for e in plan.entries}
     report = build_report(
         "eval",

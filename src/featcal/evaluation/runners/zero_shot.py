@@ -35,6 +35,18 @@ class ZeroShotRunner(Runner):
         self._text_model: nn.Module | None = None
         self._heads: dict[str, torch.Tensor] = {}
 
+    @property
+    def processor_dir(self) -> Path:
+        """A vision tower saved without an image processor is preprocessed by the processor of the image-text
+        model it is read through (as calibration preprocesses it with the base's); --processor overrides."""
+        from featcal.data.preprocess import has_processor_files
+
+        if has_processor_files(self.entry.path, "image") or self.options.processor is not None:
+            return super().processor_dir
+        if has_processor_files(self.text_entry.path, "image"):
+            return self.text_entry.path
+        return super().processor_dir
+
     def check(self, data: EvalSet) -> None:
         what = f"zero-shot model {self.entry.name!r}"
         data.require(["image"], what, "give images (an image column, or an image folder)")
