@@ -26,7 +26,7 @@ def test_an_image_reads_the_same_fingerprint_from_a_folder_a_jsonl_and_a_saved_d
     recorded = [example_sha256(im) for im in calibration.fetch(range(len(calibration)), "image")]
     for source in (folder, tmp_path / "images.jsonl", tmp_path / "saved"):
         data = read_eval_set("t", source)
-        assert data.fingerprints() == recorded, source
+        assert data.fingerprints("image") == recorded, source
         assert [data.label_names[v] if isinstance(v, int) else v for v in data.labels()] == [f.parent.name for f in files]
     assert read_eval_set("t", folder).label_names == ("cat", "dog")
     assert example_sha256("a text") != example_sha256("a text ")  # exact content, nothing normalised away
@@ -56,3 +56,27 @@ def test_max_examples_is_a_seeded_subset_the_same_for_every_model(tmp_path):
     assert a.labels() == [r % 2 for r in a.rows] and a.texts() == [f"w{r}" for r in a.rows]
     with pytest.raises(ConfigError, match="--label-column"):
         read_eval_set("t", tmp_path / "d.jsonl", label_column="gold")
+
+
+def test_the_guard_compares_what_an_image_model_reads_not_a_caption_beside_it(tmp_path):
+    """Calibration records an image model's images; an evaluation table holding those images with captions
+    overlaps for that model (the images match), however the captions read."""
+    import json
+
+    from featcal.data.calibration import load_calibration_batches
+    from featcal.evaluation.leakage import overlaps
+    from tiny import tiny_model
+
+    model_dir = tmp_path / "vision"
+    tiny_model("clip").save_pretrained(model_dir)
+    folder = write_png_folder(tmp_path / "images", n_per_class=2, classes=("cat", "dog"))
+    record: dict = {}
+    load_calibration_batches(folder, model_dir=model_dir, num_examples=2, batch_size=2, record=record)
+    (model_dir / "featcal.json").write_text(json.dumps({"inputs": {"calibration": {"pets": record}}}))
+    files = sorted(folder.rglob("*.png"))
+    write_jsonl(tmp_path / "captioned.jsonl", [{"image": str(f.relative_to(tmp_path)), "text": f"a photo {i}"}
+                                               for i, f in enumerate(files)])
+    data = read_eval_set("t", tmp_path / "captioned.jsonl")
+    found = overlaps("m", model_dir, [data], "image")
+    assert [(o.task, o.examples, o.of, o.calibration_tasks) for o in found] == [("t", 2, 4, ("pets",))]
+    assert overlaps("m", model_dir, [data], "text") == []  # the captions were never calibrated on

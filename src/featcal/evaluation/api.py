@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from featcal.config import parse
+from featcal.data.preprocess import model_modality
 from featcal.errors import ConfigError, FeatCalError
 from featcal.evaluation import leakage
 from featcal.evaluation import lm_eval as harness
@@ -65,7 +66,8 @@ def evaluate(
     total = Timer()
     plan = build_plan(tasks, models, base=base, merged=merged, calibrated=calibrated, experts=experts, options=opts)
     found = [o for e in plan.entries
-             for o in leakage.overlaps(e.name, e.path, [plan.sets[t] for x, t in plan.pairs if x is e])]
+             for o in leakage.overlaps(e.name, e.path, [plan.sets[t] for x, t in plan.pairs if x is e],
+                                       model_modality(e.config))]
     leakage.guard(found, opts.allow_calibration_overlap)
     with hf_progress_bars(progress):  # --no-progress silences transformers' loading bars too
         results = _score(plan, opts, progress, {(o.model, o.task) for o in found})

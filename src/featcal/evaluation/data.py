@@ -58,7 +58,7 @@ class EvalSet:
     read_as: dict[str, Any] = field(default_factory=dict)  # split and columns read (for eval.json)
     _source: Any = None
     _columns: dict[str, Any] = field(default_factory=dict)
-    _fingerprints: list[str] | None = None
+    _fingerprints: dict[str, list[str]] = field(default_factory=dict)
     _plain: Any = None
 
     def __len__(self) -> int:
@@ -88,11 +88,17 @@ class EvalSet:
                 raise EvaluationDataError(f"task {self.task!r}: {self.path}: row {row} has no text in column {column!r}")
         return texts
 
-    def fingerprints(self) -> list[str]:
-        """Each example's content fingerprint (data.fingerprint), computed once."""
-        if self._fingerprints is None:
-            self._fingerprints = [example_sha256(e) for e in self.examples()]
-        return self._fingerprints
+    def fingerprints(self, modality: str = "text") -> list[str]:
+        """Each example's content fingerprint (data.fingerprint) of what a model of `modality` ("text": the
+        chat turns or the text; "image": the image) reads, as calibration fingerprints it; computed once."""
+        if modality not in self._fingerprints:
+            if modality == "image":
+                self._fingerprints[modality] = [example_sha256(e.image) for e in self.examples()]
+            else:
+                self._fingerprints[modality] = [
+                    example_sha256(e.messages if e.messages is not None else e.text) for e in self.examples()
+                ]
+        return self._fingerprints[modality]
 
     def require(self, needed: Sequence[str], what: str, hint: str) -> None:
         """Refuse a set that lacks one of `needed` (e.g. "label"), naming what the model is and the fix."""
@@ -122,7 +128,6 @@ class EvalSet:
         target = record[cols["target"]] if cols.get("target") else None
         return EvalExample(text=text, messages=messages, image=image, label=label,
                            target=None if target is None else str(target))
-
 
     def _without_images(self):
         """The table less its image column, so reading a row's text or label decodes no image."""

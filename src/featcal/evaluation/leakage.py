@@ -66,8 +66,9 @@ def calibration_record(model_dir: Path) -> dict[str, dict[str, Any]]:
     return {str(t): r for t, r in calibration.items() if isinstance(r, dict)} if isinstance(calibration, dict) else {}
 
 
-def overlaps(model: str, model_dir: Path, sets: Iterable[EvalSet]) -> list[Overlap]:
-    """Every evaluation set of `sets` that shares examples with `model`'s calibration data."""
+def overlaps(model: str, model_dir: Path, sets: Iterable[EvalSet], modality: str = "text") -> list[Overlap]:
+    """Every evaluation set of `sets` that shares examples with `model`'s calibration data (`modality`: what
+    the model reads, "text" or "image", the part of each example that is compared)."""
     recorded = calibration_record(model_dir)
     if not recorded:
         return []
@@ -83,7 +84,7 @@ def overlaps(model: str, model_dir: Path, sets: Iterable[EvalSet]) -> list[Overl
     found = []
     for data in sets:
         if by_hash:
-            hits = [by_hash[h] for h in data.fingerprints() if h in by_hash]
+            hits = [by_hash[h] for h in data.fingerprints(modality) if h in by_hash]
             if hits:
                 tasks = tuple(sorted(set().union(*hits)))
                 found.append(Overlap(model, data.task, len(hits), len(data), tasks))
