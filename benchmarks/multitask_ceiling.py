@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from featcal.experiments.evaluation.classification import accuracy
+from featcal.evaluation.classification import accuracy
 from featcal.experiments.zoo.presets import get_preset
 from featcal.experiments.zoo.store import Zoo
 from featcal.experiments.zoo.train import schedule

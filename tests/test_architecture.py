@@ -20,13 +20,14 @@ FLOORS: dict[str, int] = {
     "config": 1, "io": 1,
     "blocks": 2, "data": 2,
     "merging": 3, "calibration": 3,
-    "experiments": 4,
-    "": 5,  # featcal/__init__.py: the public Python API
-    "baselines": 5,  # the deprecated alias of experiments.baselines (0.1 import path)
-    "cli": 6,
-    "__main__": 7,
+    "evaluation": 4,  # metrics and runners of `featcal eval`, used by bench and reproduce (issue #38)
+    "experiments": 5,
+    "": 6,  # featcal/__init__.py: the public Python API
+    "baselines": 6,  # the deprecated alias of experiments.baselines (0.1 import path)
+    "cli": 7,
+    "__main__": 8,
 }
-# inside experiments/: evaluation below the baselines, both below the zoo, the zoo below bench / reproduce
+# inside experiments/: the GLUE / CLIP task data (evaluation) below the baselines, both below the zoo, the zoo below bench / reproduce
 EXPERIMENT_FLOORS: dict[str, int] = {"": 0, "evaluation": 1, "baselines": 2, "zoo": 3, "bench": 4, "reproduce": 4}
 
 

@@ -79,8 +79,8 @@ def test_bad_requests_fail_before_any_work(clip_family):
 
 def test_task_accuracy_scores_both_kinds_like_the_benchmark(clip_family):
     from featcal.blocks.heads import LinearHead
+    from featcal.evaluation.classification import accuracy
     from featcal.experiments.baselines.evaluate import task_accuracy
-    from featcal.experiments.evaluation.classification import accuracy
 
     base, experts, merged, calib = clip_family
     torch.manual_seed(0)

@@ -202,6 +202,7 @@ def clip_hub(tmp_path_factory):
         where.mkdir(parents=True)
         (where / "eurosat-train").symlink_to(data / "tanganke" / "eurosat")
         (where / "svhn-train").symlink_to(data / "svhn" / "cropped_digits")
+        (where / "eurosat-test").symlink_to(data / "tanganke" / "eurosat")  # its test split, for `featcal eval`
     shutil.copy2(REPO / "examples" / "ta_featcal.yaml", work / "examples" / "ta_featcal.yaml")
     return {"models": models, "cache": cache, "work": work}
 
@@ -218,7 +219,8 @@ def test_the_readme_hub_commands_work(offline_hub, capsys):
     from featcal.experiments.reproduce.clip import load_vision_tower
 
     commands = _readme_commands()
-    assert [c[:2] for c in commands] == [["featcal", "merge"], ["featcal", "calibrate"], ["featcal", "run"]]
+    assert [c[:2] for c in commands] == [["featcal", "merge"], ["featcal", "calibrate"], ["featcal", "run"],
+                                         ["featcal", "eval"]]
     assert "openai/clip-vit-base-patch32" in commands[0] and "tanganke/clip-vit-base-patch32_eurosat" in " ".join(commands[0])
     for argv in commands:
         rc, _, err = cli([*argv[1:], "--no-progress"], capsys)
@@ -244,6 +246,12 @@ def test_the_readme_hub_commands_work(offline_hub, capsys):
         assert (out / "processor_config.json").is_file() or (out / "preprocessor_config.json").is_file()
     calibrated = load_file(work / "calibrated" / "model.safetensors")
     assert not torch.equal(calibrated["encoder.layers.0.mlp.fc1.weight"], merged["encoder.layers.0.mlp.fc1.weight"])
+    # eval: the vision towers read zero-shot through the base CLIP, on the test split, the expert on its task
+    report = json.loads((work / "eval" / "eval.json").read_text())
+    assert report["tasks"]["eurosat"]["split"] == "test"
+    assert {(r["model"], r["metric"]) for r in report["results"]} == {
+        (m, "accuracy") for m in ("base", "merged", "calibrated", "experts")}
+    assert [g["model"] for g in report["gap_closed"] if g["task"] == "eurosat"] == ["base", "calibrated"]
 
 
 def test_a_position_ids_buffer_on_one_side_only_is_left_out(clip, tmp_path, capsys):

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from featcal.blocks.heads import CosineHead, load_head
+from featcal.evaluation.classification import pooled_features
+from featcal.evaluation.features import batches, mean_pool, select
 from featcal.experiments.bench.run import BenchSettings, run_bench, validate, write_bench
-from featcal.experiments.evaluation.classification import pooled_features
-from featcal.experiments.evaluation.features import batches, mean_pool, select
 from featcal.experiments.zoo.store import Zoo
 from featcal.experiments.zoo.text_sources import SOURCES, SourceError, check_sources, model_path, sources_dir
 from featcal.experiments.zoo.text_tasks import TEXT_TASKS, split_examples, task_examples

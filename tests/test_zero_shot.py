@@ -9,13 +9,13 @@ import torch
 import transformers as T
 
 from featcal.errors import CalibrationDataError, ConfigError
-from featcal.experiments.evaluation.templates import CLIP_CLASSNAMES, CLIP_TEMPLATES, clip_prompts
-from featcal.experiments.evaluation.zero_shot import (
+from featcal.evaluation.zero_shot import (
     ZeroShotClassifier,
     build_text_head,
     evaluate_zero_shot,
     zero_shot_logits,
 )
+from featcal.experiments.evaluation.templates import CLIP_CLASSNAMES, CLIP_TEMPLATES, clip_prompts
 from fixtures_hub import clip_tokenizer
 
 

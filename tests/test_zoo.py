@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from featcal.blocks.heads import LinearHead
 from featcal.errors import CheckpointError, ConfigError, OutputExistsError
-from featcal.experiments.evaluation.classification import accuracy, fit_linear_probe
+from featcal.evaluation.classification import accuracy, fit_linear_probe
 from featcal.experiments.zoo.build import build_zoo, few_shot
 from featcal.experiments.zoo.presets import PRESETS, ModelShape, get_preset
 from featcal.experiments.zoo.pretrain import PretrainSettings, categories, n_classes, pretraining_set

@@ -5,6 +5,8 @@ Public API:
     calibrate(merged, base=..., experts=..., calibration=..., config=FeatCalConfig())
                                                                  -> calibrated model
     calibrate(..., return_result=True)                           -> CalibrationResult (model, drift, ...)
+    evaluate(tasks, models, base=..., merged=..., calibrated=..., experts=..., out=None)
+                                                                 -> eval.json's content (models x tasks)
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ __all__ = [
     "merge",
     "calibrate",
     "CalibrationResult",
+    "evaluate",
 ]
 
 
@@ -44,6 +47,10 @@ def __getattr__(name: str):
         from featcal.calibration.api import calibrate
 
         return calibrate
+    if name == "evaluate":
+        from featcal.evaluation.api import evaluate
+
+        return evaluate
     if name == "CalibrationResult":
         from featcal.calibration.result import CalibrationResult
 

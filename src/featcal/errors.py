@@ -25,3 +25,11 @@ class OutputExistsError(FeatCalError):
 
 class UnsupportedModelError(FeatCalError):
     """The model's architecture cannot be calibrated (no stack of blocks found, a recurrent layer, ...)."""
+
+
+class EvaluationDataError(FeatCalError):
+    """An evaluation set is missing, unreadable, or lacks what a model needs to be scored on it."""
+
+
+class CalibrationOverlapError(FeatCalError):
+    """A model would be evaluated on examples it was calibrated on (featcal eval's leakage guard)."""

@@ -16,7 +16,7 @@ from featcal.io.atomic import os_error_of
 from featcal.io.interrupts import Terminated
 
 # sub-command modules, each with register(subparsers) setting `func` on its parser
-COMMANDS = ("merge", "calibrate", "run", "zoo", "bench", "reproduce", "plan", "supported")
+COMMANDS = ("merge", "calibrate", "run", "eval", "zoo", "bench", "reproduce", "plan", "supported")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -27,10 +27,11 @@ import torch
 from tqdm.auto import tqdm
 
 from featcal.data.batch import Batch, BatchLike, batch_size
+from featcal.data.fingerprint import example_sha256
 from featcal.data.packing import documents_in_order, pack
 from featcal.data.preprocess import TextPreprocessor, is_causal_lm, make_preprocessor, model_modality
 from featcal.data.sources import TextSource, open_source
-from featcal.data.types import ExampleSource, Modality
+from featcal.data.types import Example, ExampleSource, Modality
 from featcal.errors import CalibrationDataError, ConfigError
 from featcal.io.models import load_config
 from featcal.io.validate import validate_expert_names
@@ -57,6 +58,7 @@ class SourcePlan:
     explicit: bool  # whether the count was asked for (else it is the default ceiling)
     preprocessor: Any = None  # a TextPreprocessor, built when checking needed it (text models)
     windows: list[list[int]] | None = None  # packed windows of token ids, when packing
+    packed_sha256: list[str] | None = None  # fingerprints of the documents the packed windows hold
     shortfall: str | None = None  # the warning to give when the source holds fewer than requested
     record: dict[str, Any] = field(default_factory=dict)
 
@@ -112,7 +114,7 @@ def plan_source(
         if src.content("text") == "chat":
             plan.record["chat_template"] = plan.preprocessor.use_chat_template(template_dirs).record()
         if _packs(pack_texts, src, config):
-            plan.windows = _pack(src, plan.preprocessor, num_examples, seed)
+            plan.windows, plan.packed_sha256 = _pack(src, plan.preprocessor, num_examples, seed)
             available, unit = len(plan.windows), "window"
             plan.record["packed"] = {"window": plan.preprocessor.max_length, "documents": len(src)}
     plan.count = min(num_examples, available)
@@ -153,10 +155,19 @@ def _packs(pack_texts: bool | None, src: ExampleSource, config) -> bool:
     return bool(pack_texts) or (isinstance(src, TextSource) and is_causal_lm(config))
 
 
-def _pack(src: ExampleSource, preprocessor: TextPreprocessor, count: int, seed: int) -> list[list[int]]:
+def _pack(src: ExampleSource, preprocessor: TextPreprocessor, count: int,
+          seed: int) -> tuple[list[list[int]], list[str]]:
+    """The packed windows, and the fingerprints of the documents they hold (tokenised lazily: exactly the
+    documents the windows consumed are fingerprinted, for `featcal eval`'s leakage guard)."""
     order = sample_indices(len(src), len(src), seed)
-    docs = documents_in_order(lambda idx: src.examples(idx, "text"), order, preprocessor.token_ids)
-    return pack(docs, preprocessor.max_length, count)
+    fingerprints: list[str] = []
+
+    def token_ids(example: Example) -> list[int]:
+        fingerprints.append(example_sha256(example))
+        return preprocessor.token_ids(example)
+
+    docs = documents_in_order(lambda idx: src.examples(idx, "text"), order, token_ids)
+    return pack(docs, preprocessor.max_length, count), fingerprints
 
 
 def _unit_hint(src: ExampleSource, packed: bool) -> str:
@@ -213,9 +224,11 @@ def load_calibration_batches(
     Returns batches of at most `batch_size` examples, each a dict of keyword inputs
     (pixel_values; or input_ids, attention_mask[, decoder_input_ids, ...]). `record`, when given, is
     filled with what featcal.json says about the source (its format, content and unit, the column or chat
-    layout read, the chat template and where it came from, packing, the count requested, and the warning
-    when the source held fewer). Other options: as `check_calibration_source` takes them (`config`: the
-    model's transformers config when the caller already has it, so a run reads it once).
+    layout read, the chat template and where it came from, packing, the count requested, the warning
+    when the source held fewer, and each drawn example's fingerprint, `example_sha256`, so that `featcal
+    eval` can refuse to score the model on those very examples). Other options: as
+    `check_calibration_source` takes them (`config`: the model's transformers config when the caller
+    already has it, so a run reads it once).
     """
     if num_examples < 1 or batch_size < 1 or max_length < 1:
         raise ConfigError(
@@ -235,13 +248,19 @@ def load_calibration_batches(
     preprocess = plan.preprocessor or make_preprocessor(model_dir, config, max_length)
     if plan.windows is not None:
         chunks = [plan.windows[i : i + batch_size] for i in range(0, len(plan.windows), batch_size)]
+        if record is not None:
+            record["example_sha256"] = plan.packed_sha256  # the documents the windows hold
         return [preprocess.windows(c) for c in tqdm(chunks, desc=f"data {name}", unit="batch", disable=not progress)]
     indices = sample_indices(len(plan.source), plan.count, seed)
     chunks = [indices[i : i + batch_size] for i in range(0, len(indices), batch_size)]
-    return [
-        preprocess(plan.source.examples(chunk, plan.modality))
-        for chunk in tqdm(chunks, desc=f"data {name}", unit="batch", disable=not progress)
-    ]
+    batches, fingerprints = [], []
+    for chunk in tqdm(chunks, desc=f"data {name}", unit="batch", disable=not progress):
+        examples = plan.source.examples(chunk, plan.modality)
+        fingerprints.extend(example_sha256(e) for e in examples)  # what `featcal eval`'s leakage guard reads
+        batches.append(preprocess(examples))
+    if record is not None:
+        record["example_sha256"] = fingerprints
+    return batches
 
 
 def check_task_names(experts: Mapping[str, Any], calibration_sources: Mapping[str, Any]) -> list[str]:

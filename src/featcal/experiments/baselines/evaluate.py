@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from featcal.evaluation.metrics import accuracy
 from featcal.experiments.baselines.api import BaselineResult
 
 
@@ -32,4 +33,4 @@ def task_accuracy(
         head(result.features(task, {input_name: inputs[i : i + batch_size]})).argmax(-1)
         for i in range(0, len(inputs), batch_size)
     ]
-    return float((torch.cat(preds) == y).float().mean())
+    return accuracy(torch.cat(preds), y)

@@ -12,9 +12,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from featcal.errors import ConfigError
+from featcal.evaluation.features import batch_of, feature_fn, num_examples
 from featcal.experiments.bench.memory import PeakRSS
 from featcal.experiments.bench.metrics import gap_closed, mean, normalised_accuracy
-from featcal.experiments.evaluation.features import batch_of, feature_fn, num_examples
 
 SURGERY_BASELINES = ("surgery", "probsurgery")
 MERGE_BASELINES = ("regmean", "regmean++", "wudi")
@@ -50,6 +50,7 @@ def _score(result, heads: Mapping[str, Any], tests: Mapping[str, tuple], batch: 
     """Accuracy through the frozen heads; text test sets (dicts) are fed batch by batch, trimmed."""
     import torch
 
+    from featcal.evaluation.metrics import accuracy
     from featcal.experiments.baselines.evaluate import task_accuracy
 
     out = {}
@@ -62,7 +63,7 @@ def _score(result, heads: Mapping[str, Any], tests: Mapping[str, tuple], batch: 
             n = num_examples(x)
             pred = torch.cat([heads[t](result.features(t, batch_of(x, i, min(i + batch, n)))).argmax(-1)
                               for i in range(0, n, batch)])
-        out[t] = float((pred == torch.as_tensor(y)).float().mean())
+        out[t] = accuracy(pred, y)
     return out
 
 

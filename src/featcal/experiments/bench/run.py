@@ -27,6 +27,8 @@ import torch
 from featcal.config import MERGE_METHODS, FeatCalConfig
 from featcal.data.batch import Batch
 from featcal.errors import ConfigError, OutputExistsError
+from featcal.evaluation.classification import accuracy
+from featcal.evaluation.features import Inputs, batches, head_rows, num_examples
 from featcal.experiments.bench.baselines import (
     check_surgery_features,
     merge_baseline_rows,
@@ -37,8 +39,6 @@ from featcal.experiments.bench.cost import arithmetic_cost_ratio
 from featcal.experiments.bench.memory import PeakRSS
 from featcal.experiments.bench.metrics import BELOW_FLOOR, gap_closed, mean, normalised_accuracy
 from featcal.experiments.bench.regime import regime
-from featcal.experiments.evaluation.classification import accuracy
-from featcal.experiments.evaluation.features import Inputs, batches, head_rows, num_examples
 from featcal.experiments.zoo.presets import get_preset
 from featcal.io.report import Timer, build_report
 
@@ -488,7 +488,7 @@ def _tune_arguments(run: _Run, method: str, params: Mapping[str, Any]) -> dict[s
     """What the "tuned" variant's search is told: each task's frozen head, read on the pooled features the
     bench evaluates, and the merge's scaling where the merge is a task-vector merge (so it can be searched)."""
     from featcal.calibration.tuning import TASK_VECTOR_METHODS
-    from featcal.experiments.evaluation.features import features
+    from featcal.evaluation.features import features
 
     heads = {t: (lambda model, batch, h=run.heads[t]: h(features(model, batch, run.pooling))) for t in run.tasks}
     return {"heads": heads, "merge_scaling": params.get("scaling") if method in TASK_VECTOR_METHODS else None}

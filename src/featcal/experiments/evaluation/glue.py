@@ -9,18 +9,17 @@ so it ranks as "least similar"), and the count of such generations is reported.
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from featcal.data.batch import Batch
 from featcal.data.preprocess import teacher_forced_decoder_inputs
 from featcal.errors import CalibrationDataError
+from featcal.evaluation.generation import greedy_generations
+from featcal.evaluation.metrics import exact_match, normalise_answer, spearman  # noqa: F401  (re-exported)
 from featcal.experiments.evaluation.templates import glue_prompt
 
 STSB_FALLBACK = 0.0
@@ -28,52 +27,10 @@ _TARGET_MAX_LENGTH = 32  # label words and stsb scores are a few tokens
 _NUMBER = re.compile(r"[-+]?(?:\d+\.\d*|\.\d+|\d+)")
 
 
-
-def normalise_answer(text: str) -> str:
-    return " ".join(text.strip().lower().split())
-
-
-def exact_match(predictions: Sequence[str], references: Sequence[str]) -> float:
-    """Share (in %) of predictions equal to their reference after normalise_answer."""
-    if len(predictions) != len(references):
-        raise ValueError(f"{len(predictions)} predictions for {len(references)} references")
-    if not predictions:
-        raise ValueError("exact match of nothing is undefined")
-    hits = sum(normalise_answer(p) == normalise_answer(r) for p, r in zip(predictions, references, strict=True))
-    return 100.0 * hits / len(predictions)
-
-
 def parse_similarity(text: str) -> float | None:
     """The first number in a generation ('3.8', 'about 4', '4.0.'), or None if there is none."""
     match = _NUMBER.search(text)
     return float(match.group()) if match else None
-
-
-def _ranks(x: np.ndarray) -> np.ndarray:
-    """Ranks 1..n, ties given their average rank (as Spearman's ρ requires)."""
-    order = np.argsort(x, kind="mergesort")
-    ranks = np.empty(len(x), dtype=np.float64)
-    sorted_x = x[order]
-    i = 0
-    while i < len(x):
-        j = i
-        while j + 1 < len(x) and sorted_x[j + 1] == sorted_x[i]:
-            j += 1
-        ranks[order[i : j + 1]] = (i + j) / 2.0 + 1.0
-        i = j + 1
-    return ranks
-
-
-def spearman(x: Sequence[float], y: Sequence[float]) -> float:
-    """Spearman's rank correlation; 0.0 when either side is constant (ρ undefined: no ranking signal)."""
-    a, b = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
-    if a.shape != b.shape or a.ndim != 1:
-        raise ValueError(f"spearman needs two equal-length vectors, got {a.shape} and {b.shape}")
-    if len(a) < 2:
-        raise ValueError("spearman needs at least two pairs")
-    ra, rb = _ranks(a) - (len(a) + 1) / 2.0, _ranks(b) - (len(b) + 1) / 2.0
-    denom = math.sqrt(float(ra @ ra) * float(rb @ rb))
-    return float(ra @ rb / denom) if denom > 0 else 0.0
 
 
 def score(task: str, generations: Sequence[str], labels: Sequence[float | int]) -> dict[str, float | int]:
@@ -138,20 +95,13 @@ def calibration_batches(
     return batches
 
 
-def _generate(model: Any, tokenizer: Any, texts: list[str], device: Any, max_new_tokens: int, max_length: int) -> list[str]:
-    enc = tokenizer(texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt").to(device)
-    out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, num_beams=1)
-    return tokenizer.batch_decode(out, skip_special_tokens=True)
-
-
 def generations(
     model: Any, tokenizer: Any, texts: Sequence[str], *, batch_size: int, device: Any, max_new_tokens: int = 10,
     desc: str = "generate", max_length: int = 512,
 ) -> Iterator[str]:
     """Greedy generations, batch by batch (max_new_tokens=10 covers every GLUE answer word or score)."""
-    for start in tqdm(range(0, len(texts), batch_size), desc=desc):
-        yield from _generate(model, tokenizer, list(texts[start : start + batch_size]), device, max_new_tokens,
-                             max_length)
+    yield from greedy_generations(model, tokenizer, texts, batch_size=batch_size, device=device,
+                                  max_new_tokens=max_new_tokens, desc=desc, max_length=max_length)
 
 
 @torch.no_grad()

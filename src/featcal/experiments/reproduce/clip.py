@@ -17,13 +17,13 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from featcal.errors import CalibrationDataError, CheckpointError
-from featcal.experiments.evaluation.templates import clip_prompts
-from featcal.experiments.evaluation.zero_shot import (
+from featcal.evaluation.zero_shot import (
     ZeroShotClassifier,
     build_text_head,
     evaluate_zero_shot,
     image_batches,
 )
+from featcal.experiments.evaluation.templates import clip_prompts
 from featcal.experiments.reproduce.pipeline import Pipeline, calibration_indices, eval_indices
 from featcal.experiments.reproduce.settings import TaskSpec
 from featcal.io.checkpoint import CheckpointReader

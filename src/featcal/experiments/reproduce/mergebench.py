@@ -8,7 +8,6 @@ fine-tuning format (an Alpaca-style instruction / input / response prompt).
 
 from __future__ import annotations
 
-import shlex
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ from typing import Any
 from torch import nn
 
 from featcal.errors import CalibrationDataError
+from featcal.evaluation.lm_eval import lm_eval_command
 from featcal.experiments.reproduce.pipeline import Pipeline, calibration_indices, merge_paths
 from featcal.experiments.reproduce.settings import TaskSpec
 from featcal.io.checkpoint import copy_side_files
@@ -41,15 +41,6 @@ def sft_text(instruction: str, response: str, context: str = "") -> str:
         parts.append(f"### Input:\n{context}")
     parts.append(f"### Response:\n{response}")
     return "\n\n".join(parts)
-
-
-def lm_eval_command(checkpoint: Path, tasks: tuple[str, ...], output: Path, batch_size: int = 8) -> str:
-    return " ".join([
-        "lm_eval", "--model", "hf",
-        "--model_args", shlex.quote(f"pretrained={checkpoint},dtype=bfloat16"),
-        "--tasks", ",".join(tasks), "--batch_size", str(batch_size),
-        "--output_path", shlex.quote(str(output)),
-    ])
 
 
 class MergeBenchPipeline(Pipeline):

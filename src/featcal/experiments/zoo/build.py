@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from featcal.errors import OutputExistsError
-from featcal.experiments.evaluation.classification import accuracy, fit_linear_probe, pooled_features
+from featcal.evaluation.classification import accuracy, fit_linear_probe, pooled_features
 from featcal.experiments.zoo.presets import AnyPreset, TextZooPreset, ZooPreset, get_preset
 from featcal.experiments.zoo.pretrain import pretrain
 from featcal.experiments.zoo.stages import (

@@ -24,7 +24,7 @@ from safetensors import safe_open
 
 from featcal.blocks.heads import CosineHead, LinearHead, load_head
 from featcal.errors import CheckpointError
-from featcal.experiments.evaluation.features import Inputs
+from featcal.evaluation.features import Inputs
 from featcal.experiments.zoo.train import pixel_values
 
 MANIFEST = "zoo.json"
@@ -43,7 +43,7 @@ class LoadedZoo:
 
     def mean_accuracy(self, model: torch.nn.Module, tasks: Iterable[str] | None = None) -> float:
         """`model`'s test accuracy through each task's head, averaged over `tasks` (default: all)."""
-        from featcal.experiments.evaluation.classification import accuracy
+        from featcal.evaluation.classification import accuracy
 
         names = list(self.tests if tasks is None else tasks)
         return sum(accuracy(model, self.heads[t], *self.tests[t], pooling=self.pooling) for t in names) / len(names)

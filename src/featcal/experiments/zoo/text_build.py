@@ -21,8 +21,8 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from featcal.blocks.heads import CosineHead
-from featcal.experiments.evaluation.classification import accuracy, pooled_features
-from featcal.experiments.evaluation.features import Inputs, features, num_examples, select
+from featcal.evaluation.classification import accuracy, pooled_features
+from featcal.evaluation.features import Inputs, features, num_examples, select
 from featcal.experiments.zoo.presets import TextZooPreset
 from featcal.experiments.zoo.stages import (
     BuildLog,

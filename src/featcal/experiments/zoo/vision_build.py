@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from featcal.blocks.heads import CosineHead
-from featcal.experiments.evaluation.classification import accuracy, pooled_features
+from featcal.evaluation.classification import accuracy, pooled_features
 from featcal.experiments.zoo.stages import (
     BuildLog,
     l2_norm,

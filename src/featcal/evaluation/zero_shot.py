@@ -18,6 +18,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from featcal.errors import CalibrationDataError, ConfigError
+from featcal.evaluation.metrics import accuracy
 
 
 @torch.no_grad()
@@ -123,9 +124,9 @@ def evaluate_zero_shot(
     if not indices:
         raise CalibrationDataError(f"{desc}: the evaluation split is empty")
     classifier = classifier.to(device).eval()
-    correct = 0
+    preds, gold = [], []
     n_batches = (len(indices) + batch_size - 1) // batch_size
     for pixels, labels in tqdm(image_batches(dataset, image_processor, indices, batch_size), total=n_batches, desc=desc):
-        pred = classifier(pixels.to(device)).argmax(dim=-1).cpu()
-        correct += int((pred == labels).sum())
-    return {"accuracy": 100.0 * correct / len(indices), "n": len(indices)}
+        preds.append(classifier(pixels.to(device)).argmax(dim=-1).cpu())
+        gold.append(labels)
+    return {"accuracy": 100.0 * accuracy(torch.cat(preds), torch.cat(gold)), "n": len(indices)}

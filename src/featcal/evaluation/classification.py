@@ -3,7 +3,8 @@
 A head maps the encoder's pooled features to class logits: a linear probe (vision zoo) or a cosine
 classifier on class prototypes (text zoo). It is fitted once on the base, frozen, and then shared by
 the base, the experts and every merged or calibrated model, so accuracy differences come from the
-encoder alone. Inputs are a tensor (pixel_values) or a dict of text tensors (featcal.experiments.evaluation.features).
+encoder alone. Inputs are a tensor (pixel_values) or a dict of text tensors (featcal.evaluation.features).
+The zoo, `featcal bench` and the baselines score through here; the accuracy itself is metrics.accuracy.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import numpy as np
 import torch
 
 from featcal.blocks.heads import LinearHead
-from featcal.experiments.evaluation.features import Inputs, batch_of, features, num_examples
+from featcal.evaluation.features import Inputs, batch_of, features, num_examples
+from featcal.evaluation.metrics import accuracy as top1_accuracy
 
 
 @torch.no_grad()
@@ -63,8 +65,7 @@ def fit_linear_probe(features: torch.Tensor, labels: np.ndarray | torch.Tensor, 
 def accuracy(model, head: torch.nn.Module, inputs: Inputs, labels: np.ndarray | torch.Tensor,
              batch_size: int = 256, pooling: str = "pooler") -> float:
     """Top-1 accuracy in [0, 1] of `head(pooled features of model(inputs))`."""
-    y = torch.as_tensor(labels)
-    if len(y) == 0:
+    if len(labels) == 0:
         raise ValueError("accuracy of an empty test set is undefined")
     pred = head(pooled_features(model, inputs, batch_size, pooling)).argmax(-1)
-    return float((pred == y).float().mean())
+    return top1_accuracy(pred, labels)

@@ -1,0 +1,90 @@
+"""`featcal eval`: score models on tasks, one table models × tasks (eval.json, table.md, eval.png)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from featcal.cli.calibrate_args import parse_pairs
+from featcal.evaluation.options import DEFAULT_TEMPLATE, EvalOptions
+
+_OPTION_FLAGS = {  # EvalOptions field -> (flag, argparse keywords); help comes from the field
+    "batch_size": ("--batch-size", {"type": int, "metavar": "INT"}),
+    "max_length": ("--max-length", {"type": int, "metavar": "INT"}),
+    "max_examples": ("--max-examples", {"type": int, "metavar": "INT"}),
+    "seed": ("--seed", {"type": int, "metavar": "INT"}),
+    "split": ("--split", {"metavar": "NAME"}),
+    "text_column": ("--text-column", {"metavar": "NAME"}),
+    "label_column": ("--label-column", {"metavar": "NAME"}),
+    "target_column": ("--target-column", {"metavar": "NAME"}),
+    "templates": ("--template", {"action": "append", "metavar": "TEXT"}),
+    "processor": ("--processor", {"metavar": "DIR"}),
+    "allow_calibration_overlap": ("--allow-calibration-overlap", {"action": "store_true"}),
+    "allow_pickle": ("--allow-pickle", {"action": "store_true"}),
+    "device": ("--device", {"metavar": "DEVICE"}),
+}
+
+
+def _options(args: argparse.Namespace) -> dict[str, Any]:
+    """The EvalOptions fields given on the command line (the others keep the schema's defaults)."""
+    given = {name: getattr(args, name) for name in _OPTION_FLAGS
+             if getattr(args, name, None) is not None and getattr(args, name) is not False}
+    if "templates" in given:
+        given["templates"] = tuple(given["templates"])
+    return given
+
+
+def run(args: argparse.Namespace) -> int:
+    from featcal.evaluation.api import EVAL_JSON, evaluate
+    from featcal.evaluation.report import eval_table
+
+    report = evaluate(
+        parse_pairs(args.task, "--task"), parse_pairs(args.model, "--model"),
+        base=args.base, merged=args.merged, calibrated=args.calibrated, experts=parse_pairs(args.expert, "--expert"),
+        out=args.out, overwrite=args.overwrite, lm_eval=args.lm_eval, progress=not args.no_progress,
+        **_options(args),
+    )
+    if report["results"]:
+        print(eval_table(report), end="")
+    lm = report.get("lm_eval") or {}
+    if lm and not lm.get("ran"):
+        print(f"lm-evaluation-harness is not installed (pip install 'featcal[lm-eval]'); to score the models on "
+              f"{','.join(lm['tasks'])}, run:")
+        for command in lm["commands"].values():
+            print(f"  {command}")
+    print(f"wrote {args.out}/{EVAL_JSON}")
+    if lm.get("failed"):
+        print(f"featcal: error: lm-eval failed on {', '.join(lm['failed'])} (see eval.json)")
+        return 1
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "eval", help="score models on tasks (did calibration help?): one table models x tasks",
+        description="Score any number of models on any number of tasks: causal LMs on held-out text or chat "
+        "(token loss, perplexity, next-token accuracy), classifiers on a label column (accuracy, macro-F1), CLIP "
+        "zero-shot from class names, text-to-text models on targets (exact match). With --merged, --expert and "
+        "--calibrated, the share of the merge -> experts gap closed. Writes eval.json, table.md and eval.png.",
+    )
+    p.add_argument("--task", action="append", metavar="NAME=DATA",
+                   help="a task's evaluation data (repeat per task): .jsonl / .json, .parquet, a saved dataset, or an "
+                   "image folder (class sub-folders are labels)")
+    p.add_argument("--model", action="append", metavar="NAME=PATH", help="a model to score, by name (repeat)")
+    p.add_argument("--base", help="the pretrained base the experts were fine-tuned from (a role of the table)")
+    p.add_argument("--merged", help="the merged model (the gap's start)")
+    p.add_argument("--calibrated", help="the calibrated model (FeatCal's output)")
+    p.add_argument("--expert", "--experts", action="append", metavar="TASK=PATH",
+                   help="a task's expert, scored on that task only (repeat per task; the gap's end)")
+    p.add_argument("--out", required=True, help="output directory: eval.json, table.md, eval.png")
+    p.add_argument("--overwrite", action="store_true", help="replace an output directory featcal eval wrote")
+    p.add_argument("--lm-eval", metavar="TASKS",
+                   help="also score every model with lm-evaluation-harness on these comma-separated tasks "
+                   "(run when installed, else its command is printed)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    group = p.add_argument_group("evaluation options")
+    for name, (flag, kwargs) in _OPTION_FLAGS.items():
+        field = EvalOptions.model_fields[name]
+        default = DEFAULT_TEMPLATE if name == "templates" else field.default
+        group.add_argument(flag, dest=name, default=None, help=f"{field.description} (default: {default})", **kwargs)
+    p.set_defaults(func=run)

@@ -1,0 +1,94 @@
+"""The hand-off to EleutherAI's lm-evaluation-harness, for the benchmarks featcal does not embed.
+
+A featcal checkpoint is a plain transformers folder, so lm-eval's `hf` model loads it as it is:
+`featcal eval --lm-eval TASKS` runs `python -m lm_eval` on every model when the harness is installed
+(`pip install featcal[lm-eval]`), reads back its results file, and otherwise prints the exact command
+for each model, so the user can run it where the harness is.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import shlex
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from featcal.errors import ConfigError, FeatCalError
+
+log = logging.getLogger(__name__)
+
+
+def parse_tasks(tasks: str | Sequence[str]) -> tuple[str, ...]:
+    """lm-eval task names from "a,b" or a sequence; refuses an empty list and odd characters."""
+    items = tasks.split(",") if isinstance(tasks, str) else list(tasks)
+    names = tuple(dict.fromkeys(t.strip() for t in items if t.strip()))
+    if not names:
+        raise ConfigError("--lm-eval needs at least one lm-eval task name (e.g. --lm-eval hellaswag,arc_easy)")
+    bad = [t for t in names if not all(c.isalnum() or c in "_-.:*" for c in t)]
+    if bad:
+        raise ConfigError(f"--lm-eval: {', '.join(map(repr, bad))} is not an lm-eval task name")
+    return names
+
+
+def lm_eval_argv(checkpoint: Path, tasks: Sequence[str], output: Path, *, batch_size: int = 8,
+                 dtype: str | None = None, device: str | None = None) -> list[str]:
+    """The lm_eval command line scoring `checkpoint` (a transformers folder) on `tasks`, results under `output`."""
+    model_args = f"pretrained={checkpoint}" + (f",dtype={dtype}" if dtype else "")
+    argv = ["lm_eval", "--model", "hf", "--model_args", model_args, "--tasks", ",".join(tasks),
+            "--batch_size", str(batch_size)]
+    if device:
+        argv += ["--device", device]
+    return argv + ["--output_path", str(output)]
+
+
+def lm_eval_command(checkpoint: Path, tasks: Sequence[str], output: Path, batch_size: int = 8,
+                    dtype: str | None = "bfloat16", device: str | None = None) -> str:
+    """`lm_eval_argv` as one shell line, quoted where needed (what is printed, and what the MergeBench
+    reproduction writes into its metrics.json)."""
+    return shlex.join(lm_eval_argv(checkpoint, tasks, output, batch_size=batch_size, dtype=dtype, device=device))
+
+
+def installed() -> bool:
+    return importlib.util.find_spec("lm_eval") is not None
+
+
+def run(checkpoint: Path, tasks: Sequence[str], output: Path, *, batch_size: int, device: str | None) -> dict[str, Any]:
+    """Run the harness on one checkpoint (in a child process) and return its `results` mapping."""
+    argv = lm_eval_argv(checkpoint, tasks, output, batch_size=batch_size, device=device)
+    argv = [sys.executable, "-m", "lm_eval", *argv[1:]]
+    output.mkdir(parents=True, exist_ok=True)
+    log.info("running %s", shlex.join(argv))
+    done = subprocess.run(argv, check=False)
+    if done.returncode != 0:
+        raise FeatCalError(f"lm-eval failed on {checkpoint} (exit status {done.returncode}): "
+                           f"{shlex.join(argv)}")
+    return read_results(output)
+
+
+def read_results(output: Path) -> dict[str, Any]:
+    """The `results` of the newest results*.json the harness wrote under `output`."""
+    files = sorted(output.rglob("results*.json"), key=lambda p: (p.stat().st_mtime, str(p)))
+    if not files:
+        raise FeatCalError(f"lm-eval wrote no results*.json under {output}")
+    results = json.loads(files[-1].read_text(encoding="utf-8")).get("results")
+    if not isinstance(results, Mapping):
+        raise FeatCalError(f"{files[-1]} holds no `results` mapping")
+    return dict(results)
+
+
+def result_rows(model: str, results: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """eval.json rows {model, task, metric, value} of the harness's numbers (standard errors left out)."""
+    rows = []
+    for task, metrics in results.items():
+        if not isinstance(metrics, Mapping):
+            continue
+        for key, value in metrics.items():
+            name = str(key).split(",")[0]  # "acc,none": the metric, then lm-eval's filter
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and not name.endswith("_stderr"):
+                rows.append({"model": model, "task": str(task), "metric": str(key), "value": float(value)})
+    return rows

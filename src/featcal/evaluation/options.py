@@ -1,0 +1,44 @@
+"""The options of `featcal eval` / featcal.evaluate, validated once whichever way they arrive."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from featcal.config import MAX_SEED
+
+DEFAULT_TEMPLATE = "a photo of a {}."
+
+
+class EvalOptions(BaseModel):
+    """How the tasks are read and the models run; none of it changes what a metric means."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    batch_size: int = Field(16, ge=1, description="examples per forward (batches are length-sorted)")
+    max_length: int = Field(512, ge=1, description="truncate texts to this many tokens")
+    max_examples: int | None = Field(None, ge=1, description="evaluate a seeded subset of this many examples per task")
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="seed of the --max-examples subset")
+    split: str | None = Field(None, description="the split of a saved DatasetDict to evaluate on")
+    text_column: str | None = Field(None, description="the column holding the input texts")
+    label_column: str | None = Field(None, description="the column holding the labels (default: label)")
+    target_column: str | None = Field(None, description="the column holding the target texts (default: target)")
+    templates: tuple[str, ...] = Field((DEFAULT_TEMPLATE,), min_length=1,
+                                       description="zero-shot prompt templates, each with one {} for the class name")
+    processor: str | None = Field(None, description="tokenizer / image processor folder for models saved without one")
+    allow_calibration_overlap: bool = Field(
+        False, description="score a calibrated model on examples it was calibrated on (flagged in the outputs)"
+    )
+    allow_pickle: bool = Field(False, description="accept pickled (*.bin) checkpoints (read with weights_only)")
+    device: str = Field("cpu", description="torch device the models run on")
+
+    @field_validator("templates")
+    @classmethod
+    def _one_placeholder(cls, templates: tuple[str, ...]) -> tuple[str, ...]:
+        for t in templates:
+            try:
+                ok = t.count("{}") == 1 and t.format("x") is not None
+            except (IndexError, KeyError, ValueError):
+                ok = False
+            if not ok:
+                raise ValueError(f"template {t!r} must hold exactly one {{}} (where the class name goes)")
+        return templates

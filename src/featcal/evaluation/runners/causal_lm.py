@@ -1,0 +1,148 @@
+"""Causal LMs on held-out text or chat: mean token loss, perplexity and next-token accuracy.
+
+Every token after the first is predicted from the ones before it (the logits at position i score token
+i + 1). Plain text: every such token counts. Chat (`messages`): only the assistant turns count, as
+fine-tuning on chat data trains them: the conversation is rendered with the tokenizer's chat template,
+and an assistant turn is the text its rendering adds after the prompt that asks for it (the template
+with add_generation_prompt), its end-of-turn marker included. The loss is the mean over all counted
+tokens of the task (not a mean of per-example means), perplexity its exponential.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm.auto import tqdm
+
+from featcal.errors import EvaluationDataError
+from featcal.evaluation.data import EvalSet
+from featcal.evaluation.metrics import perplexity
+from featcal.evaluation.runners.base import Runner, Scored, length_sorted_batches
+
+log = logging.getLogger(__name__)
+
+IGNORE = -100  # the label of a position that is not scored (transformers' convention)
+
+
+class CausalLMRunner(Runner):
+    def check(self, data: EvalSet) -> None:
+        if "messages" in data.fields:
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise EvaluationDataError(
+                    f"task {data.task!r} holds chat turns, but the tokenizer of model {self.entry.name!r} "
+                    f"({self.processor_dir}) has no chat template to render them; give plain text instead"
+                )
+            if not getattr(self.tokenizer, "is_fast", False):
+                raise EvaluationDataError(
+                    f"task {data.task!r} holds chat turns, and finding the assistant tokens needs a fast tokenizer "
+                    f"(tokenizer.json), which {self.processor_dir} lacks"
+                )
+            return
+        self.require_text(data, f"causal LM {self.entry.name!r}")
+
+    def encode(self, data: EvalSet) -> list[tuple[list[int], list[int]]]:
+        """(input ids, labels: the id where the token is scored, IGNORE elsewhere) of every example."""
+        encoded, truncated = [], 0
+        limit = self.max_length()
+        if "messages" in data.fields:
+            for example in data.examples():
+                ids, labels, cut = chat_labels(self.tokenizer, example.messages, limit)
+                truncated += cut
+                encoded.append((ids, labels))
+        else:
+            for ids in self.tokenizer(data.texts(), truncation=False)["input_ids"]:  # one call: the fast path
+                truncated += len(ids) > limit
+                encoded.append((ids[:limit], list(ids[:limit])))
+        if truncated:
+            log.warning("task %r: %d of %d examples are longer than %d tokens and were truncated (--max-length)",
+                        data.task, truncated, len(encoded), limit)
+        return encoded
+
+    @torch.no_grad()
+    def score(self, model: nn.Module, data: EvalSet, *, progress: bool) -> Scored:
+        encoded = self.encode(data)
+        pad = self.tokenizer.pad_token_id
+        device = self.options.device
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        correct = tokens = 0
+        batches = length_sorted_batches([len(ids) for ids, _ in encoded], self.options.batch_size)
+        for batch in tqdm(batches, desc=f"{self.entry.name}/{data.task}", disable=not progress, leave=False):
+            ids, mask, labels = _padded([encoded[i] for i in batch], pad)
+            logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
+            target = labels[:, 1:].to(logits.device)
+            scored = target != IGNORE
+            if not scored.any():
+                continue
+            picked = logits[:, :-1][scored].float()
+            gold = target[scored]
+            loss_sum += F.cross_entropy(picked, gold, reduction="sum").double().cpu()
+            correct += int((picked.argmax(-1) == gold).sum())
+            tokens += int(scored.sum())
+        if tokens == 0:
+            what = "assistant tokens" if "messages" in data.fields else "tokens after the first of any example"
+            raise EvaluationDataError(f"task {data.task!r}: no {what} to score")
+        loss = float(loss_sum) / tokens
+        return Scored({"loss": loss, "perplexity": perplexity(loss), "next_token_accuracy": 100.0 * correct / tokens},
+                      len(encoded), {"tokens": tokens})
+
+
+def _padded(rows: Sequence[tuple[list[int], list[int]]], pad: int) -> tuple[torch.Tensor, ...]:
+    """Right-padded (input_ids, attention_mask, labels) of a batch."""
+    width = max(len(ids) for ids, _ in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    labels = torch.full((len(rows), width), IGNORE, dtype=torch.long)
+    for r, (row_ids, row_labels) in enumerate(rows):
+        ids[r, : len(row_ids)] = torch.tensor(row_ids, dtype=torch.long)
+        mask[r, : len(row_ids)] = 1
+        labels[r, : len(row_labels)] = torch.tensor(row_labels, dtype=torch.long)
+    return ids, mask, labels
+
+
+def assistant_spans(tokenizer, messages: Sequence[Mapping[str, str]]) -> tuple[str, list[tuple[int, int]]]:
+    """(the rendered conversation, the character spans of its assistant turns).
+
+    A turn's span runs from the end of the prompt that asks for it (the conversation before it, rendered
+    with add_generation_prompt) to the end of the conversation up to it. A template whose renderings are
+    not prefixes of one another cannot be split this way, and is refused.
+    """
+    turns = [dict(m) for m in messages]
+    full = tokenizer.apply_chat_template(turns, tokenize=False)
+    spans = []
+    for i, turn in enumerate(turns):
+        if turn["role"] != "assistant":
+            continue
+        before = _prompt(tokenizer, turns[:i])
+        upto = tokenizer.apply_chat_template(turns[: i + 1], tokenize=False)
+        if not (upto.startswith(before) and full.startswith(upto)):
+            raise EvaluationDataError(
+                "the chat template does not render a conversation as the prefix of its continuation, so the "
+                "assistant turns cannot be told apart from the prompts; give plain text instead"
+            )
+        spans.append((len(before), len(upto)))
+    return full, spans
+
+
+def _prompt(tokenizer, turns: list[dict]) -> str:
+    """The rendering that asks for the next assistant turn (a template may not render an empty conversation:
+    then nothing comes before a first turn)."""
+    try:
+        return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+    except Exception:
+        if turns:
+            raise
+        return ""
+
+
+def chat_labels(tokenizer, messages: Sequence[Mapping[str, str]], limit: int) -> tuple[list[int], list[int], bool]:
+    """(input ids, labels scoring only the assistant tokens, whether the conversation was truncated)."""
+    text, spans = assistant_spans(tokenizer, messages)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = enc["input_ids"], enc["offset_mapping"]
+    labels = [tok if any(s <= start < e for s, e in spans) and end > start else IGNORE
+              for tok, (start, end) in zip(ids, offsets, strict=True)]
+    return ids[:limit], labels[:limit], len(ids) > limit

@@ -1,0 +1,71 @@
+"""Sequence and image classifiers against a label column: accuracy and macro-F1 (in %).
+
+The prediction is the argmax of the model's own head. Labels become the model's class ids through its
+config's id2label (evaluation/labels.py), so a dataset that numbers its classes otherwise is translated,
+or refused, never scored through the wrong map.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from featcal.evaluation.data import EvalSet
+from featcal.evaluation.labels import class_ids
+from featcal.evaluation.metrics import accuracy, macro_f1
+from featcal.evaluation.runners.base import Runner, Scored, length_sorted_batches
+
+
+class ClassifierRunner(Runner):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._ids: dict[str, list[int]] = {}
+
+    @property
+    def takes_images(self) -> bool:
+        from featcal.data.preprocess import model_modality
+
+        return model_modality(self.entry.config) == "image"
+
+    def check(self, data: EvalSet) -> None:
+        what = f"classifier {self.entry.name!r}"
+        data.require(["label"], what, "name the label column with --label-column")
+        if self.takes_images:
+            data.require(["image"], what, "give images (an image column, or an image folder)")
+        else:
+            self.require_text(data, what)
+        self._ids[data.task] = class_ids(data.labels(), data.label_names, self.entry.config, task=data.task,
+                                         model=self.entry.name)
+
+    @torch.no_grad()
+    def score(self, model: nn.Module, data: EvalSet, *, progress: bool) -> Scored:
+        gold = self._ids[data.task] if data.task in self._ids else self._checked(data)
+        predict = self._image_batches(data) if self.takes_images else self._text_batches(data)
+        pred = [0] * len(data)
+        for positions, inputs in tqdm(predict, desc=f"{self.entry.name}/{data.task}", disable=not progress, leave=False):
+            logits = model(**{k: v.to(self.options.device) for k, v in inputs.items()}).logits
+            for p, c in zip(positions, logits.argmax(-1).tolist(), strict=True):
+                pred[p] = c
+        return Scored({"accuracy": 100.0 * accuracy(pred, gold), "macro_f1": 100.0 * macro_f1(pred, gold)}, len(data))
+
+    def _checked(self, data: EvalSet) -> list[int]:
+        self.check(data)
+        return self._ids[data.task]
+
+    def _text_batches(self, data: EvalSet):
+        from featcal.data.preprocess import accepted_inputs
+
+        accepted = accepted_inputs(self.entry.config)
+        encoded = self.tokenizer(data.texts(), truncation=True, max_length=self.max_length())
+        rows = [{k: encoded[k][i] for k in encoded.keys() if accepted is None or k in accepted} for i in range(len(data))]
+        for positions in length_sorted_batches([len(r["input_ids"]) for r in rows], self.options.batch_size):
+            yield positions, self.tokenizer.pad([rows[p] for p in positions], return_tensors="pt")
+
+    def _image_batches(self, data: EvalSet):
+        from featcal.data.preprocess import ImagePreprocessor
+
+        preprocess = ImagePreprocessor(self.processor_dir, self.entry.config)
+        for start in range(0, len(data), self.options.batch_size):
+            positions = list(range(start, min(start + self.options.batch_size, len(data))))
+            yield positions, preprocess([e.image for e in data.examples(positions)])
