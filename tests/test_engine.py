@@ -211,6 +211,9 @@ def test_empty_calibration_set_is_named(small):
 def test_bad_batch_type_is_refused(small):
     base, experts, merged, data = small
     with pytest.raises(CalibrationDataError, match="batch 0"):
+        calibrate(merged, base=base, experts=experts, calibration={**data, "task1": [42]}, progress=False)
+    # a list of texts is a source now (tokenised with the model's tokenizer): without one it is refused by name
+    with pytest.raises(CalibrationDataError, match="'task1'.*tokenizer="):
         calibrate(merged, base=base, experts=experts, calibration={**data, "task1": ["text"]}, progress=False)
 
 

@@ -23,7 +23,7 @@ def test_an_image_reads_the_same_fingerprint_from_a_folder_a_jsonl_and_a_saved_d
     )}).save_to_disk(str(tmp_path / "saved"))
 
     calibration = open_source(folder)  # what calibration fingerprints
-    recorded = [example_sha256(im) for im in calibration.fetch(range(len(calibration)), "image")]
+    recorded = [example_sha256(e) for e in calibration.examples(range(len(calibration)), "image")]
     for source in (folder, tmp_path / "images.jsonl", tmp_path / "saved"):
         data = read_eval_set("t", source)
         assert data.fingerprints("image") == recorded, source

@@ -112,7 +112,7 @@ class EvalSet:
     def _example(self, row: int) -> EvalExample:
         if isinstance(self._source, ImageFolderSource):
             label = self._columns.get("folder_labels")
-            return EvalExample(image=self._source.fetch([row], "image")[0],
+            return EvalExample(image=self._source.examples([row], "image")[0].image,
                                label=label[row] if label is not None else None)  # type: ignore[index]
         src: TableSource = self._source
         record = self._without_images()[row]
@@ -121,7 +121,7 @@ class EvalSet:
         if cols.get("text") and (not isinstance(text, str) or not text.strip()):
             raise EvaluationDataError(f"task {self.task!r}: {self.path}: row {row} has no text in column {cols['text']!r}")
         messages = _messages(record[cols["messages"]], self, row) if cols.get("messages") else None
-        image = src.fetch([row], "image")[0] if cols.get("image") else None
+        image = src.examples([row], "image")[0].image if cols.get("image") else None
         label = record[cols["label"]] if cols.get("label") else None
         if cols.get("label") and label is None:
             raise EvaluationDataError(f"task {self.task!r}: {self.path}: row {row} has no label (column {cols['label']!r})")
