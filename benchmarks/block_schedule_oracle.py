@@ -23,7 +23,7 @@ import json
 import torch
 
 from featcal.blocks.adapters import adapter_for
-from featcal.calibration import engine
+from featcal.calibration import context
 from featcal.calibration.api import calibrate
 from featcal.config import FeatCalConfig
 from featcal.experiments.bench.run import _batches
@@ -75,18 +75,19 @@ def main() -> None:
     merged.load_state_dict(merge(zoo.base_dir, zoo.expert_dirs, "task_arithmetic", scaling=args.scaling,
                                  progress=False))
     schedule: dict[str, list[float]] = {}
-    solve = engine.FeatCalEngine._solve_and_load
+    solve = context.BlockContext.solve
 
-    def scheduled(self, stack, layer, mods, sums):  # block `layer` solves with its own ρ / λ
-        cfg = self.cfg
+    def scheduled(self, mods, sums):  # block `layer` solves with its own ρ / λ
+        run = self.run
+        cfg = run.cfg
         if schedule:
-            self.cfg = cfg.model_copy(update={k: v[layer] for k, v in schedule.items()})
+            run.cfg = cfg.model_copy(update={k: v[self.layer] for k, v in schedule.items()})
         try:
-            return solve(self, stack, layer, mods, sums)
+            return solve(self, mods, sums)
         finally:
-            self.cfg = cfg
+            run.cfg = cfg
 
-    engine.FeatCalEngine._solve_and_load = scheduled
+    context.BlockContext.solve = scheduled
     base_values = {"anchor_blend_rho": args.rho, "lambda_ratio": args.lam}
     cfg = FeatCalConfig(num_calibration_examples=args.calib, anchor_blend_rho=args.rho, lambda_ratio=args.lam,
                         teacher_interp_alpha=args.alpha)
@@ -103,7 +104,7 @@ def main() -> None:
             if name != "flat":
                 schedule[knob] = [base_values[knob] * m for m in _resample(shape, n_blocks)]
             out = calibrate(merged, base=loaded.base, experts=loaded.experts, calibration=calibration, config=cfg,
-                            progress=False)
+                            progress=False).model
             rec = {"knob": None if name == "flat" else knob, "shape": name,
                    "values": schedule.get(knob), "accuracy": round(100 * loaded.mean_accuracy(out), 2)}
             records.append(rec)

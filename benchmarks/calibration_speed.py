@@ -251,7 +251,7 @@ def measure_calibrate(spec: dict, data: dict) -> dict:
     with group:
         _sync(spec["device"])
         start = time.perf_counter()
-        out = calibrate(merged, base=base, experts=experts, calibration=data, config=config, progress=False)
+        out = calibrate(merged, base=base, experts=experts, calibration=data, config=config, progress=False).model
         _sync(spec["device"])
         seconds = time.perf_counter() - start
     result = _measured(seconds, rss_loaded, spec["device"])

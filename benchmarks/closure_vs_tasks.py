@@ -65,7 +65,7 @@ def main() -> None:
             merged.load_state_dict(state)
             calibration = {t: _batches(pools[t], cfg.calibration_batch_size) for t in subset}
             calibrated = calibrate(merged, base=zoo.base_dir, experts={t: experts[t] for t in subset},
-                                   calibration=calibration, config=cfg, progress=False)
+                                   calibration=calibration, config=cfg, progress=False).model
             ta = loaded.mean_accuracy(merged, subset)
             fc = loaded.mean_accuracy(calibrated, subset)
             ex = float(np.mean([expert_acc[t] for t in subset]))

@@ -8,7 +8,11 @@ Uses only the public API (featcal.calibrate, FeatCalConfig), so it runs against 
     diff old.txt new.txt      # empty: the same checkpoints, bit for bit
 
 Each family is calibrated with the default settings and with a few that take other engine paths
-(sequential statistics, the one-pass mode, the final and stem norms, the joint bias solve).
+(sequential statistics, the one-pass mode, the final and stem norms, the joint bias solve), and tuned
+(`tune`: the label-free search over the merge's scaling, rho, lambda and alpha, scored by the held-out
+drift; `tune_heads`: scored through a callable head reading the model's logits, where it has them).
+A version whose `tune` scores causal LMs by next-token agreement (tune_next_token) runs `tune` with it
+off, so that the same search is compared; `tune_next_token` is printed where the option exists.
 """
 
 from __future__ import annotations
@@ -55,6 +59,13 @@ SETTINGS = {
     "one_pass": FeatCalConfig(block_statistics="sequential_one_pass"),
     "norms": FeatCalConfig(calibrate_final_norm=True, calibrate_stem_norm=True),
     "joint_bias": FeatCalConfig(bias_solve="joint"),
+}
+HAS_NEXT_TOKEN = "tune_next_token" in FeatCalConfig.model_fields  # featcal versions that score LMs by it
+TUNE = dict(tune=True, tune_budget=6.0, **({"tune_next_token": False} if HAS_NEXT_TOKEN else {}))
+TUNED = {  # name -> (config, calibrate's keywords); the family's merge is Task Arithmetic at 0.3
+    "tune": (FeatCalConfig(**TUNE), {"merge_scaling": 0.3}),
+    "tune_heads": (FeatCalConfig(**TUNE), {"heads": "logits"}),
+    **({"tune_next_token": (FeatCalConfig(tune=True, tune_budget=6.0), {"merge_scaling": 0.3})} if HAS_NEXT_TOKEN else {}),
 }
 
 
@@ -103,6 +114,16 @@ def digest(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
+def logits_head(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+    """A callable tune head: the model's own logits (a classifier's classes, an LM's tokens)."""
+    return model(**batch).logits
+
+
+def calibrated(out) -> torch.nn.Module:
+    """The calibrated model from calibrate's return value: the model itself (older versions) or a result."""
+    return out if isinstance(out, torch.nn.Module) else out.model
+
+
 def main(names: list[str]) -> None:
     for name in names or FAMILIES:
         torch.manual_seed(0)
@@ -110,7 +131,16 @@ def main(names: list[str]) -> None:
         batches = data(merged, experts)
         for setting, cfg in SETTINGS.items():
             out = calibrate(merged, base=base, experts=experts, calibration=batches, config=cfg, progress=False)
-            print(f"{name:18s} {setting:10s} {digest(out)}", flush=True)
+            print(f"{name:18s} {setting:16s} {digest(calibrated(out))}", flush=True)
+        has_logits = hasattr(merged, "lm_head") or hasattr(merged, "classifier")
+        for setting, (cfg, extra) in TUNED.items():
+            if extra.get("heads") == "logits":
+                if not has_logits:
+                    continue
+                extra = {"heads": {t: logits_head for t in experts}}
+            out = calibrate(merged, base=base, experts=experts, calibration=batches, config=cfg, progress=False,
+                            **extra)
+            print(f"{name:18s} {setting:16s} {digest(calibrated(out))}", flush=True)
 
 
 if __name__ == "__main__":

@@ -73,7 +73,7 @@ def main() -> None:
         calibration = {t: _batches(zoo.split(t, "calibration")[0][: args.calib], cfg.calibration_batch_size)
                        for t in tasks}
         calibrated = calibrate(merged, base=zoo.base_dir, experts=experts, calibration=calibration, config=cfg,
-                               progress=False)
+                               progress=False).model
         fc = loaded.mean_accuracy(calibrated)
         closed = gap_closed(fc, ta, ex)
         records.append({"setting": label, **update, "ta": ta, "featcal": fc, "experts": ex, "gap_closed": closed})

@@ -103,7 +103,7 @@ def check(gguf_path: Path, threads: int) -> dict:
         enc = tok([TEXTS[i], TEXTS[2]], return_tensors="pt", padding=True)
         data[t] = [{"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}]
     t = time.perf_counter()
-    res = calibrate(merged, base=base, experts=experts, calibration=data, progress=False, return_result=True)
+    res = calibrate(merged, base=base, experts=experts, calibration=data, progress=False)
     out["featcal_18_blocks_s"] = round(time.perf_counter() - t, 1)
     out["drift_before_after_first_mid_last"] = [(round(r["before"], 5), round(r["after"], 5))
                                                 for r in (res.drift[0], res.drift[len(res.drift) // 2], res.drift[-1])]

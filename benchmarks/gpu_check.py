@@ -139,7 +139,7 @@ def _calibrate(family: dict, data: dict, config: dict) -> dict[str, torch.Tensor
     from featcal.io.models import load_model
 
     model = calibrate(load_model(family["merged"]), base=family["base"], experts=dict(family["experts"]),
-                       calibration=data, config=FeatCalConfig(**config), progress=False)
+                       calibration=data, config=FeatCalConfig(**config), progress=False).model
     return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
 
 

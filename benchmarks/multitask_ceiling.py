@@ -68,7 +68,7 @@ def calibrate_toward(zoo, loaded, target, calib: int) -> dict:
     cfg = FeatCalConfig(num_calibration_examples=calib)
     calibration = {t: _batches(zoo.split(t, "calibration")[0][:calib], cfg.calibration_batch_size) for t in tasks}
     calibrated = calibrate(merged, base=zoo.base_dir, experts=dict.fromkeys(tasks, target), calibration=calibration,
-                           config=cfg, progress=False)
+                           config=cfg, progress=False).model
     ta, fc, mt = (loaded.mean_accuracy(m) for m in (merged, calibrated, target))
     closed = gap_closed(fc, ta, mt)
     print(f"TA {ta:.4f} -> FeatCal toward the multi-task model {fc:.4f} (target {mt:.4f}): "

@@ -95,7 +95,7 @@ def main() -> None:
         seen_accuracy.clear()
         clock = Timer()
         result = calibrate(merged, base=base, experts=experts, calibration=calibration, config=cfg, progress=False,
-                           return_result=True, **kwargs)
+                           **kwargs)
         out = result.model
         seconds = clock.seconds
         acc = loaded.mean_accuracy(out)

@@ -51,7 +51,7 @@ def test_clipmodel_calibrates_only_the_vision_tower():
     torch.manual_seed(0)
     base, experts, merged = tiny.family_of(T.CLIPModel(cfg))
     data = {t: [{"pixel_values": torch.randn(2, 3, 16, 16)}] for t in experts}
-    out = calibrate(merged, base=base, experts=experts, calibration=data, progress=False)
+    out = calibrate(merged, base=base, experts=experts, calibration=data, progress=False).model
     changed = _changed(out, merged)
     assert changed and all(k.startswith("vision_model.encoder.layers.") for k in changed)
     assert max_abs_diff(out, reference_calibrate(merged, base, experts, data, FeatCalConfig()))[0] < 1e-5
@@ -63,7 +63,7 @@ def test_heads_keep_their_merged_weights(cls, prefix):
     torch.manual_seed(0)
     base, experts, merged = tiny.family_of(cls(tiny.tiny_config(kind)))
     data = {t: [{**tiny.sample_inputs(kind, seed=i), "labels": torch.tensor([0, 1])}] for i, t in enumerate(experts)}
-    out = calibrate(merged, base=base, experts=experts, calibration=data, progress=False)  # labels are not inputs
+    out = calibrate(merged, base=base, experts=experts, calibration=data, progress=False).model  # labels are not inputs
     changed = _changed(out, merged)
     assert changed and all(k.startswith(prefix) for k in changed)
 
@@ -72,7 +72,7 @@ def test_t5_without_decoder_inputs_starts_from_decoder_start_token():
     torch.manual_seed(0)
     base, experts, merged = tiny.family_of(T.T5Model(tiny.tiny_config("t5")))
     data = {t: [_ids(seed=i)] for i, t in enumerate(experts)}
-    result = calibrate(merged, base=base, experts=experts, calibration=data, progress=False, return_result=True)
+    result = calibrate(merged, base=base, experts=experts, calibration=data, progress=False)
     out = result.model
     assert [d["stack"] for d in result.drift] == ["encoder", "encoder", "decoder", "decoder"]
     assert any(k.startswith("decoder.block.1.layer.1.EncDecAttention") for k in _changed(out, merged))
@@ -83,7 +83,7 @@ def test_t5_decoder_cross_attention_sees_calibrated_encoder():
     """Decoder block 0's drift "before" is measured with the merged decoder reading the CALIBRATED encoder."""
     base, experts, merged = tiny.family_of(tiny.tiny_model("t5"))
     data = {t: [tiny.sample_inputs("t5", seed=i)] for i, t in enumerate(experts)}
-    result = calibrate(merged, base=base, experts=experts, calibration=data, progress=False, return_result=True)
+    result = calibrate(merged, base=base, experts=experts, calibration=data, progress=False)
     out = result.model
     hybrid = copy.deepcopy(merged)  # calibrated encoder, decoder as merged
     hybrid.encoder.load_state_dict(out.encoder.state_dict())
@@ -105,7 +105,7 @@ def test_llama_family_decoders(cls, cfg_cls):
     torch.manual_seed(0)
     base, experts, merged = tiny.family_of(cls(cfg))
     data = {t: [_ids(seed=i)] for i, t in enumerate(experts)}
-    out = calibrate(merged, base=base, experts=experts, calibration=data, progress=False)
+    out = calibrate(merged, base=base, experts=experts, calibration=data, progress=False).model
     changed = _changed(out, merged)
     assert any(k.endswith("input_layernorm.weight") for k in changed)
     if cls is T.Qwen2ForCausalLM:  # q/k/v carry biases in Qwen2
@@ -120,8 +120,8 @@ def test_padding_tokens_do_not_count():
     other = copy.deepcopy(data)
     for batches in other.values():
         batches[0]["input_ids"][1, -3:] = 7
-    a = calibrate(merged, base=base, experts=experts, calibration=data, progress=False)
-    b = calibrate(merged, base=base, experts=experts, calibration=other, progress=False)
+    a = calibrate(merged, base=base, experts=experts, calibration=data, progress=False).model
+    b = calibrate(merged, base=base, experts=experts, calibration=other, progress=False).model
     assert max_abs_diff(a, b)[0] < 1e-6
 
 
@@ -156,8 +156,8 @@ def test_transformers4_checkpoints_stream_like_models(kind, rename, tmp_path):
     _save_as_v4(base, tmp_path / "base", rename)
     with open(tmp_path / "task0" / "model.safetensors", "rb") as f:
         assert (b"vision_model." if kind == "clip" else b"attention.attention.query") in f.read(4096)
-    a = calibrate(merged, base=base, experts=experts, calibration=data, progress=False)
-    b = calibrate(merged, base=tmp_path / "base", experts=paths, calibration=data, progress=False)
+    a = calibrate(merged, base=base, experts=experts, calibration=data, progress=False).model
+    b = calibrate(merged, base=tmp_path / "base", experts=paths, calibration=data, progress=False).model
     assert max_abs_diff(a, b)[0] == 0.0
 
 
@@ -194,8 +194,8 @@ def test_clipmodel_checkpoint_serves_as_base_of_a_vision_model(tmp_path):
     vision.load_state_dict(full.vision_model.state_dict())
     base, experts, merged = tiny.family_of(vision)
     data = {t: [tiny.sample_inputs("clip", seed=i)] for i, t in enumerate(experts)}
-    a = calibrate(merged, base=base, experts=experts, calibration=data, progress=False)
-    b = calibrate(merged, base=tmp_path / "clip-full", experts=experts, calibration=data, progress=False)
+    a = calibrate(merged, base=base, experts=experts, calibration=data, progress=False).model
+    b = calibrate(merged, base=tmp_path / "clip-full", experts=experts, calibration=data, progress=False).model
     assert max_abs_diff(a, b)[0] == 0.0
 
 
@@ -221,7 +221,7 @@ def test_mixed_attention_layer_types_get_each_their_own_arguments():
 def test_context_replay_check_catches_per_block_masks():
     """Independently of the adapter's own guard, a block-1 call that differs from the replay is caught."""
     from featcal.blocks.adapters import Stack, StructuralAdapter
-    from featcal.calibration.engine import check_context_replay
+    from featcal.calibration.replay import check_context_replay
 
     cfg = T.Qwen2Config(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2, use_sliding_window=True, sliding_window=2, max_window_layers=1)

@@ -9,7 +9,7 @@ import torch
 from featcal import FeatCalConfig, calibrate
 from featcal.blocks.adapters import adapter_for
 from featcal.blocks.discovery import calibrated_modules
-from featcal.calibration import engine as engine_mod
+from featcal.calibration import gather
 from reference_featcal import family_data, max_abs_diff, noisy_family, reference_calibrate
 
 SEQUENTIAL = FeatCalConfig(block_statistics="sequential")
@@ -19,13 +19,13 @@ SEQUENTIAL = FeatCalConfig(block_statistics="sequential")
 def test_sequential_engine_equals_the_dense_one_module_at_a_time_reference(kind):
     base, experts, merged = noisy_family(kind)
     data = family_data(kind, experts)
-    out = calibrate(merged, base=base, experts=experts, calibration=data, config=SEQUENTIAL, progress=False)
+    out = calibrate(merged, base=base, experts=experts, calibration=data, config=SEQUENTIAL, progress=False).model
     ref = reference_calibrate(merged, base, experts, data, SEQUENTIAL, sequential=True)
     diff, where = max_abs_diff(out, ref)
     assert diff < 1e-5, f"{kind}: {where} differs by {diff}"
     paper = reference_calibrate(merged, base, experts, data, SEQUENTIAL, sequential=False)
     assert max_abs_diff(out, paper)[0] > 1e-4  # the variant is not the paper's method
-    again = calibrate(merged, base=base, experts=experts, calibration=data, config=SEQUENTIAL, progress=False)
+    again = calibrate(merged, base=base, experts=experts, calibration=data, config=SEQUENTIAL, progress=False).model
     assert max_abs_diff(out, again)[0] == 0.0  # deterministic
 
 
@@ -33,8 +33,8 @@ def test_first_module_of_each_block_is_solved_as_the_paper_does():
     """Block 0's first stage sees the block as merged, so its solve equals the paper's (only later ones differ)."""
     base, experts, merged = noisy_family("bert")
     data = family_data("bert", experts)
-    seq = calibrate(merged, base=base, experts=experts, calibration=data, config=SEQUENTIAL, progress=False)
-    paper = calibrate(merged, base=base, experts=experts, calibration=data, progress=False)
+    seq = calibrate(merged, base=base, experts=experts, calibration=data, config=SEQUENTIAL, progress=False).model
+    paper = calibrate(merged, base=base, experts=experts, calibration=data, progress=False).model
     s, p = seq.state_dict(), paper.state_dict()
     first = "encoder.layer.0.attention.self."  # q/k/v: the block's first stage, reading the block input
     for name in ("query", "key", "value"):
@@ -46,14 +46,14 @@ def test_stages_follow_the_forward_and_group_shared_inputs(monkeypatch):
     base, experts, merged = noisy_family("llama")
     data = family_data("llama", experts)
     seen: list[list[list[str]]] = []
-    original = engine_mod.FeatCalEngine._stages
+    original = gather.stages
 
-    def spy(self, stack, layer, n_blocks, mods):
-        stages = original(self, stack, layer, n_blocks, mods)
+    def spy(block, mods):
+        stages = original(block, mods)
         seen.append([[c.name for c in s] for s in stages])
         return stages
 
-    monkeypatch.setattr(engine_mod.FeatCalEngine, "_stages", spy)
+    monkeypatch.setattr(gather, "stages", spy)
     calibrate(merged, base=base, experts=experts, calibration=data, config=SEQUENTIAL, progress=False)
     adapter = adapter_for(merged)
     blocks = adapter.stacks(merged)[0].blocks(merged)
@@ -97,7 +97,7 @@ def test_each_stage_runs_only_the_forward_its_statistics_need(monkeypatch):
     def counting(self, x):
         if (self.in_features, self.out_features) == shape:
             frames = {f.name for f in traceback.extract_stack()}
-            calls["statistics" if "_gather" in frames and "_advance" not in frames else "other"] += 1
+            calls["statistics" if "gather" in frames and "advance" not in frames else "other"] += 1
         return forward(self, x)
 
     monkeypatch.setattr(torch.nn.Linear, "forward", counting)

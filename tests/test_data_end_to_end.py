@@ -263,7 +263,7 @@ def test_a_cached_hub_dataset_by_id(bert, tmp_path, capsys, fed, monkeypatch):
 def test_an_image_folder_through_the_python_api(clip, tmp_path, fed):
     result = featcal.calibrate(
         clip["merged"], base=clip["base"], experts=clip["experts"], calibration=clip["data"],
-        config=FeatCalConfig(calibration_batch_size=3), progress=False, return_result=True,
+        config=FeatCalConfig(calibration_batch_size=3), progress=False,
     )
     processor = CLIPImageProcessor.from_pretrained(clip["base"])  # the merge has none: the base's is used
     for t, folder in clip["data"].items():
@@ -292,7 +292,7 @@ def test_the_python_api_reads_paths_lists_and_datasets(llama, tmp_path, fed):
                           config=config.model_copy(update={"num_calibration_examples": 5}),
                           calibration={"task0": chat, "task1": datasets.Dataset.from_dict({"text": texts[:4]})})
     result = featcal.calibrate(merged, base=llama["base"], experts=llama["experts"], progress=False,
-                               calibration={"task0": str(chat), "task1": texts}, config=config, return_result=True)
+                               calibration={"task0": str(chat), "task1": texts}, config=config)
     tok = AutoTokenizer.from_pretrained(llama["merged"])
     pairs = [[{"role": "user", "content": c[-2]["content"]}, {"role": "assistant", "content": c[-1]["content"]}]
              for c in convs]

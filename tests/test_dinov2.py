@@ -58,7 +58,7 @@ def test_dinov2_calibration_matches_the_dense_reference(size):
         model = onnx_dinov2.at_resolution(model, size)
     base, experts, merged = family_of(model)
     data = {t: [_pixels(i, size), _pixels(10 + i, size)] for i, t in enumerate(experts)}
-    out = calibrate(merged, base=base, experts=experts, calibration=data, progress=False)
+    out = calibrate(merged, base=base, experts=experts, calibration=data, progress=False).model
     changed = _changed(out, merged)
     per_block = {k.split(".", 3)[3] for k in changed}
     assert {"norm1.weight", "attention.q_proj.weight", "attention.k_proj.bias", "attention.o_proj.weight",
@@ -71,7 +71,7 @@ def test_dinov2_calibration_matches_the_dense_reference(size):
 def test_dinov2_classification_head_keeps_its_merged_weights():
     base, experts, merged = family_of(tiny_dinov2(cls=T.Dinov2ForImageClassification, num_labels=3))
     data = {t: [{**_pixels(i), "labels": torch.tensor([0, 1, 2])}] for i, t in enumerate(experts)}
-    out = calibrate(merged, base=base, experts=experts, calibration=data, progress=False)
+    out = calibrate(merged, base=base, experts=experts, calibration=data, progress=False).model
     changed = _changed(out, merged)
     assert changed and all(k.startswith("dinov2.encoder.layer.") for k in changed)
 
@@ -82,9 +82,9 @@ def test_dinov2_checkpoints_calibrate_like_models(tmp_path):
     base.save_pretrained(tmp_path / "base")
     for t, e in experts.items():
         e.save_pretrained(tmp_path / t)
-    a = calibrate(merged, base=base, experts=experts, calibration=data, progress=False)
+    a = calibrate(merged, base=base, experts=experts, calibration=data, progress=False).model
     b = calibrate(merged, base=tmp_path / "base", experts={t: tmp_path / t for t in experts}, calibration=data,
-                  progress=False)
+                  progress=False).model
     assert max_abs_diff(a, b)[0] == 0.0
 
 

@@ -23,7 +23,7 @@ def _setting(kind: str):
     if kind not in _SETTINGS:
         base, experts, merged = noisy_family(kind)
         data = family_data(kind, experts)
-        result = calibrate(merged, base=base, experts=experts, calibration=data, progress=False, return_result=True)
+        result = calibrate(merged, base=base, experts=experts, calibration=data, progress=False)
         _SETTINGS[kind] = (kind, base, experts, merged, data, result.model)
         _DRIFT[kind] = result.drift
     return _SETTINGS[kind]
@@ -48,7 +48,7 @@ def test_streaming_engine_equals_dense_reference_and_is_deterministic(setting):
     changed, _ = max_abs_diff(out, merged)  # calibration did something
     assert changed > 1e-3
     assert type(out) is type(merged)
-    again = calibrate(merged, base=base, experts=experts, calibration=data, progress=False, return_result=True)
+    again = calibrate(merged, base=base, experts=experts, calibration=data, progress=False)
     assert max_abs_diff(out, again.model)[0] == 0.0  # bit-identical
     assert _DRIFT[kind] == again.drift
 
@@ -57,7 +57,7 @@ def test_streaming_engine_equals_dense_reference_and_is_deterministic(setting):
 def test_switches_leave_bias_and_norms_merged(kind):
     kind, base, experts, merged, data, _ = _setting(kind)
     cfg = FeatCalConfig(calibrate_bias=False, calibrate_layernorm=False)
-    out = calibrate(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False)
+    out = calibrate(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False).model
     ref = reference_calibrate(merged, base, experts, data, cfg)
     assert max_abs_diff(out, ref)[0] < 1e-5
     mods = dict(merged.named_modules())
@@ -101,7 +101,7 @@ def test_paths_give_the_same_result_as_models(setting, tmp_path):
         paths[t] = tmp_path / t
     base.save_pretrained(tmp_path / "base")
     merged.save_pretrained(tmp_path / "merged")
-    b = calibrate(str(tmp_path / "merged"), base=tmp_path / "base", experts=paths, calibration=data, progress=False)
+    b = calibrate(str(tmp_path / "merged"), base=tmp_path / "base", experts=paths, calibration=data, progress=False).model
     assert max_abs_diff(a, b)[0] == 0.0
 
 
@@ -119,18 +119,18 @@ def test_path_experts_are_streamed_not_loaded(monkeypatch, tmp_path):
 
     monkeypatch.setattr(featcal.io.models, "load_model", refuse)
     out = calibrate(merged, base=tmp_path / "base", experts={t: tmp_path / t for t in experts}, calibration=data,
-                    progress=False)
+                    progress=False).model
     assert max_abs_diff(out, expected)[0] == 0.0
 
 
 def test_spill_dir_is_identical_and_bfloat16_chains_stay_close(some_setting, tmp_path):
     kind, base, experts, merged, data, ram = some_setting
     spill = calibrate(merged, base=base, experts=experts, calibration=data, progress=False,
-                      config=FeatCalConfig(spill_dir=tmp_path / "spill"))
+                      config=FeatCalConfig(spill_dir=tmp_path / "spill")).model
     assert max_abs_diff(ram, spill)[0] == 0.0
     assert not (tmp_path / "spill").exists()  # spilled chains, and the spill dir featcal created, are removed
     bf16 = calibrate(merged, base=base, experts=experts, calibration=data, progress=False,
-                     config=FeatCalConfig(chain_dtype="bfloat16"))
+                     config=FeatCalConfig(chain_dtype="bfloat16")).model
     diff, where = max_abs_diff(ram, bf16)
     assert 0.0 < diff < 0.05, f"{where}: {diff}"
 
@@ -141,7 +141,7 @@ def test_merged_model_is_not_modified_unless_inplace():
     before = {k: v.clone() for k, v in merged.state_dict().items()}
     calibrate(merged, base=base, experts=experts, calibration=data, progress=False)
     assert all(torch.equal(before[k], v) for k, v in merged.state_dict().items())
-    out = calibrate(merged, base=base, experts=experts, calibration=data, progress=False, inplace=True)
+    out = calibrate(merged, base=base, experts=experts, calibration=data, progress=False, inplace=True).model
     assert out is merged
 
 
@@ -159,7 +159,7 @@ def test_calibration_reduces_held_out_drift():
     base, experts, merged = noisy_family("clip", n_experts=2, scale=0.2)
     data = _shifted_images(experts, 4, seed=0)
     held_out = _shifted_images(experts, 2, seed=1000)
-    result = calibrate(merged, base=base, experts=experts, calibration=data, progress=False, return_result=True)
+    result = calibrate(merged, base=base, experts=experts, calibration=data, progress=False)
     out = result.model
 
     @torch.no_grad()
@@ -260,8 +260,7 @@ def test_missing_base_with_extrapolating_anchor_is_refused(small):
     base, experts, merged, data = small
     with pytest.raises(ConfigError, match="base"):
         calibrate(merged, experts=experts, calibration=data, progress=False)
-    out = calibrate(merged, experts=experts, calibration=data, progress=False, config=FeatCalConfig(anchor_blend_rho=1.0),
-                    return_result=True)
+    out = calibrate(merged, experts=experts, calibration=data, progress=False, config=FeatCalConfig(anchor_blend_rho=1.0))
     assert len(out.drift) == 2
 
 
@@ -269,8 +268,8 @@ def test_tensor_batches_are_the_main_input():
     base, experts, merged = noisy_family("clip")
     data = family_data("clip", experts)
     as_tensors = {t: [b["pixel_values"] for b in v] for t, v in data.items()}
-    a = calibrate(merged, base=base, experts=experts, calibration=data, progress=False)
-    b = calibrate(merged, base=base, experts=experts, calibration=as_tensors, progress=False)
+    a = calibrate(merged, base=base, experts=experts, calibration=data, progress=False).model
+    b = calibrate(merged, base=base, experts=experts, calibration=as_tensors, progress=False).model
     assert max_abs_diff(a, b)[0] == 0.0
 
 
@@ -279,7 +278,7 @@ def test_tensor_batches_are_the_main_input():
 def test_teacher_form_equals_the_fold_and_the_dense_reference(kind, alpha, monkeypatch):
     """The teacher term summed in the pass (W_t applied to the merged input) gives what folding C_t W_tᵀ
     in at the end of the task gives; the engine picks it by token count, both are exact."""
-    from featcal.calibration import engine
+    from featcal.calibration import context
     from featcal.calibration.statistics import TaskSums
 
     base, experts, merged = noisy_family(kind)
@@ -296,8 +295,8 @@ def test_teacher_form_equals_the_fold_and_the_dense_reference(kind, alpha, monke
     out = {}
     for label, factor in (("teacher", 0.0), ("fold", 1e12)):
         forms.clear()
-        monkeypatch.setattr(engine, "TEACHER_FORM_TOKENS_PER_INPUT", factor)
-        out[label] = calibrate(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False)
+        monkeypatch.setattr(context, "TEACHER_FORM_TOKENS_PER_INPUT", factor)
+        out[label] = calibrate(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False).model
         assert forms and all(forms) if label == "teacher" else not any(forms)
     diff, where = max_abs_diff(out["teacher"], out["fold"])
     assert diff < 1e-5, f"{kind}: {where} differs by {diff}"

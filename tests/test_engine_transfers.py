@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import featcal.calibration.engine as engine
+import featcal.calibration.context as context
 from featcal import calibrate
+from featcal.calibration.drift import DriftSums
 from reference_featcal import family_data, noisy_family
 
 
@@ -16,15 +17,15 @@ def test_model_inputs_reach_the_device_once_per_batch(monkeypatch, kind):
     base, experts, merged = noisy_family(kind)
     data = family_data(kind, experts)
     whole, masks = [], []
-    to_device, masks_to_device = engine._to_device, engine._masks_to_device
-    monkeypatch.setattr(engine, "_to_device", lambda batch, device: whole.append(1) or to_device(batch, device))
+    to_device, masks_to_device = context.to_device, context.masks_to_device
+    monkeypatch.setattr(context, "to_device", lambda batch, device: whole.append(1) or to_device(batch, device))
 
     def counted(stack, batch, device):
         moved = masks_to_device(stack, batch, device)
         masks.append(sorted(moved))
         return moved
 
-    monkeypatch.setattr(engine, "_masks_to_device", counted)
+    monkeypatch.setattr(context, "masks_to_device", counted)
     calibrate(merged, base=base, experts=experts, calibration=data, progress=False)
     n_batches = sum(len(b) for b in data.values())
     assert len(whole) == n_batches  # the block-0 capture
@@ -35,7 +36,7 @@ def test_model_inputs_reach_the_device_once_per_batch(monkeypatch, kind):
 def test_drift_sums_on_the_device_equal_python_float_sums():
     """Summing per batch in float64 tensors, read back once, gives the bits of the float()-per-batch sums."""
     g = torch.Generator().manual_seed(0)
-    drift, sums, counts = engine._Drift(), {}, {}
+    drift, sums, counts = DriftSums(), {}, {}
     for i in range(7):
         task = f"t{i % 3}"
         hm, he = torch.randn(3, 5, 16, generator=g), torch.randn(3, 5, 16, generator=g)

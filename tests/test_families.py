@@ -124,7 +124,7 @@ def test_the_verified_list_is_what_this_file_calibrates():
 def test_calibration_lowers_the_drift_loads_and_equals_the_reference(model_type, tmp_path):
     base, experts, merged = family_of(tiny(model_type))
     data = batches(merged, experts)
-    result = calibrate(merged, base=base, experts=experts, calibration=data, progress=False, return_result=True)
+    result = calibrate(merged, base=base, experts=experts, calibration=data, progress=False)
     out = result.model
     e2e = result.end_to_end
     assert e2e["calibrated"] < e2e["merged"], e2e
@@ -146,7 +146,7 @@ def test_conv1d_weights_are_solved_in_their_stored_layout():
     kinds = {c.name: (c.kind, c.transposed) for c in calibrated_modules(model.transformer.h[0])}
     assert kinds["attn.c_attn"] == ("linear", True) and kinds["ln_1"] == ("layernorm", False)
     base, experts, merged = family_of(model)
-    out = calibrate(merged, base=base, experts=experts, calibration=batches(merged, experts), progress=False)
+    out = calibrate(merged, base=base, experts=experts, calibration=batches(merged, experts), progress=False).model
     w = out.transformer.h[0].attn.c_attn.weight
     assert w.shape == merged.transformer.h[0].attn.c_attn.weight.shape == (32, 96)
     assert not torch.equal(w, merged.transformer.h[0].attn.c_attn.weight)
@@ -168,8 +168,7 @@ def test_mixture_of_experts_keep_their_experts_merged_and_say_so(caplog):
     """Routed experts and the router keep their merged values; attention and norms are calibrated; log and record."""
     base, experts, merged = family_of(tiny("qwen3_moe"))
     with caplog.at_level("WARNING", logger="featcal"):
-        result = calibrate(merged, base=base, experts=experts, calibration=batches(merged, experts), progress=False,
-                           return_result=True)
+        result = calibrate(merged, base=base, experts=experts, calibration=batches(merged, experts), progress=False)
     sm, so = merged.state_dict(), result.model.state_dict()
     for layer in (0, 1):
         p = f"model.layers.{layer}."
@@ -209,7 +208,7 @@ def test_sliding_window_layers_get_their_own_masks_in_calibration():
     assert stack.layer_types == (FU, SL)
     base, experts, merged = family_of(model)
     data = batches(merged, experts)
-    out = calibrate(merged, base=base, experts=experts, calibration=data, progress=False)
+    out = calibrate(merged, base=base, experts=experts, calibration=data, progress=False).model
     assert max_abs_diff(out, reference_calibrate(merged, base, experts, data, FeatCalConfig()))[0] < 1e-5
 
 
@@ -474,7 +473,7 @@ def test_final_and_stem_norms_calibrate_on_a_new_family():
     base, experts, merged = family_of(tiny("modernbert"))
     cfg = FeatCalConfig(calibrate_final_norm=True, calibrate_stem_norm=True)
     result = calibrate(merged, base=base, experts=experts, calibration=batches(merged, experts), config=cfg,
-                       progress=False, return_result=True)
+                       progress=False)
     assert result.final_norm["module"] == "final_norm" and result.stem_norm["module"] == "embeddings.norm"
     assert result.final_norm["after"] < result.final_norm["before"]
     assert not torch.equal(result.model.final_norm.weight, merged.final_norm.weight)

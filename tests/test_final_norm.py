@@ -99,9 +99,8 @@ def _dense_reference(kind: str, calibrated, base, experts, merged, data, cfg: Fe
 def test_final_norm_matches_the_dense_reference_and_leaves_the_blocks_alone(kind):
     base, experts, merged, data = _family_and_data(kind)
     cfg = FeatCalConfig(calibrate_final_norm=True)
-    plain = calibrate(merged, base=base, experts=experts, calibration=data, progress=False, return_result=True)
-    on = calibrate(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False,
-                   return_result=True)
+    plain = calibrate(merged, base=base, experts=experts, calibration=data, progress=False)
+    on = calibrate(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False)
     path = FINAL[kind]
     # the default: the final norm stays merged, bit for bit, and no record is made
     assert plain.final_norm is None
@@ -128,10 +127,10 @@ def test_final_norm_matches_the_dense_reference_and_leaves_the_blocks_alone(kind
 def test_bert_has_no_final_norm_and_the_option_changes_nothing(caplog):
     base, experts, merged = noisy_family("bert")
     data = family_data("bert", experts)
-    plain = calibrate(merged, base=base, experts=experts, calibration=data, progress=False)
+    plain = calibrate(merged, base=base, experts=experts, calibration=data, progress=False).model
     with caplog.at_level("INFO", logger="featcal"):
         on = calibrate(merged, base=base, experts=experts, calibration=data,
-                       config=FeatCalConfig(calibrate_final_norm=True), progress=False, return_result=True)
+                       config=FeatCalConfig(calibrate_final_norm=True), progress=False)
     assert max_abs_diff(on.model, plain)[0] == 0.0
     assert on.final_norm["calibrated"] is False and "no norm between its last encoder block" in on.final_norm["why"]
     assert "calibrate_final_norm" in caplog.text and "nothing is calibrated" in caplog.text
@@ -149,18 +148,16 @@ def test_resumed_and_offloaded_runs_solve_the_same_final_norm(tmp_path, monkeypa
     blocks gives the same bits."""
     base, experts, merged, data = _family_and_data("clip")
     cfg = FeatCalConfig(calibrate_final_norm=True)
-    straight = calibrate(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False,
-                         return_result=True)
+    straight = calibrate(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False)
     stateful = cfg.model_copy(update={"resume_dir": tmp_path / "state"})
     # killed after the last block: every block and chain is committed, the final norm is not solved
     with killed_after(monkeypatch, 1), pytest.raises(Crash):
         calibrate(merged, base=base, experts=experts, calibration=data, config=stateful, progress=False)
-    resumed = calibrate(merged, base=base, experts=experts, calibration=data, config=stateful, progress=False,
-                        return_result=True)
+    resumed = calibrate(merged, base=base, experts=experts, calibration=data, config=stateful, progress=False)
     assert max_abs_diff(resumed.model, straight.model)[0] == 0.0
     assert resumed.final_norm == straight.final_norm
 
-    offloaded = calibrate(merged, base=base, experts=experts, calibration=data, progress=False, return_result=True,
+    offloaded = calibrate(merged, base=base, experts=experts, calibration=data, progress=False,
                           config=cfg.model_copy(update={"offload_blocks": True}))
     assert max_abs_diff(offloaded.model, straight.model)[0] == 0.0
 

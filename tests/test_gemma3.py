@@ -23,7 +23,7 @@ from featcal.blocks.adapters import StructuralAdapter, adapter_for
 from featcal.blocks.capture import capture_block_input
 from featcal.blocks.discovery import calibrated_modules
 from featcal.calibration import solver
-from featcal.calibration.engine import check_context_replay
+from featcal.calibration.replay import check_context_replay
 from featcal.errors import FeatCalError
 from reference_featcal import max_abs_diff
 from tiny import family_of
@@ -201,7 +201,7 @@ def test_calibration_equals_the_dense_reference():
     base, experts, merged = family_of(tiny_gemma3())
     data = {t: [_ids(seed=2 * i), _ids(seed=2 * i + 1)] for i, t in enumerate(experts)}
     cfg = FeatCalConfig()
-    out = calibrate(merged, base=base, experts=experts, calibration=data, progress=False)
+    out = calibrate(merged, base=base, experts=experts, calibration=data, progress=False).model
     changed = {k for k, v in out.state_dict().items() if not torch.equal(v, merged.state_dict()[k])}
     for layer in range(3):
         for n in ("self_attn.q_norm", "self_attn.k_norm", "post_feedforward_layernorm", "self_attn.q_proj", "mlp.down_proj"):
@@ -218,7 +218,7 @@ def test_replaying_block_0_context_would_be_caught(monkeypatch):
     want = dense_featcal(merged, base, experts, data, FeatCalConfig())
     monkeypatch.setattr(StructuralAdapter, "block_kwargs", lambda self, stack, layer, ctx: {**ctx["shared"], **ctx["by_type"][SLIDING]})
     monkeypatch.setattr("featcal.calibration.engine.check_context_replay", lambda *a, **k: None)  # past the guard
-    wrong = calibrate(merged, base=base, experts=experts, calibration=data, progress=False)
+    wrong = calibrate(merged, base=base, experts=experts, calibration=data, progress=False).model
     diff, where = max_abs_diff(wrong, want)
     assert diff > 1e-3 and where.startswith("model.layers.1."), (diff, where)
 
@@ -230,8 +230,8 @@ def test_padding_tokens_do_not_count():
     other = copy.deepcopy(data)
     for batches in other.values():
         batches[0]["input_ids"][1, -3:] = 7
-    a = calibrate(merged, base=base, experts=experts, calibration=data, progress=False)
-    b = calibrate(merged, base=base, experts=experts, calibration=other, progress=False)
+    a = calibrate(merged, base=base, experts=experts, calibration=data, progress=False).model
+    b = calibrate(merged, base=base, experts=experts, calibration=other, progress=False).model
     assert max_abs_diff(a, b)[0] < 1e-6
 
 
@@ -240,9 +240,9 @@ def test_spilled_checkpointed_and_offloaded_chains_give_the_same_calibration(tmp
     (on the CPU here)."""
     base, experts, merged = family_of(tiny_gemma3(layer_types=(SLIDING, GLOBAL)))
     data = {t: [_ids(seed=i)] for i, t in enumerate(experts)}
-    a = calibrate(merged, base=base, experts=experts, calibration=data, progress=False)
+    a = calibrate(merged, base=base, experts=experts, calibration=data, progress=False).model
     cfg = FeatCalConfig(spill_dir=str(tmp_path / "spill"), offload_blocks=True, resume_dir=str(tmp_path / "resume"))
-    b = calibrate(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False)
+    b = calibrate(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False).model
     assert max_abs_diff(a, b)[0] < 1e-6
 
 

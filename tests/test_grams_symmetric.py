@@ -102,11 +102,11 @@ def test_merges_of_equal_and_of_different_layouts():
 def test_calibrate_with_symmetric_grams_forced_on_equals_reference_and_plain(kind, monkeypatch, one_thread):
     base, experts, merged = noisy_family(kind)
     data = family_data(kind, experts)
-    plain = calibrate(merged, base=base, experts=experts, calibration=data, progress=False)
+    plain = calibrate(merged, base=base, experts=experts, calibration=data, progress=False).model
     monkeypatch.setattr(grams, "SYM_MIN_D", 1)
     monkeypatch.setattr(grams, "SYM_CHUNK", 8)  # tiny widths 32 / 64: 4 / 8 chunks
     assert gram_chunks(32) == 4
-    sym = calibrate(merged, base=base, experts=experts, calibration=data, progress=False)
+    sym = calibrate(merged, base=base, experts=experts, calibration=data, progress=False).model
     assert max_abs_diff(sym, plain)[0] < 1e-5
     diff, where = max_abs_diff(sym, reference_calibrate(merged, base, experts, data, FeatCalConfig()))
     assert diff < 1e-5, f"{kind}: {where} differs by {diff}"

@@ -276,6 +276,7 @@ BAD_FEATCAL = {
     "tune_tiebreak": ["kl", 1],
     "tune_fixed": ["lambda", ["rho"], "auto,lambda_ratio", 3],
     "tune_head_pooling": ["cls", 1],
+    "tune_next_token": ["sometimes"],
     "text_unit": ["sentence", "Line", 1],
     "data_format": ["csv", "images", 1],
     "pack_texts": ["sometimes", 2],

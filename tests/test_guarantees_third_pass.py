@@ -626,7 +626,7 @@ def resume_run(llama, tmp_path):
     assert (state / "state.json").is_file() and (state / "block-0001.safetensors").is_file()
 
     def rerun():
-        return calibrate(merged, **kwargs)
+        return calibrate(merged, **kwargs).model
 
     return state, rerun
 

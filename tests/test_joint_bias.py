@@ -105,7 +105,7 @@ def test_engine_joint_solve_matches_dense_least_squares_on_a_tiny_clip():
     base, experts, merged = noisy_family("clip")
     data = family_data("clip", experts)
     cfg = FeatCalConfig(bias_solve="joint")
-    out = calibrate(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False)
+    out = calibrate(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False).model
     prefix = "encoder.layers.0."
     names = [prefix + n for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj",
                                   "mlp.fc1", "mlp.fc2")]
@@ -131,7 +131,7 @@ def test_engine_joint_solve_matches_dense_least_squares_on_a_tiny_clip():
         w_ref, b_ref = _dense(tasks, aw, ab, lam, eps)
         assert (op[name + ".weight"].to(D) - w_ref).abs().max() < 1e-6, name
         assert (op[name + ".bias"].to(D) - b_ref).abs().max() < 1e-6, name
-    default = calibrate(merged, base=base, experts=experts, calibration=data, progress=False)
+    default = calibrate(merged, base=base, experts=experts, calibration=data, progress=False).model
     assert max_abs_diff(out, default)[0] > 1e-4  # the variant is not the paper's solve
 
 

@@ -10,7 +10,8 @@ import torch
 from featcal import FeatCalConfig, calibrate
 from featcal.blocks.adapters import adapter_for
 from featcal.calibration.chains import ChainStore
-from featcal.calibration.engine import FeatCalEngine, stem_param_names
+from featcal.calibration.engine import FeatCalEngine
+from featcal.calibration.param_names import stem_param_names
 from featcal.calibration.placement import Placement, stem_parts
 from featcal.cli.main import main
 from featcal.errors import ConfigError
@@ -79,8 +80,7 @@ def test_offload_is_bit_identical_and_holds_one_block_per_model(kind, chain_dtyp
     base, experts, merged = noisy_family(kind)
     data = family_data(kind, experts)
     cfg = FeatCalConfig(chain_dtype=chain_dtype, spill_dir=tmp_path / "spill" if spill else None)
-    whole = calibrate(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False,
-                      return_result=True)
+    whole = calibrate(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False)
 
     spy = DeviceSpy()
     monkeypatch.setattr(Placement, "_place", spy.wrap(Placement._place))
@@ -96,7 +96,7 @@ def test_offload_is_bit_identical_and_holds_one_block_per_model(kind, chain_dtyp
                 h.remove()
     monkeypatch.setattr(FeatCalEngine, "run", run)
     offloaded = calibrate(merged, base=base, experts=experts, calibration=data,
-                          config=cfg.model_copy(update={"offload_blocks": True}), progress=False, return_result=True)
+                          config=cfg.model_copy(update={"offload_blocks": True}), progress=False)
 
     assert max_abs_diff(offloaded.model, whole.model)[0] == 0.0
     assert offloaded.drift == whole.drift

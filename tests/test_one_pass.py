@@ -9,6 +9,7 @@ import torch
 from featcal import FeatCalConfig, calibrate
 from featcal.blocks.adapters import adapter_for
 from featcal.calibration import engine as engine_mod
+from featcal.calibration.context import BlockContext
 from reference_featcal import family_data, max_abs_diff, noisy_family
 
 SEQUENTIAL = FeatCalConfig(block_statistics="sequential")
@@ -19,11 +20,11 @@ ONE_PASS = FeatCalConfig(block_statistics="sequential_one_pass")
 def test_one_pass_solves_exactly_what_sequential_solves(kind):
     base, experts, merged = noisy_family(kind)
     data = family_data(kind, experts)
-    seq = calibrate(merged, base=base, experts=experts, calibration=data, config=SEQUENTIAL, progress=False)
-    one = calibrate(merged, base=base, experts=experts, calibration=data, config=ONE_PASS, progress=False)
+    seq = calibrate(merged, base=base, experts=experts, calibration=data, config=SEQUENTIAL, progress=False).model
+    one = calibrate(merged, base=base, experts=experts, calibration=data, config=ONE_PASS, progress=False).model
     diff, where = max_abs_diff(one, seq)
     assert diff == 0.0, f"{kind}: {where} differs by {diff}"  # the same operations on the same inputs
-    paper = calibrate(merged, base=base, experts=experts, calibration=data, progress=False)
+    paper = calibrate(merged, base=base, experts=experts, calibration=data, progress=False).model
     assert max_abs_diff(one, paper)[0] > 1e-4  # and not the paper's method
 
 
@@ -43,7 +44,7 @@ def _count_block_forwards(monkeypatch, kind: str, config: FeatCalConfig) -> tupl
         return forward(self, x)
 
     monkeypatch.setattr(torch.nn.Linear, "forward", counting)
-    out = calibrate(merged, base=base, experts=experts, calibration=data, config=config, progress=False)
+    out = calibrate(merged, base=base, experts=experts, calibration=data, config=config, progress=False).model
     monkeypatch.setattr(torch.nn.Linear, "forward", forward)
     return calls[0], sum(len(b) for b in data.values()), (out, merged, experts)
 
@@ -90,7 +91,7 @@ def test_an_error_part_way_unwinds_every_paused_forward(monkeypatch):
     base, experts, merged = noisy_family("clip")
     data = family_data("clip", experts)
     calls = [0]
-    original = engine_mod.FeatCalEngine._solve_and_load
+    original = BlockContext.solve
     made: list = []  # strong references: only the driver's own unwinding can end these forwards
     init = one_pass._Forward.__init__
 
@@ -106,7 +107,7 @@ def test_an_error_part_way_unwinds_every_paused_forward(monkeypatch):
         return original(self, *a)
 
     monkeypatch.setattr(one_pass._Forward, "__init__", tracked)
-    monkeypatch.setattr(engine_mod.FeatCalEngine, "_solve_and_load", failing)
+    monkeypatch.setattr(BlockContext, "solve", failing)
     with pytest.raises(RuntimeError, match="solve failed"):
         calibrate(merged, base=base, experts=experts, calibration=data, config=ONE_PASS, progress=False)
     assert made and all(fw.dead for fw in made)
@@ -125,12 +126,11 @@ def test_one_pass_run_killed_after_a_block_resumes_bit_identical(kind, kill_afte
     data = family_data(kind, experts)
     cfg = ONE_PASS.model_copy(update={"resume_dir": tmp_path / "state", "offload_blocks": offload})
     straight = calibrate(merged, base=base, experts=experts, calibration=data,
-                         config=cfg.model_copy(update={"resume_dir": None}), progress=False, return_result=True)
+                         config=cfg.model_copy(update={"resume_dir": None}), progress=False)
     with killed_after(monkeypatch, kill_after), pytest.raises(Crash):
         calibrate(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False)
-    resumed = calibrate(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False,
-                        return_result=True)
+    resumed = calibrate(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False)
     assert max_abs_diff(resumed.model, straight.model)[0] == 0.0
     assert resumed.drift == straight.drift
-    seq = calibrate(merged, base=base, experts=experts, calibration=data, config=SEQUENTIAL, progress=False)
+    seq = calibrate(merged, base=base, experts=experts, calibration=data, config=SEQUENTIAL, progress=False).model
     assert max_abs_diff(straight.model, seq)[0] == 0.0

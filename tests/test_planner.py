@@ -146,7 +146,7 @@ def test_offload_plan_moves_the_block_transients_to_the_device():
 
 def test_stem_count_is_what_offloading_moves():
     from featcal.blocks.adapters import adapter_for
-    from featcal.calibration.engine import stem_param_names
+    from featcal.calibration.param_names import stem_param_names
     from featcal.calibration.planner import model_shape
     from tiny import tiny_config, tiny_model
 

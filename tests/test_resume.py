@@ -79,7 +79,7 @@ def test_interrupted_api_run_resumes_bit_identical(kind, kill_after, chain_dtype
     cfg = FeatCalConfig(chain_dtype=chain_dtype, resume_dir=tmp_path / "state",
                         spill_dir=tmp_path / "spill" if spill else None)
     straight = calibrate(merged, base=base, experts=experts, calibration=data, config=cfg.model_copy(
-        update={"resume_dir": None}), progress=False, return_result=True)
+        update={"resume_dir": None}), progress=False)
     with killed_after(monkeypatch, kill_after), pytest.raises(Crash):
         calibrate(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False)
     assert (tmp_path / "state" / f"block-{kill_after:04d}.safetensors").is_file()
@@ -89,8 +89,7 @@ def test_interrupted_api_run_resumes_bit_identical(kind, kill_after, chain_dtype
     with pytest.raises(ResumeStateError, match="data task0"):
         calibrate(merged, base=base, experts=experts, calibration=other, config=cfg, progress=False)
 
-    resumed = calibrate(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False,
-                        return_result=True)
+    resumed = calibrate(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False)
     assert max_abs_diff(resumed.model, straight.model)[0] == 0.0
     assert resumed.drift == straight.drift
     assert not (tmp_path / "state").exists()
@@ -155,7 +154,7 @@ def test_checkpoint_every_n_resumes_from_the_last_checkpoint(kind, every, kill_a
     data = family_data(kind, experts)
     cfg = FeatCalConfig(resume_dir=tmp_path / "state", checkpoint_every=every, offload_blocks=offload)
     straight = calibrate(merged, base=base, experts=experts, calibration=data,
-                         config=FeatCalConfig(), progress=False, return_result=True)
+                         config=FeatCalConfig(), progress=False)
 
     commits = _record_commits(monkeypatch)
     with killed_after(monkeypatch, kill_after), pytest.raises(Crash):
@@ -167,8 +166,7 @@ def test_checkpoint_every_n_resumes_from_the_last_checkpoint(kind, every, kill_a
 
     commits.clear()
     with caplog.at_level(logging.INFO, logger="featcal"):
-        resumed = calibrate(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False,
-                            return_result=True)
+        resumed = calibrate(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False)
     assert ("already calibrated" in caplog.text) == bool(first)
     if first:
         assert f"{done} block(s) already calibrated, continuing at block {done}" in caplog.text

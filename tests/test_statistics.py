@@ -147,7 +147,7 @@ def test_engine_keeps_one_task_of_raw_sums_alive_at_a_time(monkeypatch):
     import weakref
 
     from featcal import FeatCalConfig, calibrate
-    from featcal.calibration import engine
+    from featcal.calibration import gather
     from reference_featcal import family_data, noisy_family
 
     live: set[int] = set()
@@ -163,7 +163,7 @@ def test_engine_keeps_one_task_of_raw_sums_alive_at_a_time(monkeypatch):
             weakref.finalize(self, live.discard, key)
             peak[0] = max(peak[0], len(live))
 
-    monkeypatch.setattr(engine, "TaskSums", Tracked)
+    monkeypatch.setattr(gather, "TaskSums", Tracked)
     base, experts, merged = noisy_family("llama", n_experts=4)
     calibrate(merged, base=base, experts=experts, calibration=family_data("llama", experts), config=FeatCalConfig(),
               progress=False)

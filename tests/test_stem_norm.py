@@ -61,8 +61,7 @@ def _dense_stem_solve(kind: str, merged, base, experts, data, cfg: FeatCalConfig
 def test_stem_norm_is_the_dense_solve_and_the_blocks_the_papers_on_top(kind):
     base, experts, merged = noisy_family(kind)
     data = family_data(kind, experts)
-    out = calibrate(merged, base=base, experts=experts, calibration=data, config=ON, progress=False,
-                    return_result=True)
+    out = calibrate(merged, base=base, experts=experts, calibration=data, config=ON, progress=False)
     gamma, beta = _dense_stem_solve(kind, merged, base, experts, data, ON)
     solved = get_path(out.model, STEM[kind])
     assert (solved.weight.to(D) - gamma).abs().max() < 1e-5
@@ -74,10 +73,10 @@ def test_stem_norm_is_the_dense_solve_and_the_blocks_the_papers_on_top(kind):
     with torch.no_grad():
         get_path(carried, STEM[kind]).weight.copy_(solved.weight)
         get_path(carried, STEM[kind]).bias.copy_(solved.bias)
-    paper = calibrate(carried, base=base, experts=experts, calibration=data, progress=False)
+    paper = calibrate(carried, base=base, experts=experts, calibration=data, progress=False).model
     diff, where = max_abs_diff(out.model, paper)
     assert diff < 1e-6, f"{kind}: {where} differs by {diff}"
-    default = calibrate(merged, base=base, experts=experts, calibration=data, progress=False)
+    default = calibrate(merged, base=base, experts=experts, calibration=data, progress=False).model
     assert max_abs_diff(out.model, default)[0] > 1e-4
 
 
@@ -85,24 +84,22 @@ def test_llama_has_no_stem_norm_and_the_option_changes_nothing(caplog):
     base, experts, merged = noisy_family("llama")
     data = family_data("llama", experts)
     with caplog.at_level("INFO", logger="featcal.calibration"):
-        out = calibrate(merged, base=base, experts=experts, calibration=data, config=ON, progress=False,
-                        return_result=True)
+        out = calibrate(merged, base=base, experts=experts, calibration=data, config=ON, progress=False)
     assert out.stem_norm["calibrated"] is False and "no norm between its embeddings" in out.stem_norm["why"]
     assert "calibrate_stem_norm" in caplog.text
-    default = calibrate(merged, base=base, experts=experts, calibration=data, progress=False)
+    default = calibrate(merged, base=base, experts=experts, calibration=data, progress=False).model
     assert max_abs_diff(out.model, default)[0] == 0.0
 
 
 def test_a_resumed_run_restores_the_stem_norm_with_block_0(tmp_path, monkeypatch):
     base, experts, merged = noisy_family("bert")
     data = family_data("bert", experts)
-    straight = calibrate(merged, base=base, experts=experts, calibration=data, config=ON, progress=False)
+    straight = calibrate(merged, base=base, experts=experts, calibration=data, config=ON, progress=False).model
     stateful = ON.model_copy(update={"resume_dir": tmp_path / "state"})
     # killed once block 0 (and with it the stem norm) is committed, block 1 not calibrated
     with killed_after(monkeypatch, 0), pytest.raises(Crash):
         calibrate(merged, base=base, experts=experts, calibration=data, config=stateful, progress=False)
-    resumed = calibrate(merged, base=base, experts=experts, calibration=data, config=stateful, progress=False,
-                        return_result=True)
+    resumed = calibrate(merged, base=base, experts=experts, calibration=data, config=stateful, progress=False)
     assert max_abs_diff(resumed.model, straight)[0] == 0.0
     assert "restored" in resumed.stem_norm
 

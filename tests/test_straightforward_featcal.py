@@ -41,7 +41,7 @@ def test_straightforward_equals_featcal_on_tiny_clip(one_thread, changes):
     data = family_data("clip", experts, n_batches=2)
     cfg = FeatCalConfig(**changes)
     assert sf.Settings() == _settings(sf, FeatCalConfig())  # the yardstick's defaults are featcal's
-    ours = calibrate(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False)
+    ours = calibrate(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False).model
     theirs = sf.calibrate(copy.deepcopy(merged), base, experts, data, _settings(sf, cfg))
     diff, where = max_abs_diff(ours, theirs)
     assert diff < 1e-5, f"{where} differs by {diff}"

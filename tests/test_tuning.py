@@ -13,10 +13,12 @@ import transformers as T
 import yaml
 
 from featcal import FeatCalConfig, calibrate
+from featcal.blocks.adapters import adapter_for
 from featcal.calibration import core, tuning
 from featcal.cli.main import main
 from featcal.config import parse
 from featcal.errors import CalibrationDataError, ConfigError
+from featcal.io.param_sources import ModelSource
 from reference_featcal import family_data, max_abs_diff, noisy_family
 
 
@@ -137,7 +139,7 @@ def test_selection_sees_only_calibration_data_and_refit_uses_all(family, monkeyp
     monkeypatch.setattr(core, "calibrate_setting", recording)
     cfg = FeatCalConfig(tune=True, tune_budget=5.0, tune_holdout=0.34)
     result = original(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False,
-                      heads={"task0": head, "task1": head}, return_result=True)
+                      heads={"task0": head, "task1": head})
     out, rec = result.model, result.tuning
     *search, refit = calls
     assert len(search) == len(rec["candidates"]) >= 2 and not refit["config"].tune
@@ -159,7 +161,7 @@ def test_selection_sees_only_calibration_data_and_refit_uses_all(family, monkeyp
     assert start is merged  # no merge_scaling given: the merge itself
     plain = original(merged, base=base, experts=experts, calibration=data, progress=False, config=FeatCalConfig(
         anchor_blend_rho=chosen["anchor_blend_rho"], lambda_ratio=chosen["lambda_ratio"],
-        teacher_interp_alpha=chosen["teacher_interp_alpha"], tune_budget=5.0, tune_holdout=0.34))
+        teacher_interp_alpha=chosen["teacher_interp_alpha"], tune_budget=5.0, tune_holdout=0.34)).model
     assert max_abs_diff(out, plain)[0] == 0.0
     assert rec["chosen"]["disagreement"] is not None and rec["heads"] == ["task0", "task1"]
     assert all(0.0 <= c["per_task"][t]["agreement"] <= 1.0 for c in rec["candidates"] for t in data)
@@ -183,7 +185,7 @@ def test_cross_fitted_candidates_are_scored_only_on_the_fold_they_were_not_fitte
     monkeypatch.setattr(core, "calibrate_setting", recording)
     cfg = FeatCalConfig(tune=True, tune_budget=6.0, tune_folds=2)
     result = calibrate(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False,
-                       heads={"task0": head, "task1": head}, merge_scaling=0.05, return_result=True)
+                       heads={"task0": head, "task1": head}, merge_scaling=0.05)
     rec = result.tuning
     *search, refit = calls
     assert rec["folds"] == 2 and rec["holdout"] is None
@@ -210,8 +212,7 @@ def test_cross_fitted_candidates_are_scored_only_on_the_fold_they_were_not_fitte
                    for t in data)
     chosen = rec["chosen"]
     again = calibrate(merged, base=base, experts=experts, calibration=data, progress=False, merge_scaling=0.05,
-                      heads={"task0": head, "task1": head}, config=FeatCalConfig(tune=True, tune_budget=6.0, tune_folds=2),
-                      return_result=True)
+                      heads={"task0": head, "task1": head}, config=FeatCalConfig(tune=True, tune_budget=6.0, tune_folds=2))
     assert _strip(again.tuning["candidates"]) == _strip(rec["candidates"])  # deterministic
     assert max_abs_diff(again.model, result.model)[0] == 0.0
     assert again.tuning["chosen"] == chosen
@@ -225,7 +226,7 @@ def test_auto_folds_cross_fit_only_where_one_split_holds_out_a_few_examples(fami
     assert tuning.resolve_folds(3, 8, 0.25) == (3, "as configured")
     assert tuning.resolve_folds("auto", 8, 0.3) == (1, "auto: tune_holdout 0.3 asks for one split")
     base, experts, merged, data = family
-    rec = calibrate(merged, base=base, experts=experts, calibration=data, progress=False, return_result=True,
+    rec = calibrate(merged, base=base, experts=experts, calibration=data, progress=False,
                     config=FeatCalConfig(tune=True, tune_budget=4.0, tune_folds="auto")).tuning
     assert rec["folds"] == 2 and rec["folds_setting"] == "auto" and "2 folds score every example" in rec["folds_why"]
     assert all(s["held_out"] == 6 for s in rec["split"].values())
@@ -245,15 +246,13 @@ def test_tune_folds_and_tune_holdout_are_alternatives(family):
 def test_candidates_and_choice_are_deterministic_for_a_seed(family):
     base, experts, merged, data = family
     cfg = FeatCalConfig(tune=True, tune_budget=4.0)
-    a = calibrate(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False, merge_scaling=0.05,
-                  return_result=True)
-    b = calibrate(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False, merge_scaling=0.05,
-                  return_result=True)
+    a = calibrate(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False, merge_scaling=0.05)
+    b = calibrate(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False, merge_scaling=0.05)
     assert _strip(a.tuning["candidates"]) == _strip(b.tuning["candidates"])
     assert a.tuning["chosen"] == b.tuning["chosen"]
     assert max_abs_diff(a.model, b.model)[0] == 0.0
     c = calibrate(merged, base=base, experts=experts, calibration=data, config=cfg.model_copy(update={"seed": 7}),
-                  progress=False, merge_scaling=0.05, return_result=True)
+                  progress=False, merge_scaling=0.05)
     assert c.tuning["split"] != a.tuning["split"]
 
 
@@ -261,7 +260,7 @@ def test_tune_beats_the_defaults_where_they_are_poor_and_respects_the_budget(fam
     base, experts, merged, data = family
     cfg = FeatCalConfig(tune=True, tune_folds=1)  # one split: 10 candidates in the default budget
     result = calibrate(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False,
-                       merge_scaling=0.05, return_result=True)
+                       merge_scaling=0.05)
     out, rec = result.model, result.tuning
     first, chosen = rec["candidates"][0], rec["chosen"]
     assert {k: first[k] for k in ("anchor_blend_rho", "lambda_ratio", "teacher_interp_alpha", "merge_scaling")} == {
@@ -273,12 +272,12 @@ def test_tune_beats_the_defaults_where_they_are_poor_and_respects_the_budget(fam
     assert len(rec["candidates"]) <= tuning.max_candidates(10.0, 0.25) == rec["budget"]["max_candidates"] == 10
     # on examples no candidate was scored on (same distribution), the choice also beats the defaults
     fresh = family_data("clip", experts, n_batches=3, seed=1000)
-    default = calibrate(merged, base=base, experts=experts, calibration=data, progress=False)
-    ref = {t: tuning._reference(t, experts[t], tuning.adapter_for(out), fresh[t], None) for t in experts}
-    assert tuning.score(out, tuning.adapter_for(out), fresh, ref, {}).drift < tuning.score(
-        default, tuning.adapter_for(out), fresh, ref, {}).drift
+    default = calibrate(merged, base=base, experts=experts, calibration=data, progress=False).model
+    ref = {t: tuning.expert_reference(t, experts[t], adapter_for(out), fresh[t], None) for t in experts}
+    assert tuning.score(out, adapter_for(out), fresh, ref, {}).drift < tuning.score(
+        default, adapter_for(out), fresh, ref, {}).drift
     small = calibrate(merged, base=base, experts=experts, calibration=data, progress=False, merge_scaling=0.05,
-                      config=cfg.model_copy(update={"tune_budget": 3.0}), return_result=True)
+                      config=cfg.model_copy(update={"tune_budget": 3.0}))
     assert len(small.tuning["candidates"]) == tuning.max_candidates(3.0, 0.25) == 2
 
 
@@ -286,13 +285,13 @@ def test_fixed_knobs_keep_their_configured_values_in_every_candidate(family):
     base, experts, merged, data = family
     cfg = FeatCalConfig(tune=True, tune_budget=5.0, lambda_ratio=0.1, tune_fixed=("lambda_ratio", "merge_scaling"))
     rec = calibrate(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False,
-                    merge_scaling=0.05, return_result=True).tuning
+                    merge_scaling=0.05).tuning
     assert rec["searched"] == ["anchor_blend_rho", "teacher_interp_alpha"]
     assert len(rec["candidates"]) > 1
     assert {c["lambda_ratio"] for c in rec["candidates"]} == {0.1}
     assert {c["merge_scaling"] for c in rec["candidates"]} == {0.05}
     free = calibrate(merged, base=base, experts=experts, calibration=data, progress=False, merge_scaling=0.05,
-                     config=cfg.model_copy(update={"tune_fixed": ()}), return_result=True).tuning
+                     config=cfg.model_copy(update={"tune_fixed": ()})).tuning
     assert free["searched"][0] == "merge_scaling"  # the control: without the option the same search moves them
     assert len({c["merge_scaling"] for c in free["candidates"]}) > 1
 
@@ -355,8 +354,7 @@ def test_a_step_without_evidence_is_not_taken_and_the_drift_decides_instead():
 def test_min_evidence_zero_takes_every_improvement_and_a_high_bar_takes_fewer(family):
     base, experts, merged, data = family
     runs = {z: calibrate(merged, base=base, experts=experts, calibration=data, progress=False, merge_scaling=0.05,
-                         config=FeatCalConfig(tune=True, tune_min_evidence=z, tune_folds=1),
-                         return_result=True).tuning for z in (0.0, 2.0)}
+                         config=FeatCalConfig(tune=True, tune_min_evidence=z, tune_folds=1)).tuning for z in (0.0, 2.0)}
     plain = runs[0.0]
     assert plain["chosen"]["drift"] == min(c["drift"] for c in plain["candidates"])
     assert all(c["accepted"] == c["scored_better"] == (
@@ -378,7 +376,7 @@ def test_min_evidence_zero_takes_every_improvement_and_a_high_bar_takes_fewer(fa
 def test_rescaled_merge_is_task_arithmetic_at_the_new_scaling(family):
     base, experts, _, _ = family
     rebuilt = _ta(base, experts, 0.3)
-    tuning.rescale_merge(rebuilt, tuning.ModelSource(base, "base"), 0.7 / 0.3)
+    tuning.rescale_merge(rebuilt, ModelSource(base, "base"), 0.7 / 0.3)
     assert max_abs_diff(rebuilt, _ta(base, experts, 0.7))[0] < 1e-6
 
 
@@ -407,7 +405,7 @@ def test_module_head_scores_agreement_on_the_pooled_output(family):
     torch.manual_seed(0)
     heads = {t: torch.nn.Linear(32, 4) for t in experts}  # a linear head on CLIP's pooler_output
     out = calibrate(merged, base=base, experts=experts, calibration=data, progress=False, heads=heads,
-                    config=FeatCalConfig(tune=True, tune_budget=4.0), return_result=True)
+                    config=FeatCalConfig(tune=True, tune_budget=4.0))
     rec = out.tuning
     for c in rec["candidates"]:
         agreement = [c["per_task"][t]["agreement"] for t in experts]
@@ -420,8 +418,8 @@ def test_soft_tiebreak_is_the_kl_from_the_experts_head_softmax(family):
     base, experts, merged, data = family
     torch.manual_seed(0)
     heads = {t: torch.nn.Linear(32, 4) for t in experts}
-    adapter = tuning.adapter_for(merged)
-    refs = {t: tuning._reference(t, experts[t], adapter, data[t], heads[t], keep_log_probs=True) for t in experts}
+    adapter = adapter_for(merged)
+    refs = {t: tuning.expert_reference(t, experts[t], adapter, data[t], heads[t], keep_log_probs=True) for t in experts}
     # an expert scored against its own outputs: no disagreement, no divergence
     own = tuning.score(experts["task0"], adapter, {"task0": data["task0"]}, refs, {"task0": heads["task0"]})
     assert own.disagreement == 0.0 and own.soft == pytest.approx(0.0, abs=1e-6)
@@ -436,7 +434,7 @@ def test_soft_tiebreak_is_the_kl_from_the_experts_head_softmax(family):
     assert sc.soft == pytest.approx(sum(sc.per_task[t]["soft"] for t in experts) / 2)
     # the search: agreement ties go to the lower KL, and the record says which tie-break ran
     out = calibrate(merged, base=base, experts=experts, calibration=data, progress=False, heads=heads,
-                    config=FeatCalConfig(tune=True, tune_budget=4.0, tune_tiebreak="soft"), return_result=True)
+                    config=FeatCalConfig(tune=True, tune_budget=4.0, tune_tiebreak="soft"))
     rec = out.tuning
     assert rec["tiebreak"] == "soft" and all("soft" in c for c in rec["candidates"])
     assert (rec["chosen"]["disagreement"], rec["chosen"]["soft"]) == min(
@@ -557,12 +555,12 @@ def test_pooled_follows_tune_head_pooling():
     h = torch.arange(24, dtype=torch.float32).reshape(1, 3, 8)
     batch = {"attention_mask": torch.tensor([[1, 1, 0]])}
     both = SimpleNamespace(pooler_output=torch.ones(1, 8), last_hidden_state=h)
-    assert torch.equal(tuning._pooled("a", both, batch, "auto"), torch.ones(1, 8))
-    assert torch.equal(tuning._pooled("a", both, batch, "mean"), h[:, :2].mean(1))
+    assert torch.equal(tuning.pooled_output("a", both, batch, "auto"), torch.ones(1, 8))
+    assert torch.equal(tuning.pooled_output("a", both, batch, "mean"), h[:, :2].mean(1))
     only_states = SimpleNamespace(pooler_output=None, last_hidden_state=h)
-    assert torch.equal(tuning._pooled("a", only_states, batch, "auto"), h[:, :2].mean(1))
+    assert torch.equal(tuning.pooled_output("a", only_states, batch, "auto"), h[:, :2].mean(1))
     with pytest.raises(ConfigError, match="tune_head_pooling is 'pooler' but the model's output has no pooler_output"):
-        tuning._pooled("a", only_states, batch, "pooler")
+        tuning.pooled_output("a", only_states, batch, "pooler")
 
 
 @pytest.fixture(scope="module")
@@ -656,9 +654,9 @@ def test_tune_reads_lora_experts_as_calibrate_does(tmp_path, tmp_path_factory):
     cfg = FeatCalConfig(tune=True, tune_budget=4.0)
     model = T.LlamaForCausalLM.from_pretrained(merged_dir)
     a = calibrate(model, base=str(base), experts={t: str(d) for t, d in experts.items()}, calibration=data,
-                  config=cfg, progress=False, merge_scaling=0.3, return_result=True)
+                  config=cfg, progress=False, merge_scaling=0.3)
     b = calibrate(model, base=str(base), experts=full_dirs, calibration=data, config=cfg, progress=False,
-                  merge_scaling=0.3, return_result=True)
+                  merge_scaling=0.3)
     ra, rb = a.tuning, b.tuning
     assert [c["merge_scaling"] for c in ra["candidates"]] == [c["merge_scaling"] for c in rb["candidates"]]
     assert all(c["drift"] == pytest.approx(d["drift"], rel=1e-4) for c, d in zip(ra["candidates"], rb["candidates"],
@@ -671,13 +669,13 @@ def test_the_callers_merge_is_left_as_given_unless_inplace(family):
     before = {k: v.clone() for k, v in merged.state_dict().items()}
     cfg = FeatCalConfig(tune=True, tune_budget=3.0, tune_folds=1)
     result = calibrate(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False,
-                       merge_scaling=0.05, return_result=True)
+                       merge_scaling=0.05)
     out = result.model
     assert out is not merged and all(torch.equal(before[k], v) for k, v in merged.state_dict().items())
     assert result.tuning["chosen"]["merge_scaling"] != 0.05  # a rebuilt merge was calibrated, on a copy
     own = copy.deepcopy(merged)
     again = calibrate(own, base=base, experts=experts, calibration=data, config=cfg, progress=False,
-                      merge_scaling=0.05, inplace=True)
+                      merge_scaling=0.05, inplace=True).model
     assert again is own and max_abs_diff(again, out)[0] == 0.0
 
 
@@ -702,12 +700,11 @@ def test_auto_tiebreak_runs_and_is_recorded(n_batches, expected):
     heads = {t: torch.nn.Linear(32, 4) for t in experts}
     cfg = FeatCalConfig(tune=True, tune_budget=3.0, tune_tiebreak="auto", tune_folds=1)  # one split: 2 held out
     rec = calibrate(merged, base=base, experts=experts, calibration=data, progress=False, heads=heads,
-                    config=cfg, return_result=True).tuning
+                    config=cfg).tuning
     assert (rec["tiebreak"], rec["tiebreak_setting"]) == (expected, "auto")
     assert all(f"z_{expected}" in c for c in rec["comparisons"])
     assert all(("soft" in c) == (expected == "soft") for c in rec["candidates"])
-    bare = calibrate(merged, base=base, experts=experts, calibration=data, progress=False, config=cfg,
-                     return_result=True).tuning
+    bare = calibrate(merged, base=base, experts=experts, calibration=data, progress=False, config=cfg).tuning
     assert bare["tiebreak"] == "drift" and bare["tiebreak_why"] == "auto: not every task has a head"
 
 
@@ -729,7 +726,7 @@ def test_auto_fixed_runs_and_is_recorded(n_batches, held, caplog):
     cfg = FeatCalConfig(tune=True, tune_budget=4.0, tune_fixed="auto", tune_folds=1)  # one split: 2 held out
     with caplog.at_level("WARNING", logger="featcal"):
         rec = calibrate(merged, base=base, experts=experts, calibration=data, progress=False, config=cfg,
-                        merge_scaling=0.05, return_result=True).tuning
+                        merge_scaling=0.05).tuning
     assert any("held-out example(s) per task score the candidates" in r.message for r in caplog.records) is held
     assert rec["fixed_setting"] == "auto" and rec["fixed"] == (["lambda_ratio"] if held else [])
     assert ("lambda_ratio" in rec["searched"]) is not held

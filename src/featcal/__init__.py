@@ -3,8 +3,7 @@
 Public API:
     merge(base, experts, method=..., out=None, **params)        -> state dict / checkpoint
     calibrate(merged, base=..., experts=..., calibration=..., config=FeatCalConfig())
-                                                                 -> calibrated model
-    calibrate(..., return_result=True)                           -> CalibrationResult (model, drift, ...)
+                                                                 -> CalibrationResult (.model, .drift, ...)
     evaluate(tasks, models, base=..., merged=..., calibrated=..., experts=..., out=None)
                                                                  -> eval.json's content (models x tasks)
 """

@@ -443,6 +443,12 @@ class FeatCalConfig(_Strict):
         "auto", description="tune: what a task head (a layer, not a callable) reads: the model's pooler_output, the "
         "attention-masked mean of last_hidden_state, or auto (pooler_output where the model has one, else the mean)"
     )
+    tune_next_token: bool = Field(
+        True, description="tune, causal LMs: score candidates first by agreement with the experts' next-token "
+        "predictions (the argmax of the model's own LM head at every non-padding position of the held-out "
+        "calibration windows, no labels), the drift breaking ties; off, or a model without an LM head: the drift "
+        "alone, unless task heads are given (docs/tuning.md)",
+    )
 
     @field_validator("tune_fixed", mode="before")
     @classmethod

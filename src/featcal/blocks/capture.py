@@ -15,7 +15,7 @@ class _StopForward(Exception):
     """Raised by the block-0 pre-hook: the rest of the model's forward is not needed."""
 
 
-def _hidden(output: Any) -> torch.Tensor:
+def hidden_of(output: Any) -> torch.Tensor:
     """Blocks return a tensor (CLIP, Llama in transformers 5) or a tuple whose first item is it (T5)."""
     return output[0] if isinstance(output, (tuple, list)) else output
 
@@ -37,7 +37,7 @@ def capture_block_input(module: nn.Module, block: nn.Module, kwargs: dict[str, A
         handle.remove()
     if "args" not in seen:
         raise FeatCalError(f"{type(module).__name__}: the forward never reached {type(block).__name__} 0")
-    return _split_call(block, inspect.signature(block.forward), seen["args"], seen["kwargs"])
+    return split_call(block, inspect.signature(block.forward), seen["args"], seen["kwargs"])
 
 
 def capture_block_calls(module: nn.Module, blocks: nn.ModuleList,
@@ -56,7 +56,7 @@ def capture_block_calls(module: nn.Module, blocks: nn.ModuleList,
         sig = inspect.signature(block.forward)  # before it is shadowed
 
         def forward(*args, **kw):
-            calls[i] = _split_call(block, sig, args, kw)
+            calls[i] = split_call(block, sig, args, kw)
             return calls[i][0]
         return forward
 
@@ -88,7 +88,7 @@ def record_block_calls(module: nn.Module, blocks: nn.ModuleList,
         def pre(_m, args, kw, i=i, sig=sig, block=block):
             seen[i][3] += 1
             if seen[i][3] == 1:
-                seen[i][0], seen[i][1] = _split_call(block, sig, args, kw)
+                seen[i][0], seen[i][1] = split_call(block, sig, args, kw)
 
         def post(_m, _args, _kw, out, i=i):
             if seen[i][2] is None:
@@ -104,7 +104,7 @@ def record_block_calls(module: nn.Module, blocks: nn.ModuleList,
     return [tuple(s) for s in seen]  # type: ignore[misc]
 
 
-def _split_call(block: nn.Module, sig: inspect.Signature, args: tuple,
+def split_call(block: nn.Module, sig: inspect.Signature, args: tuple,
                 kwargs: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
     """(hidden states, every other argument by name) of one call of `block`, whose forward has signature `sig`."""
     bound = sig.bind(*args, **kwargs)

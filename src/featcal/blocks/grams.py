@@ -90,7 +90,7 @@ def select_tokens(t: torch.Tensor, keep: torch.Tensor | None, dtype: torch.dtype
     return t if keep is None else t[keep]
 
 
-def _prepare(x: torch.Tensor, w: torch.Tensor | None, *more: torch.Tensor, dtype: torch.dtype = _F32):
+def prepare_tokens(x: torch.Tensor, w: torch.Tensor | None, *more: torch.Tensor, dtype: torch.dtype = _F32):
     """Flatten to tokens × features in `dtype` and drop zero-weight tokens (padding): they add nothing.
 
     w None means every token weighs 1 (no multiply needed). Returns (x, w or None, *more).
@@ -99,11 +99,11 @@ def _prepare(x: torch.Tensor, w: torch.Tensor | None, *more: torch.Tensor, dtype
     return (x, w, *(select_tokens(m, keep, dtype) for m in more))
 
 
-def _weighted(x: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
+def weighted(x: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
     return x if w is None else x * w[:, None]
 
 
-def _total(x: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor | float:
+def weight_total(x: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor | float:
     """Σw of tokens × d `x`: its row count when every token weighs 1 (a Python number: a tensor made
     from it would be a host-to-device copy per batch on a GPU)."""
     return float(x.shape[0]) if w is None else w.sum()
@@ -131,13 +131,13 @@ class GramSums:
 
     def add(self, x: torch.Tensor, w: torch.Tensor | None) -> None:
         """Accumulate x (..., d) with token weights w (...) or None (all 1), in the sums' dtype."""
-        x, w = _prepare(x, w, dtype=self.sxx.dtype)
+        x, w = prepare_tokens(x, w, dtype=self.sxx.dtype)
         self.add_tokens(x, w)
 
     def add_tokens(self, x: torch.Tensor, w: torch.Tensor | None) -> None:
         """Accumulate tokens × d `x` already in the sums' dtype, with weights w (all > 0) or None (all 1)."""
-        xw = _weighted(x, w)
-        self.sw += _total(x, w)
+        xw = weighted(x, w)
+        self.sw += weight_total(x, w)
         self.sx += xw.sum(0)
         add_gram_(self.sxx, xw, x, self.chunks)
 

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from featcal.blocks.adapters.base import Stack, get_path
-from featcal.blocks.capture import _split_call
+from featcal.blocks.capture import split_call
 from featcal.blocks.norms import norm_form
 from featcal.errors import UnsupportedModelError
 
@@ -109,7 +109,7 @@ def _probe_one(model, stack: Stack, batch, upstream, call) -> tuple[StackProbe, 
     events: list[tuple[str, Any, Any]] = []  # (what, input, output) in call order
     signature = inspect.signature(blocks[0].forward)
     handles = [blocks[0].register_forward_pre_hook(
-        lambda m, args, kwargs: events.append(("block0", _split_call(m, signature, args, kwargs)[0], None)),
+        lambda m, args, kwargs: events.append(("block0", split_call(m, signature, args, kwargs)[0], None)),
         with_kwargs=True)]
     handles.append(blocks[-1].register_forward_hook(lambda _m, _a, o: events.append(("last", None, _hidden(o)))))
     for path, mod in norms.items():

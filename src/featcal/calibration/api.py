@@ -1,13 +1,12 @@
 """`featcal.calibrate`: the public entry point. Checks the request, then runs one calibration (core.py)
-or the label-free hyperparameter search (tuning.py)."""
+or the label-free hyperparameter search (tuning/); either way a CalibrationResult comes back (result.py)."""
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
-
-from torch import nn
 
 from featcal.calibration import core, tuning
 from featcal.calibration.inputs import ModelLike, adapter_reader, resolve_device
@@ -34,13 +33,14 @@ def calibrate(
     check_finite: bool = True,
     heads: Mapping[str, Any] | None = None,
     merge_scaling: float | None = None,
-    return_result: bool = False,
+    return_result: bool | None = None,
     expert_kind: Mapping[str, str] | None = None,
     tokenizer: Any = None,
     max_length: int = 128,
     allow_fewer: bool = False,
-) -> nn.Module | CalibrationResult:
-    """Calibrate a merged model toward its experts with FeatCal (SPEC §2); returns the calibrated model.
+) -> CalibrationResult:
+    """Calibrate a merged model toward its experts with FeatCal (docs/method.md); returns a CalibrationResult,
+    whose `.model` is the calibrated model.
 
     merged, base, experts: transformers models, or checkpoint paths / hub ids. Experts and base given as
     paths are read block by block from their safetensors and never loaded whole. calibration: per task,
@@ -54,10 +54,10 @@ def calibrate(
     each source was read. The calibrated model is the merged model's class; a model passed as `merged` is
     copied unless `inplace=True`.
 
-    With `return_result=True` a `CalibrationResult` comes back instead (result.py): `.model` (the calibrated
-    model), `.drift = [{"block", "stack", "layer", "before", "after"}]`, `.end_to_end = {"merged",
-    "calibrated", ...}` (final-block drift; a warning is logged when worse), `.resume_store` (with
-    `keep_resume_state`) and `.tuning` (with `config.tune`).
+    The result (result.py) holds `.model` (the calibrated model), `.drift` (a DriftRow per block: block, stack,
+    layer, before, after), `.end_to_end = {"merged", "calibrated", ...}` (final-block drift; a warning is
+    logged when worse), `.resume_store` (with `keep_resume_state`) and `.tuning` (a TuningRecord, with
+    `config.tune`). `return_result` is deprecated and does nothing: the result always comes back.
 
     With `config.resume_dir` every finished block is checkpointed there and a rerun with the same inputs
     continues after the last finished block; the state is deleted on success unless `keep_resume_state`
@@ -68,14 +68,17 @@ def calibrate(
     group the batches are shared out over the ranks and the statistics all-reduced (distributed.py).
 
     With `config.tune` the hyperparameters are first chosen on held-out calibration examples without
-    labels, then refit on all of them (tuning.py; the result's `.tuning` records the search): `heads` (task ->
+    labels, then refit on all of them (tuning/; the result's `.tuning` records the search): `heads` (task ->
     nn.Module on the pooled output, or callable head(model, batch) -> logits) add agreement with the
-    experts' predictions to the score, and `merge_scaling` (the s of a task-vector merge θ0 + s·v) lets the
+    experts' predictions to the score (a causal LM's own next-token predictions do without them:
+    `config.tune_next_token`), and `merge_scaling` (the s of a task-vector merge θ0 + s·v) lets the
     search rebuild the merge at other scalings.
 
     `expert_kind` (task -> "full" or "adapter"): how to read an expert folder holding both full weights and a
     LoRA / PEFT adapter (refused without it).
     """
+    if return_result is not None:
+        _warn_return_result()
     config = _checked_config(config)
     kinds = run_options(expert_kind=expert_kind or {}).expert_kind
     if isinstance(experts, Mapping):
@@ -94,7 +97,18 @@ def calibrate(
         result = core.calibrate_setting(merged, **common)
     if data_records:
         result = dataclasses.replace(result, calibration_data=data_records)
-    return result if return_result else result.model
+    return result
+
+
+_warned: list[bool] = []
+
+
+def _warn_return_result() -> None:
+    """Once per process: `return_result` is a no-op kept so that callers passing it keep working."""
+    if not _warned:
+        _warned.append(True)
+        warnings.warn("featcal.calibrate(return_result=...) is deprecated and does nothing: calibrate always "
+                      "returns a CalibrationResult (the model is its .model)", DeprecationWarning, stacklevel=3)
 
 
 def _checked_config(config: FeatCalConfig | None) -> FeatCalConfig:

@@ -1,6 +1,6 @@
 """One calibration at one setting (no hyperparameter search): check everything, then run the block engine.
 
-`featcal.calibrate` (api.py) dispatches here, or to the search (tuning.py), which calls this for every
+`featcal.calibrate` (api.py) dispatches here, or to the search (tuning/), which calls this for every
 candidate and for the final refit. Each stage below is one step of the run, in the order it happens.
 """
 
@@ -17,7 +17,7 @@ from torch import nn
 from featcal.blocks.adapters import Adapter, Stack, adapter_for
 from featcal.calibration import resume as resume_mod
 from featcal.calibration.distributed import RankGroup, current_group
-from featcal.calibration.engine import FeatCalEngine, needed_param_names
+from featcal.calibration.engine import FeatCalEngine
 from featcal.calibration.inputs import (
     ModelLike,
     adapter_reader,
@@ -30,8 +30,9 @@ from featcal.calibration.inputs import (
     refuse_non_finite,
     resolve_device,
 )
+from featcal.calibration.param_names import needed_param_names
 from featcal.calibration.placement import Placement
-from featcal.calibration.result import CalibrationResult
+from featcal.calibration.result import CalibrationResult, DriftRow
 from featcal.config import FeatCalConfig
 from featcal.data.batch import Batch
 from featcal.io.param_sources import CheckpointSource, ModelSource, ParamSource, validate_source
@@ -202,6 +203,7 @@ def calibrate_setting(
                                                                  config, device, progress, group, store,
                                                                  keep_resume_state)
     del template
-    return CalibrationResult(model=model, drift=drift, end_to_end=end_to_end, final_norm=final_norm,
+    return CalibrationResult(model=model, drift=[DriftRow.from_dict(r) for r in drift], end_to_end=end_to_end,
+                             final_norm=final_norm,
                              stem_norm=stem_norm, kept_merged=kept,
                              resume_store=store if keep_resume_state else None)  # the caller deletes it after writing

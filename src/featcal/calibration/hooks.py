@@ -87,7 +87,8 @@ class ExpertRecorder:
         self._handles: list = []
         self._watched: list[tuple[str, torch.Tensor, int | None]] = []  # planning: (module, tensor, version)
 
-    def _hook(self, name: str, x: torch.Tensor, y: torch.Tensor) -> None:
+    def record(self, name: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Module `name` ran on x and gave y: keep what the plan (or, while planning, the plan's making) needs."""
         if name in self._seen:
             raise FeatCalError(f"module {name} runs more than once per block forward; FeatCal cannot calibrate it")
         self._seen.add(name)
@@ -118,7 +119,7 @@ class ExpertRecorder:
 
     def __enter__(self) -> ExpertRecorder:
         for name, mod in self.linears.items():
-            self._handles.append(mod.register_forward_hook(lambda _m, i, o, n=name: self._hook(n, i[0], o)))
+            self._handles.append(mod.register_forward_hook(lambda _m, i, o, n=name: self.record(n, i[0], o)))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -152,7 +153,8 @@ class MergedFolder:
         self._held: dict[str, tuple] = {}
         self._handles: list = []
 
-    def _linear(self, name: str, x: torch.Tensor) -> None:
+    def fold_linear(self, name: str, x: torch.Tensor) -> None:
+        """Fold Linear `name`'s merged input x (and the expert side's recording) into the task's sums."""
         p = self.plan.get(name)
         if p is None:
             raise FeatCalError(f"module {name} ran on the merged side but not on the expert side")
@@ -180,24 +182,29 @@ class MergedFolder:
         else:
             self.sums.add_cross_linear(name, p.group)
 
-    def _norm(self, mod: nn.Module, name: str, x: torch.Tensor, form: NormForm | None) -> None:
+    def fold_norm(self, mod: nn.Module, name: str, x: torch.Tensor, form: NormForm | None) -> None:
+        """Fold norm `name`'s normalised merged input into the task's sums."""
         self.sums.add_norm(name, normalised_input(mod, x, form), self.weights(name, x))
 
     def __enter__(self) -> MergedFolder:
         for c in self.modules:
             if c.kind == "linear":
-                self._handles.append(c.module.register_forward_hook(lambda _m, i, _o, n=c.name: self._linear(n, i[0])))
+                self._handles.append(c.module.register_forward_hook(lambda _m, i, _o, n=c.name: self.fold_linear(n, i[0])))
             else:
                 self._handles.append(
-                    c.module.register_forward_hook(lambda m, i, _o, n=c.name, f=c.form: self._norm(m, n, i[0], f))
+                    c.module.register_forward_hook(lambda m, i, _o, n=c.name, f=c.form: self.fold_norm(m, n, i[0], f))
                 )
         return self
+
+    def end_forward(self) -> None:
+        """Forget the merged inputs held for this forward's groups (the next forward brings its own)."""
+        self._held.clear()
 
     def __exit__(self, *exc) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        self._held.clear()
+        self.end_forward()
 
 
 class StopForward(Exception):

@@ -33,18 +33,22 @@ from typing import Any
 import torch
 from torch import nn
 
-from featcal.blocks.adapters import Stack
-from featcal.blocks.capture import _hidden
-from featcal.blocks.discovery import Calibrated, calibrated_modules
+from featcal.blocks.capture import hidden_of
+from featcal.blocks.discovery import Calibrated
+from featcal.calibration import gather
+from featcal.calibration.context import BlockContext
+from featcal.calibration.drift import DriftSums
+from featcal.calibration.gather import BlockDrift
 from featcal.calibration.hooks import ExpertRecorder, MergedFolder, plan_block
-from featcal.calibration.statistics import NormalisedSums, TaskSums
+from featcal.calibration.statistics import TaskSums
 from featcal.errors import FeatCalError
-from featcal.io.param_sources import load_into
 
 try:  # a small C extension (PyPI wheels for every platform torch has); imported where the variant runs
     import greenlet
 except ImportError:  # pragma: no cover - a declared dependency; the message says what to install
     greenlet = None
+
+BEFORE_BATCHES = "the first of each task"  # where this variant measures the block's drift before
 
 
 class _Forward(greenlet.greenlet if greenlet is not None else object):  # type: ignore[misc]
@@ -73,164 +77,197 @@ def _ours() -> _Forward | None:
     return current if isinstance(current, _Forward) else None
 
 
-def calibrate_block(engine: Any, stack: Stack, layer: int, n_blocks: int, stages: list[list[Calibrated]], bar,
-                    masks_to_device: Callable, drift_cls: type) -> tuple[Any, Any]:
-    """Solve block `layer` stage by stage with one forward per batch and side; advance both chains.
-
-    `engine` is the FeatCalEngine (its chains, token weights, solves), `stages` its `_stages` for this block,
-    `masks_to_device` and `drift_cls` the engine's helpers. Returns (drift before on each task's first batch,
-    drift after on every batch), both reduced over the ranks.
-    """
+def sequential_one_pass(block: BlockContext, bar) -> BlockDrift:
+    """block_statistics "sequential_one_pass": solve the block stage by stage with one forward per batch and
+    side, both chains advanced by those forwards (a block with no stage falls back to "sequential")."""
+    staged = gather.stages(block, block.merged_modules())
+    if not staged:
+        return gather.sequential(block, bar)
     if greenlet is None:
         raise FeatCalError("block_statistics sequential_one_pass needs the 'greenlet' package: pip install greenlet")
-    bar.total = sum(len(engine._batches(t)) for t in engine.tasks) * (len(stages) + 1)
-    bar.refresh()
-    block_m = stack.blocks(engine.merged)[layer]
-    block_e = stack.blocks(engine.template)[layer]
-    names = engine.block_param_names(stack, layer)
-    kind = partial(engine._token_kind, stack, layer, n_blocks)
-    tokens = engine._tokens_per_task()
-    batches = {t: engine._batches(t) for t in engine.tasks}
+    return _OnePass(block, staged, bar).calibrate()
 
-    # 1. the block as merged, before any stage is solved: the reference chain and the drift "before"
-    before = drift_cls()
-    as_merged: dict[str, torch.Tensor] = {}
-    for t in engine.tasks:
-        if engine._reference.get(t) is not None:
-            engine._advance(("r", t, engine._reference[t]), stack, layer, block_m)
-        if batches[t]:
-            b = batches[t][0][0]
-            ctx = engine.adapter.block_kwargs(stack, layer, engine.chains.context(("m", t, b)))
-            as_merged[t] = _hidden(block_m(engine.chains.hidden(("m", t, b)), **ctx))
 
-    # 2. one copy of the expert's block per task (the template holds one expert at a time), and the plan
-    experts: dict[str, nn.Module] = {}
-    for t in engine.tasks:
-        load_into(engine.template, names, engine.experts[t])
-        experts[t] = copy.deepcopy(block_e)
-    mods_e = {t: {c.name: c for c in calibrated_modules(experts[t], engine.adapter)} for t in engine.tasks}
-    linears_e = {t: {n: c.module for n, c in m.items() if c.kind == "linear"} for t, m in mods_e.items()}
-    rms = {n for n, c in next(iter(mods_e.values())).items() if c.kind == "rmsnorm"} if mods_e else set()
-    plan = _plan(engine, stack, layer, experts, linears_e, batches, kind)
-    teacher = {t: engine._teacher_form(plan, linears_e[t], tokens[t]) for t in engine.tasks}
-    stage_of = {c.name: k for k, stage in enumerate(stages) for c in stage}
-    last_of_stage = {k: stage[-1].name for k, stage in enumerate(stages)}
-    with_linears = [k for k, stage in enumerate(stages) if any(c.kind == "linear" for c in stage)]
+class _OnePass:
+    """One block's stages solved inside paused forwards (see the module docstring)."""
 
-    # 3. the forwards, paused at every stage by hooks that act only inside one of them (the running greenlet)
-    merged_fw: dict[tuple[str, int], _Forward] = {}
-    expert_fw: dict[tuple[str, int], _Forward] = {}
-    stage_modules = {c.name: c for stage in stages for c in stage}
+    def __init__(self, block: BlockContext, stages: list[list[Calibrated]], bar) -> None:
+        run = block.run
+        self.block, self.run, self.stages, self.bar = block, run, stages, bar
+        bar.total = sum(len(run.batches(t)) for t in run.tasks) * (len(stages) + 1)
+        bar.refresh()
+        self.tokens = run.tokens_per_task()
+        self.batches = {t: run.batches(t) for t in run.tasks}
+        self.stage_of = {c.name: k for k, stage in enumerate(stages) for c in stage}
+        self.last_of_stage = {k: stage[-1].name for k, stage in enumerate(stages)}
+        self.with_linears = [k for k, stage in enumerate(stages) if any(c.kind == "linear" for c in stage)]
+        self.merged_fw: dict[tuple[str, int], _Forward] = {}
+        self.expert_fw: dict[tuple[str, int], _Forward] = {}
+        self.results: dict[tuple[str, str, int], Any] = {}
+        self.on_device: dict[tuple[str, int], Any] = {}  # each batch's token masks, moved once for folds and drift
 
-    def merged_pre_hook(name: str, args: tuple) -> None:
+    def calibrate(self) -> BlockDrift:
+        """Returns the drift before on each task's first batch and after on every batch, reduced over the ranks."""
+        before, as_merged = self._as_merged()
+        self._expert_copies()
+        handles = self._hooks()
+        try:
+            self._start()
+            for k, stage in enumerate(self.stages):
+                self._solve_stage(k, stage)
+            after = self._finish(before, as_merged)
+        finally:
+            for h in handles:
+                h.remove()
+            for fw in (*self.merged_fw.values(), *self.expert_fw.values()):  # an error part way: unwind every one
+                if fw:  # started and not finished: paused
+                    fw.throw()
+        return BlockDrift(self.run.reduced(before), self.run.reduced(after), BEFORE_BATCHES)
+
+    def _as_merged(self) -> tuple[DriftSums, dict[str, torch.Tensor]]:
+        """The block as merged, before any stage is solved: the reference chain advanced, and each task's first
+        batch's output (the drift before)."""
+        block, run = self.block, self.run
+        block_m = block.merged
+        as_merged: dict[str, torch.Tensor] = {}
+        for t in run.tasks:
+            if run.reference.get(t) is not None:
+                block.advance(("r", t, run.reference[t]), block_m)
+            if self.batches[t]:
+                b = self.batches[t][0][0]
+                as_merged[t] = hidden_of(block.call(block_m, ("m", t, b))[1])
+        return DriftSums(), as_merged
+
+    def _expert_copies(self) -> None:
+        """One copy of the expert's block per task (the template holds one expert at a time), and the plan."""
+        block, run = self.block, self.run
+        names = block.param_names()
+        self.experts: dict[str, nn.Module] = {}
+        for t in run.tasks:
+            run.load_expert(t, names)
+            self.experts[t] = copy.deepcopy(block.expert)
+        self.mods_e = {t: block.expert_modules(self.experts[t]) for t in run.tasks}
+        self.linears_e = {t: {n: c.module for n, c in m.items() if c.kind == "linear"} for t, m in self.mods_e.items()}
+        mods = next(iter(self.mods_e.values()), {})
+        self.rms = {n for n, c in mods.items() if c.kind == "rmsnorm"}
+        self.plan = self._plan()
+        self.teacher = {t: block.teacher_form(self.plan, self.linears_e[t], self.tokens[t]) for t in run.tasks}
+
+    def _plan(self) -> dict:
+        """The block's Linear groups and statistics forms, from one expert forward on the first batch (as the
+        other modes make it from the block's first expert forward)."""
+        t = next((t for t in self.run.tasks if self.batches[t]), None)
+        if t is None:
+            raise FeatCalError("block_statistics sequential_one_pass: this rank holds no calibration batch")
+        b = self.batches[t][0][0]
+        with ExpertRecorder(self.linears_e[t], None) as recorder:
+            self.block.call(self.experts[t], ("e", t, b))
+        return plan_block(self.linears_e[t], recorder.calls, self.block.token_kind, recorder.changed_in_place())
+
+    def _hooks(self) -> list:
+        """Hooks that pause the forwards at every stage; they act only inside one of them (the running greenlet)."""
+        modules = {c.name: c for stage in self.stages for c in stage}
+        handles = [c.module.register_forward_pre_hook(lambda _m, a, n=c.name: self._merged_pre_hook(n, a))
+                   for c in modules.values()]
+        for t in self.run.tasks:
+            for name, c in self.mods_e[t].items():
+                if name in modules:
+                    handles.append(c.module.register_forward_hook(
+                        lambda _m, i, o, n=name: self._expert_hook(n, i[0], o)))
+        return handles
+
+    def _merged_pre_hook(self, name: str, args: tuple) -> None:
+        """Before the first module of a stage runs in a merged forward: fold the stage's statistics, pause."""
         fw = _ours()
         if fw is None or fw.recorder is not None:  # not one of ours, or an expert forward
             return
-        k = stage_of[name]
+        k = self.stage_of[name]
         if k <= fw.stage:  # the stage's other modules, after it was folded and solved
             return
         if k != fw.stage + 1:
             raise FeatCalError(f"block_statistics sequential_one_pass: module {name} ran before the modules of "
                                f"stage {fw.stage + 1} in task {fw.task!r}, batch {fw.batch}")
         x = args[0]
-        for c in stages[k]:  # a stage's modules share one input tensor (engine._stages): fold them all here
+        for c in self.stages[k]:  # a stage's modules share one input tensor (gather.stages): fold them all here
             if c.kind == "linear":
-                fw.folder._linear(c.name, x)
+                fw.folder.fold_linear(c.name, x)
             else:
-                fw.folder._norm(c.module, c.name, x, c.form)
-        fw.folder._held.clear()
+                fw.folder.fold_norm(c.module, c.name, x, c.form)
+        fw.folder.end_forward()
         fw.stage = k
         _pause()
 
-    def expert_hook(name: str, x: torch.Tensor, y: torch.Tensor) -> None:
+    def _expert_hook(self, name: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        """After a module ran in an expert forward: record it; pause after the last module of a stage."""
         fw = _ours()
         if fw is None or fw.recorder is None:
             return
-        if name in linears_e[fw.task]:
-            fw.recorder._hook(name, x, y)
-        k = stage_of.get(name)
-        if k is not None and k in with_linears and name == last_of_stage[k]:
+        if name in self.linears_e[fw.task]:
+            fw.recorder.record(name, x, y)
+        k = self.stage_of.get(name)
+        if k is not None and k in self.with_linears and name == self.last_of_stage[k]:
             fw.stage = k
             _pause()
 
-    handles = [c.module.register_forward_pre_hook(lambda _m, a, n=c.name: merged_pre_hook(n, a))
-               for c in stage_modules.values()]
-    for t in engine.tasks:
-        for name, c in mods_e[t].items():
-            if name in stage_modules:
-                handles.append(c.module.register_forward_hook(lambda _m, i, o, n=name: expert_hook(n, i[0], o)))
-    task_sums: dict[str, TaskSums] = {}
-    on_device: dict[tuple[str, int], Any] = {}  # each batch's token masks, moved once for the folds and the drift
-    try:
-        for t in engine.tasks:
-            for b, batch in batches[t]:
-                on_device[t, b] = masks_to_device(stack, batch, engine.device)
-                weights = partial(engine._weights, stack, layer, n_blocks, batch=on_device[t, b])
-                e = expert_fw[t, b] = _Forward(partial(_run, engine, stack, layer, experts[t], ("e", t, b)), t, b)
-                e.recorder = ExpertRecorder(linears_e[t], plan)
-                m = merged_fw[t, b] = _Forward(partial(_run, engine, stack, layer, block_m, ("m", t, b)), t, b)
-                m.folder = MergedFolder([], plan, e.recorder, TaskSums(), weights, teacher[t])
+    def _start(self) -> None:
+        """Every batch's two forwards, created (not yet run)."""
+        block, run = self.block, self.run
+        for t in run.tasks:
+            for b, batch in self.batches[t]:
+                self.on_device[t, b] = run.masks(block.stack, batch)
+                weights = partial(block.weights, batch=self.on_device[t, b])
+                e = self.expert_fw[t, b] = _Forward(partial(block.call, self.experts[t], ("e", t, b)), t, b)
+                e.recorder = ExpertRecorder(self.linears_e[t], self.plan)
+                m = self.merged_fw[t, b] = _Forward(partial(block.call, block.merged, ("m", t, b)), t, b)
+                m.folder = MergedFolder([], self.plan, e.recorder, TaskSums(), weights, self.teacher[t])
 
-        # 4. stage by stage: both forwards of every batch up to the stage, its statistics folded; then the solve
-        results: dict[tuple[str, str, int], Any] = {}
-        for k, stage in enumerate(stages):
-            task_sums = {t: TaskSums() for t in engine.tasks}
-            for t in engine.tasks:
-                for b, _ in batches[t]:
-                    if k in with_linears and expert_fw[t, b].stage < k:
-                        _step(expert_fw[t, b], ("e", t, b), results)
-                    merged_fw[t, b].folder.sums = task_sums[t]
-                    _step(merged_fw[t, b], ("m", t, b), results)
-                    if ("m", t, b) in results:
-                        raise FeatCalError(f"block_statistics sequential_one_pass: the merged forward of task {t!r}, "
-                                           f"batch {b} ended before stage {k} ({[c.name for c in stage]}) ran")
-                    _drop_recordings(expert_fw[t, b].recorder, plan, stage)
-                    bar.update(1)
-            sums = NormalisedSums(engine.cfg.teacher_interp_alpha, joint_bias=engine.cfg.bias_solve == "joint")
-            for t in engine.tasks:
-                engine.group.reduce_task_sums(task_sums[t], t)
-                params = {c.name: c.params() for c in mods_e[t].values()}  # linear weights out×in
-                sums.add_task(t, task_sums[t], params, rms)
-            del task_sums
-            engine._solve_and_load(stack, layer, stage, sums)
-            del sums
+    def _solve_stage(self, k: int, stage: list[Calibrated]) -> None:
+        """Both forwards of every batch up to stage k, its statistics folded; then its solve."""
+        run = self.run
+        task_sums = {t: TaskSums() for t in run.tasks}
+        for t in run.tasks:
+            for b, _ in self.batches[t]:
+                if k in self.with_linears and self.expert_fw[t, b].stage < k:
+                    self._step(self.expert_fw[t, b], ("e", t, b))
+                self.merged_fw[t, b].folder.sums = task_sums[t]
+                self._step(self.merged_fw[t, b], ("m", t, b))
+                if ("m", t, b) in self.results:
+                    raise FeatCalError(f"block_statistics sequential_one_pass: the merged forward of task {t!r}, "
+                                       f"batch {b} ended before stage {k} ({[c.name for c in stage]}) ran")
+                _drop_recordings(self.expert_fw[t, b].recorder, self.plan, stage)
+                self.bar.update(1)
+        sums = self.block.new_sums()
+        for t in run.tasks:
+            run.group.reduce_task_sums(task_sums[t], t)
+            params = {c.name: c.params() for c in self.mods_e[t].values()}  # linear weights out×in
+            sums.add_task(t, task_sums[t], params, self.rms)
+        del task_sums
+        self.block.solve(stage, sums)
 
-        # 5. the rest of every forward: the calibrated block's output (the propagation) and the expert's
-        after = drift_cls()
-        for t in engine.tasks:
-            for b, _ in batches[t]:
-                for side, fw in (("e", expert_fw[t, b]), ("m", merged_fw[t, b])):
-                    while (side, t, b) not in results:
-                        _step(fw, (side, t, b), results)
-                (ctx_e, raw_e), (ctx_m, raw_m) = results.pop(("e", t, b)), results.pop(("m", t, b))
-                he, hm = _hidden(raw_e), _hidden(raw_m)
-                mask = engine.adapter.token_mask(stack, on_device.pop((t, b)), he)
+    def _finish(self, before: DriftSums, as_merged: dict[str, torch.Tensor]) -> DriftSums:
+        """The rest of every forward: the calibrated block's output (the propagation) and the expert's."""
+        block, run = self.block, self.run
+        after = DriftSums()
+        for t in run.tasks:
+            for b, _ in self.batches[t]:
+                for side, fw in (("e", self.expert_fw[t, b]), ("m", self.merged_fw[t, b])):
+                    while (side, t, b) not in self.results:
+                        self._step(fw, (side, t, b))
+                (ctx_e, raw_e), (ctx_m, raw_m) = self.results.pop(("e", t, b)), self.results.pop(("m", t, b))
+                he, hm = hidden_of(raw_e), hidden_of(raw_m)
+                mask = block.token_mask(self.on_device.pop((t, b)), he)
                 after.add(t, hm, he, mask)
-                if t in as_merged and b == batches[t][0][0]:
+                if t in as_merged and b == self.batches[t][0][0]:
                     before.add(t, as_merged.pop(t), he, mask)
-                engine.put_output(("e", t, b), stack, layer, ctx_e, raw_e)
-                engine.put_output(("m", t, b), stack, layer, ctx_m, raw_m)
-                bar.update(1)
-    finally:
-        for h in handles:
-            h.remove()
-        for fw in (*merged_fw.values(), *expert_fw.values()):  # an error part way: unwind every paused forward
-            if fw:  # started and not finished: paused
-                fw.throw()
-    return before.reduce(engine.group, engine.tasks), after.reduce(engine.group, engine.tasks)
+                block.put_output(("e", t, b), ctx_e, raw_e)
+                block.put_output(("m", t, b), ctx_m, raw_m)
+                self.bar.update(1)
+        return after
 
-
-def _run(engine: Any, stack: Stack, layer: int, block: nn.Module, key: tuple) -> tuple[dict, Any]:
-    """A greenlet's body: the block's forward on chain `key`; returns (the context it was called with, its
-    output), so that the chain advances from the context the block saw, fetched (and moved) once."""
-    ctx = engine.chains.context(key)
-    return ctx, block(engine.chains.hidden(key), **engine.adapter.block_kwargs(stack, layer, ctx))
-
-
-def _step(fw: _Forward, key: tuple, results: dict) -> None:
-    out = fw.step()
-    if fw.dead:
-        results[key] = out
+    def _step(self, fw: _Forward, key: tuple) -> None:
+        out = fw.step()
+        if fw.dead:
+            self.results[key] = out
 
 
 def _drop_recordings(recorder: ExpertRecorder, plan: dict, stage: list[Calibrated]) -> None:
@@ -241,16 +278,3 @@ def _drop_recordings(recorder: ExpertRecorder, plan: dict, stage: list[Calibrate
             continue
         recorder.outputs.pop(c.name, None)
         recorder.inputs.pop(p.group, None)
-
-
-def _plan(engine: Any, stack: Stack, layer: int, experts: dict[str, nn.Module], linears_e: dict,
-          batches: dict, kind: Callable) -> dict:
-    """The block's Linear groups and statistics forms, from one expert forward on the first batch (as the
-    other modes make it from the block's first expert forward)."""
-    t = next((t for t in engine.tasks if batches[t]), None)
-    if t is None:
-        raise FeatCalError("block_statistics sequential_one_pass: this rank holds no calibration batch")
-    b = batches[t][0][0]
-    with ExpertRecorder(linears_e[t], None) as recorder:
-        _run(engine, stack, layer, experts[t], ("e", t, b))
-    return plan_block(linears_e[t], recorder.calls, kind, recorder.changed_in_place())

@@ -389,7 +389,7 @@ def calibrate_to_dir(
     the NaN/Inf scan of the inputs (for callers that just scanned them, as `featcal run` does).
     With `config.tune`, `merge_scaling` is the s of a task-vector merge θ0 + s·v (featcal run knows it; else
     it is read from the merged checkpoint's featcal.json when that ties it to these inputs), and the
-    report's `tuning` records every candidate and the choice (tuning.py); `heads` (task -> a head saved by
+    report's `tuning` records every candidate and the choice (tuning/); `heads` (task -> a head saved by
     featcal) add agreement with the experts' predictions to its score. `dtype` ('float32', 'bfloat16',
     'float16'): the written weights' floating dtype (default: the merged checkpoint's stored one).
     """
@@ -514,7 +514,7 @@ def _calibrate_loaded(
             merged_model, base=str(checked.base), experts={t: str(d) for t, d in checked.experts.items()},
             calibration=calibration, config=config, progress=progress, inplace=True, allow_pickle=allow_pickle,
             keep_resume_state=True, check_finite=False,  # the checkpoints were scanned before
-            return_result=True, expert_kind=checked.expert_kind, **tune,
+            expert_kind=checked.expert_kind, **tune,
         )
 
 
@@ -549,7 +549,7 @@ def _leave_writing_to_rank_0(group: RankGroup, result: CalibrationResult) -> dic
     group.barrier()
     if result.resume_store is not None:
         result.resume_store.delete()
-    return {"command": "calibrate", "drift": result.drift, "rank": group.rank}
+    return {"command": "calibrate", "drift": result.drift_records(), "rank": group.rank}
 
 
 def _tuning_report(result: CalibrationResult, scaling_from: str | None,
@@ -557,7 +557,7 @@ def _tuning_report(result: CalibrationResult, scaling_from: str | None,
     """featcal.json's `tuning` (with --tune): the search's record, where the scaling came from, the heads."""
     if result.tuning is None:
         return None
-    return {**result.tuning, "merge_scaling_from": scaling_from,
+    return {**result.tuning.as_dict(), "merge_scaling_from": scaling_from,
             "head_files": {t: str(p) for t, p in (heads or {}).items()}}
 
 
@@ -593,7 +593,7 @@ def _write_calibrated(
             shutil.copytree(merged_dir / HEADS_DIR, tmp / HEADS_DIR)
         calibrated.save_pretrained(tmp)
         report = build_report(
-            "calibrate", params, inputs=inputs_report, drift=result.drift, end_to_end_drift=result.end_to_end,
+            "calibrate", params, inputs=inputs_report, drift=result.drift_records(), end_to_end_drift=result.end_to_end,
             warnings=warnings,
             output={"path": str(out_path), "sha256": checkpoint_hashes(tmp),
                     "dtype": str(next(calibrated.parameters()).dtype).removeprefix("torch.")},

@@ -103,7 +103,7 @@ def batches_digest(batches: Iterable[Mapping[str, torch.Tensor]]) -> str:
 OPTIONS_ADDED_LATER: dict[str, Any] = {"calibrate_final_norm": False, "block_statistics": "as_merged",
                                        "calibrate_stem_norm": False, "tune_fixed": [],
                                        "tune_folds": "auto", "text_unit": None, "data_format": None,
-                                       "pack_texts": None}
+                                       "pack_texts": None, "tune_next_token": True}
 
 
 def config_digest(config: Any) -> str:

@@ -22,8 +22,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from featcal.blocks.grams import _F64, GramSums, _prepare, _total, _weighted
+from featcal.blocks.grams import GramSums, prepare_tokens, weight_total, weighted
 from featcal.errors import CalibrationDataError
+
+F64 = torch.float64
 
 
 @dataclass
@@ -88,7 +90,7 @@ class TaskSums:
     # flat_tokens returns them (tokens × d float32, zero-weight tokens dropped), prepared once per group.
     def add_gram(self, group: str, x: torch.Tensor, w: torch.Tensor | None) -> None:
         """Accumulate the input moments of `group` from x (..., d) with token weights w (...) or None (all 1)."""
-        x, w = _prepare(x, w)
+        x, w = prepare_tokens(x, w)
         self.add_gram_tokens(group, x, w)
 
     def add_gram_tokens(self, group: str, x: torch.Tensor, w: torch.Tensor | None) -> None:
@@ -99,12 +101,12 @@ class TaskSums:
 
     def add_linear(self, name: str, group: str, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor | None) -> None:
         """Accumulate Σ w·x yᵀ and Σ w·y for Linear `name`: x its merged input, y the expert's output."""
-        x, w, y = _prepare(x, w, y)
+        x, w, y = prepare_tokens(x, w, y)
         self.add_linear_tokens(name, group, x, y, w)
 
     def add_linear_tokens(self, name: str, group: str, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor | None,
                           *, teacher: bool = False) -> None:
-        yw = _weighted(y, w)
+        yw = weighted(y, w)
         s = self.linears.get(name)
         if s is None:
             s = self.linears[name] = LinearSums(group, x.new_zeros(x.shape[1], y.shape[1]), y.new_zeros(y.shape[1]),
@@ -116,7 +118,7 @@ class TaskSums:
 
     def add_cross(self, group: str, xs: torch.Tensor, xe: torch.Tensor, w: torch.Tensor | None) -> None:
         """Accumulate Σ w·xe and Σ w·xs xeᵀ for `group` (merged input xs, expert input xe)."""
-        xs, w, xe = _prepare(xs, w, xe)
+        xs, w, xe = prepare_tokens(xs, w, xe)
         self.add_cross_tokens(group, xs, xe, w)
 
     def add_cross_tokens(self, group: str, xs: torch.Tensor, xe: torch.Tensor, w: torch.Tensor | None) -> None:
@@ -124,7 +126,7 @@ class TaskSums:
         if c is None:
             d = xs.shape[1]
             c = self.cross[group] = CrossSums(xe.new_zeros(xe.shape[1]), xs.new_zeros(d, xe.shape[1]))
-        xew = _weighted(xe, w)
+        xew = weighted(xe, w)
         c.sxe += xew.sum(0)
         c.sxxe.addmm_(xs.T, xew)
 
@@ -135,13 +137,13 @@ class TaskSums:
 
     def add_norm(self, name: str, z: torch.Tensor, w: torch.Tensor | None) -> None:
         """Accumulate the per-channel moments of a norm's normalised input z."""
-        z, w = _prepare(z, w)
+        z, w = prepare_tokens(z, w)
         s = self.norms.get(name)
         if s is None:
             d = z.shape[1]
             s = self.norms[name] = NormSums(z.new_zeros(()), z.new_zeros(d), z.new_zeros(d))
-        zw = _weighted(z, w)
-        s.sw += _total(z, w)
+        zw = weighted(z, w)
+        s.sw += weight_total(z, w)
         s.sz += zw.sum(0)
         s.szz += (zw * z).sum(0)
 
@@ -208,71 +210,90 @@ class NormalisedSums:
 
         `rms` names the weight-only RMS norms (no centring, no β).
         """
-        a = self.alpha
         group_moments: dict[str, tuple] = {}  # one float64 C_t and ‖C_t‖_F per group (q/k/v share theirs)
         teacher_moments: dict[str, torch.Tensor] = {}  # cross form: E[xs x~ᵀ] per group, blended once
         for name, lin in sums.linears.items():
             if lin.group not in group_moments:
-                moments = sums.grams[lin.group].means()
-                if moments is None:
-                    raise CalibrationDataError(f"task {task!r}: module {name} saw no weighted token")
-                s_t = torch.linalg.matrix_norm(moments[2])
-                if float(s_t) <= 0:
-                    raise CalibrationDataError(f"task {task!r}: module {name} has an all-zero input (‖C‖_F = 0)")
-                group_moments[lin.group] = (*moments, s_t)
+                group_moments[lin.group] = _group_moments(task, name, sums.grams[lin.group])
             sw, mu_s, c, s_t = group_moments[lin.group]
-            wt = expert_params[name]["weight"].to(_F64)
+            wt = expert_params[name]["weight"].to(F64)
             bt = expert_params[name].get("bias")
-            bt = torch.zeros(wt.shape[0], dtype=_F64, device=wt.device) if bt is None else bt.to(_F64)
-            if lin.sxy is None:  # "cross" form: Xt Wtᵀ = (α·E[xs xeᵀ] + (1−α)·Ct) Wtᵀ, one in×in×out product
-                cr = sums.cross[lin.group]
-                x_teacher = teacher_moments.get(lin.group)
-                if x_teacher is None:
-                    x_teacher = teacher_moments[lin.group] = _blend(a, cr.sxxe.to(_F64) / sw, c)
-                target = x_teacher @ wt.T
-                mean_y = wt @ (cr.sxe.to(_F64) / sw) + bt
-                bias_target = a * mean_y + (1 - a) * (wt @ mu_s + bt)  # bt + Wt μ~t
-            elif lin.teacher:  # "teacher" form: y = Wt x~ + α·bt, summed in the pass
-                target = lin.sxy.to(_F64) / sw - a * torch.outer(mu_s, bt)
-                bias_target = lin.sy.to(_F64) / sw + (1 - a) * bt
-            else:  # "output" form: from the expert module's output ye = Wt xe + bt
-                mean_y = lin.sy.to(_F64) / sw
-                p = lin.sxy.to(_F64) / sw - torch.outer(mu_s, bt)
-                target = p if a == 1.0 else a * p + (1 - a) * (c @ wt.T)
-                bias_target = a * mean_y + (1 - a) * (wt @ mu_s + bt)
-            inv = 1.0 / s_t
-            mean_bias = torch.outer(mu_s, bt) * inv if self.joint_bias else None
-            acc = self.linears.get(name)
-            if acc is None:
-                self.linears[name] = LinearNormalised(c * inv, target * inv, inv, bias_target * inv, mu_s * inv,
-                                                      mean_bias)
-            else:
-                acc.gram += c * inv
-                acc.target += target * inv
-                acc.inv_scale = acc.inv_scale + inv
-                acc.bias_target += bias_target * inv
-                acc.mean += mu_s * inv
-                if mean_bias is not None:
-                    acc.mean_bias += mean_bias
+            bt = torch.zeros(wt.shape[0], dtype=F64, device=wt.device) if bt is None else bt.to(F64)
+            target, bias_target = self._teacher_terms(sums, lin, group_moments[lin.group], wt, bt, teacher_moments)
+            self._add_linear(name, c, target, bias_target, mu_s, bt, s_t)
         for name, ns in sums.norms.items():
-            sw = ns.sw.to(_F64)
-            if float(sw) <= 0:
-                raise CalibrationDataError(f"task {task!r}: norm {name} saw no weighted token")
-            m = ns.sz.to(_F64) / sw
-            e = ns.szz.to(_F64) / sw
-            gamma = expert_params[name]["weight"].to(_F64)
-            beta = expert_params[name].get("bias")
-            if name in rms or beta is None:
-                gt, bt_ = e * gamma, torch.zeros_like(e)
-            else:
-                beta = beta.to(_F64)
-                gt, bt_ = e * gamma + m * beta, m * gamma + beta
-            acc = self.norms.get(name)
-            if acc is None:
-                self.norms[name] = NormNormalised(e, m, gt, bt_, 1)
-            else:
-                acc.e += e
-                acc.m += m
-                acc.gamma_target += gt
-                acc.beta_target += bt_
-                acc.n_tasks += 1
+            self._add_norm(task, name, ns, expert_params[name], name in rms)
+
+    def _teacher_terms(self, sums: TaskSums, lin: LinearSums, moments: tuple, wt: torch.Tensor, bt: torch.Tensor,
+                       teacher_moments: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(Xt Wtᵀ, bt + Wt μ~t) of one Linear from whichever form its sums took (hooks.py)."""
+        a = self.alpha
+        sw, mu_s, c, _ = moments
+        if lin.sxy is None:  # "cross" form: Xt Wtᵀ = (α·E[xs xeᵀ] + (1−α)·Ct) Wtᵀ, one in×in×out product
+            cr = sums.cross[lin.group]
+            x_teacher = teacher_moments.get(lin.group)
+            if x_teacher is None:
+                x_teacher = teacher_moments[lin.group] = _blend(a, cr.sxxe.to(F64) / sw, c)
+            target = x_teacher @ wt.T
+            mean_y = wt @ (cr.sxe.to(F64) / sw) + bt
+            return target, a * mean_y + (1 - a) * (wt @ mu_s + bt)  # bt + Wt μ~t
+        if lin.teacher:  # "teacher" form: y = Wt x~ + α·bt, summed in the pass
+            return lin.sxy.to(F64) / sw - a * torch.outer(mu_s, bt), lin.sy.to(F64) / sw + (1 - a) * bt
+        # "output" form: from the expert module's output ye = Wt xe + bt
+        mean_y = lin.sy.to(F64) / sw
+        p = lin.sxy.to(F64) / sw - torch.outer(mu_s, bt)
+        target = p if a == 1.0 else a * p + (1 - a) * (c @ wt.T)
+        return target, a * mean_y + (1 - a) * (wt @ mu_s + bt)
+
+    def _add_linear(self, name: str, c: torch.Tensor, target: torch.Tensor, bias_target: torch.Tensor,
+                    mu_s: torch.Tensor, bt: torch.Tensor, s_t: torch.Tensor) -> None:
+        """Add one task's Linear terms, each divided by st = ‖Ct‖_F."""
+        inv = 1.0 / s_t
+        mean_bias = torch.outer(mu_s, bt) * inv if self.joint_bias else None
+        acc = self.linears.get(name)
+        if acc is None:
+            self.linears[name] = LinearNormalised(c * inv, target * inv, inv, bias_target * inv, mu_s * inv, mean_bias)
+            return
+        acc.gram += c * inv
+        acc.target += target * inv
+        acc.inv_scale = acc.inv_scale + inv
+        acc.bias_target += bias_target * inv
+        acc.mean += mu_s * inv
+        if mean_bias is not None:
+            acc.mean_bias += mean_bias
+
+    def _add_norm(self, task: str, name: str, ns: NormSums, params: dict[str, torch.Tensor | None],
+                  rms: bool) -> None:
+        """Add one task's norm moments and targets (expert t's affine on the merged side's z), not normalised."""
+        sw = ns.sw.to(F64)
+        if float(sw) <= 0:
+            raise CalibrationDataError(f"task {task!r}: norm {name} saw no weighted token")
+        m = ns.sz.to(F64) / sw
+        e = ns.szz.to(F64) / sw
+        gamma = params["weight"].to(F64)
+        beta = params.get("bias")
+        if rms or beta is None:
+            gt, bt_ = e * gamma, torch.zeros_like(e)
+        else:
+            beta = beta.to(F64)
+            gt, bt_ = e * gamma + m * beta, m * gamma + beta
+        acc = self.norms.get(name)
+        if acc is None:
+            self.norms[name] = NormNormalised(e, m, gt, bt_, 1)
+            return
+        acc.e += e
+        acc.m += m
+        acc.gamma_target += gt
+        acc.beta_target += bt_
+        acc.n_tasks += 1
+
+
+def _group_moments(task: str, name: str, gram: GramSums) -> tuple:
+    """(Σw, μs, Ct in float64, st = ‖Ct‖_F) of one group's input; refused when it saw no token or is all zero."""
+    moments = gram.means()
+    if moments is None:
+        raise CalibrationDataError(f"task {task!r}: module {name} saw no weighted token")
+    s_t = torch.linalg.matrix_norm(moments[2])
+    if float(s_t) <= 0:
+        raise CalibrationDataError(f"task {task!r}: module {name} has an all-zero input (‖C‖_F = 0)")
+    return (*moments, s_t)

@@ -45,13 +45,13 @@ def build_text_head(
             tok = tokenizer(texts[start : start + batch_size], padding=True, truncation=True, max_length=max_length,
                             return_tensors="pt")
             tok = {k: v.to(device) for k, v in tok.items() if k in ("input_ids", "attention_mask")}
-            embs.append(_as_tensor(clip_model.get_text_features(**tok)).float())
+            embs.append(as_tensor(clip_model.get_text_features(**tok)).float())
         emb = F.normalize(torch.cat(embs), dim=-1).mean(dim=0)
         rows.append(F.normalize(emb, dim=-1))
     return torch.stack(rows).cpu()
 
 
-def _as_tensor(out: Any) -> torch.Tensor:
+def as_tensor(out: Any) -> torch.Tensor:
     """get_*_features return a tensor in transformers 4, and in 5 an output whose pooler_output is it."""
     if isinstance(out, torch.Tensor):
         return out

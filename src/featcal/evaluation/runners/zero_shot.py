@@ -20,7 +20,7 @@ from featcal.errors import ConfigError, EvaluationDataError
 from featcal.evaluation.data import EvalSet
 from featcal.evaluation.metrics import accuracy
 from featcal.evaluation.runners.base import ModelEntry, Runner, Scored
-from featcal.evaluation.zero_shot import ZeroShotClassifier, _as_tensor, build_text_head
+from featcal.evaluation.zero_shot import ZeroShotClassifier, as_tensor, build_text_head
 
 
 class ZeroShotRunner(Runner):
@@ -105,7 +105,7 @@ class ZeroShotRunner(Runner):
         head = self.head(data)
         preprocess = ImagePreprocessor(self.processor_dir, self.entry.config)
         if self.own_text:
-            classify = lambda pixels: F.normalize(_as_tensor(model.get_image_features(pixel_values=pixels)).float(),  # noqa: E731
+            classify = lambda pixels: F.normalize(as_tensor(model.get_image_features(pixel_values=pixels)).float(),  # noqa: E731
                                                   dim=-1) @ head.to(pixels.device).T
         elif hasattr(self.text_model(), "visual_projection") and hasattr(self.text_model(), "logit_scale"):
             classify = ZeroShotClassifier.from_clip(self.text_model(), head, vision_model=model)

@@ -526,7 +526,7 @@ def _featcal_row(run: _Run, method: str, params: dict[str, Any], merged, n: int,
     with PeakRSS() as rss:
         timer = Timer()
         result = calibrate(merged, base=run.zoo.base_dir, experts=run.experts, calibration=calibration,
-                           config=cfg, progress=run.progress, return_result=True, **tune)
+                           config=cfg, progress=run.progress, **tune)
         calibrated = result.model
         calib_seconds = timer.seconds
     per_task = run.evaluate(calibrated)

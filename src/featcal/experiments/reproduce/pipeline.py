@@ -182,14 +182,14 @@ class Pipeline(ABC):
         timer = Timer()
         result = calibrate(
             merged_model, base=self.calibration_base(), experts=self.calibration_experts(),
-            calibration=calibration, config=config, return_result=True,
+            calibration=calibration, config=config,
         )
         seconds = timer.seconds
         self.save_stage(result.model, tmp)
         write_report(tmp, build_report("reproduce:featcal", {
             "setting": self.setting.name, **config.model_dump(mode="json"),
         }, seconds={"calibration_data": round(data_seconds, 3), "calibrate": round(seconds, 3)},
-            drift=result.drift))
+            drift=result.drift_records()))
 
     def evaluate(self, stages: dict[str, Path]) -> dict[str, dict[str, dict[str, Any]]]:
         """Every stage on every task; each result is stored, and reused by a rerun with the same key."""

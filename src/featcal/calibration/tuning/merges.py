@@ -1,0 +1,81 @@
+"""The starting merge of the search: rebuilt at other scalings where it is a task-vector merge.
+
+A merge θ0 + s·v(experts), v independent of s, is the same merge at scaling factor·s after
+θ ← θ0 + factor·(θ − θ0); `featcal calibrate --tune` learns s from the merged checkpoint's own featcal.json
+when it ties the merge to these inputs.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from featcal.calibration.inputs import adapter_reader
+from featcal.calibration.tuning.search import MAX_MERGE_SCALING
+from featcal.io.checkpoint import read_json
+from featcal.io.param_sources import CheckpointSource, ModelSource, ParamSource
+from featcal.io.report import REPORT_NAME, checkpoint_hashes
+
+# merges of the form θ0 + s·v(experts), v independent of s: rescaling the merged task vector rebuilds them
+TASK_VECTOR_METHODS: tuple[str, ...] = ("task_arithmetic", "ties", "dare_ta", "dare_ties")
+
+
+@torch.no_grad()
+def rescale_merge(model: nn.Module, base: ParamSource, factor: float) -> None:
+    """θ ← θ0 + factor·(θ − θ0) for every floating parameter the base holds, in place (float64 arithmetic).
+
+    For a task-vector merge θ = θ0 + s·v this is the same merge rebuilt at scaling factor·s.
+    """
+    for name, p in model.named_parameters():
+        if not p.is_floating_point() or base.shape(name) != tuple(p.shape):
+            continue
+        b = base.get(name).to(device=p.device, dtype=torch.float64)
+        p.copy_((b + factor * (p.to(torch.float64) - b)).to(p.dtype))
+
+
+def base_source(base: nn.Module | str | os.PathLike, model: nn.Module, allow_pickle: bool) -> ParamSource:
+    """Where the base's parameters are read from to rebuild the merge (a model given, or its files)."""
+    if isinstance(base, nn.Module):
+        return ModelSource(base, "base")
+    return CheckpointSource(base, model, "base", allow_pickle=allow_pickle,
+                            reader=adapter_reader(base, None, "base", allow_pickle))
+
+
+def merge_scaling_from_report(merged_dir: str | os.PathLike, base_dir: str | os.PathLike,
+                              expert_dirs: Mapping[str, str | os.PathLike]) -> tuple[float | None, str]:
+    """(s, why) when `merged_dir` is a featcal task-vector merge of exactly this base and these experts.
+
+    Why: `featcal calibrate --tune` is given a merged checkpoint, not how it was made; the merge's own
+    featcal.json says it, and the checkpoints' hashes tie it to the inputs, so the merge can be rebuilt
+    at other scalings. Otherwise (None, the reason) and the scaling is not searched.
+    """
+    path = Path(merged_dir) / REPORT_NAME
+    if not path.is_file():
+        return None, f"no {REPORT_NAME} in the merged checkpoint"
+    try:
+        report = read_json(path)
+    except Exception as exc:  # an unreadable report only means the scaling is not searched
+        return None, f"{path}: {exc}"
+    params = report.get("params") or {}
+    method, scaling = params.get("method"), params.get("scaling")
+    if report.get("command") != "merge" or method not in TASK_VECTOR_METHODS:
+        return None, f"the merged checkpoint is not a featcal task-vector merge ({report.get('command')}, {method})"
+    if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not 0 < scaling <= MAX_MERGE_SCALING:
+        return None, f"{path}: no usable scaling ({scaling!r})"
+    recorded_output = (report.get("output") or {}).get("sha256")
+    current = {k: v for k, v in checkpoint_hashes(merged_dir).items() if k != REPORT_NAME}
+    if recorded_output != current:  # rebuilding "the merge at another scaling" needs the merge the report describes
+        return None, (f"the merged checkpoint's files are not those its {REPORT_NAME} records (changed after the "
+                      "merge), so its scaling is not trusted")
+    inputs = report.get("inputs") or {}
+    recorded_base = (inputs.get("base") or {}).get("sha256")
+    recorded_experts = sorted(repr(e.get("sha256")) for e in (inputs.get("experts") or {}).values())
+    if recorded_base != checkpoint_hashes(base_dir) or recorded_experts != sorted(
+        repr(checkpoint_hashes(d)) for d in expert_dirs.values()
+    ):
+        return None, "the merged checkpoint was made from another base or other experts"
+    return float(scaling), f"{REPORT_NAME} of the merged checkpoint: {method}, scaling {scaling:g}"
