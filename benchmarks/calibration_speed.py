@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """How close FeatCal's cost comes to its floor, and how it compares with a straightforward implementation.
 
-The floor (SPEC §4) is what any method that reads the merged model's and the experts' features on
+The floor (docs/method.md §8) is what any method that reads the merged model's and the experts' features on
 the calibration data must pay: one forward of the merged model over every task's data plus one
 forward of each expert over its own task's data. This command measures that floor, a full
 `featcal.calibrate()` and the independent straightforward FeatCal of benchmarks/straightforward_featcal.py

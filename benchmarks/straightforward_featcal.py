@@ -1,4 +1,4 @@
-"""FeatCal (SPEC §2) for a transformers CLIPVisionModel, written the straightforward way the authors' demo runs it.
+"""FeatCal (docs/method.md §3-§5) for a transformers CLIPVisionModel, written the straightforward way the authors' demo runs it.
 
 It is the independent yardstick of benchmarks/calibration_speed.py: the same method on the same work, with none
 of featcal's engineering (no shared Grams, no streamed experts, no cheaper cross moments), so that featcal's
@@ -8,7 +8,7 @@ imports nothing from featcal; torch and the transformers model are all it reads.
 The demo's way: every expert in memory, every task's block inputs hm(t) / he(t) in memory; per block, the
 merged block (as merged) and expert t's block run with forward hooks recording every Linear / LayerNorm input;
 per module and task the teacher input x~ = α·xe + (1−α)·xs is formed, and C, X, the means (float32, dense,
-one module at a time) then the float64 solves of SPEC §2.6; the solution is loaded and hm(t) propagated.
+one module at a time) then the float64 solves of docs/method.md §5; the solution is loaded and hm(t) propagated.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ KV = ("self_attn.k_proj", "self_attn.v_proj")  # every token of theirs feeds the
 
 @dataclass(frozen=True)
 class Settings:
-    """The demo's hyperparameters (SPEC §2)."""
+    """The demo's hyperparameters (docs/method.md §6)."""
 
     alpha: float = 0.25  # x~ = α·xe + (1−α)·xs
     rho: float = 2.2  # anchor Ā = ρ·θm + (1−ρ)·θ0

@@ -1,4 +1,4 @@
-"""A dense, literal FeatCal (SPEC §2) for tests: every activation kept, x~ formed explicitly, float64.
+"""A dense, literal FeatCal (docs/method.md §3-§5) for tests: every activation kept, x~ formed explicitly, float64.
 
 Deliberately naive and independent of featcal's engine/statistics/solver: it shares only the adapters'
 model knowledge (where the blocks are, how to reach block 0 and what each block is called with, masks, which
@@ -139,7 +139,7 @@ def _gather(stack, layer, n_blocks, block_m, mods, adapter, experts, calibration
 
 
 def _solve_module(n, kind, m, per_task, full, base_params, cfg):
-    """SPEC §2.6's solve of module `n` from its per-task activations: {parameter: new value}."""
+    """docs/method.md §5's solve of module `n` from its per-task activations: {parameter: new value}."""
     alpha, lam, eps, rho = cfg.teacher_interp_alpha, cfg.lambda_ratio, cfg.covariance_eps, cfg.anchor_blend_rho
     tasks = list(per_task)
     new = {}

@@ -65,7 +65,8 @@ def test_the_checks_see_what_they_look_for(tmp_path):
     pkg = tmp_path / "pkg"
     pkg.mkdir()
     body = "\n".join(f"    x{i} = {i}" for i in range(MAX_LINES + 1))
-    (pkg / "a.py").write_text(f'def long():\n    """doc"""\n{body}\n\n\ndef short():\n    """doc\n    more"""\n    return 1\n')
+    (pkg / "a.py").write_text(f'def long():\n    """doc"""\n{body}\n\n\n'
+                              'def short():\n    """doc\n    more"""\n    return 1\n')
     (pkg / "b.py").write_text("from featcal.blocks.capture import _gone\nfrom featcal import calibration\n"
                               "calibration._hidden\nfrom featcal.blocks import capture as cap\ncap.__name__\n")
     assert [r.split(" ")[1] for r in long_functions(pkg, MAX_LINES)] == ["long"]

@@ -46,7 +46,7 @@ def _norm_input(model, path: str, batch: dict) -> torch.Tensor:
 
 
 def _dense_reference(kind: str, calibrated, base, experts, merged, data, cfg: FeatCalConfig) -> dict[str, torch.Tensor]:
-    """SPEC §2.6's norm solve written out densely: moments of the normalised input on the calibrated chain
+    """docs/method.md §5's norm solve written out densely: moments of the normalised input on the calibrated chain
     (the calibrated model's own forward), targets from each expert's affine, anchor ρ·θm + (1−ρ)·θ0."""
     path = FINAL[kind]
     norm = get_path(merged, path)

@@ -67,7 +67,7 @@ def _module_inputs(model, layer: int, names: list[str], batch: dict) -> dict[str
 
 
 def dense_featcal(merged, base, experts, data, cfg: FeatCalConfig):
-    """SPEC §2 literally, float64, module inputs from full-model forwards; RMS norms solved on γ = 1 + w."""
+    """docs/method.md §3-§5 literally, float64, module inputs from full-model forwards; RMS norms solved on γ = 1 + w."""
     model = copy.deepcopy(merged)
     alpha, lam, eps, rho = cfg.teacher_interp_alpha, cfg.lambda_ratio, cfg.covariance_eps, cfg.anchor_blend_rho
     base_p = dict(base.named_parameters())

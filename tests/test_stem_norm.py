@@ -22,7 +22,7 @@ ON = FeatCalConfig(calibrate_stem_norm=True)
 
 
 def _dense_stem_solve(kind: str, merged, base, experts, data, cfg: FeatCalConfig):
-    """SPEC §2.6's (γ, β) solve, per channel, from the inputs the merged stem norm sees (padding weighs 0)."""
+    """docs/method.md §5's (γ, β) solve, per channel, from the inputs the merged stem norm sees (padding weighs 0)."""
     path = STEM[kind]
     norm = get_path(merged, path)
     lam, rho = cfg.lambda_ratio, cfg.anchor_blend_rho

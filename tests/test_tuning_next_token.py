@@ -77,7 +77,8 @@ def test_next_token_scores_and_the_soft_tiebreak_against_a_direct_computation(ll
     ids_only = tuning.expert_reference("task0", experts["task0"], adapter, data["task0"], tuning.NEXT_TOKEN)
     for pred, b in zip(ids_only.predictions, data["task0"], strict=True):
         assert pred.log_probs is None and pred.ids.dtype == torch.int64
-        assert pred.ids.numel() == int(b["attention_mask"].sum()) and pred.counts.tolist() == b["attention_mask"].sum(1).tolist()
+        assert pred.ids.numel() == int(b["attention_mask"].sum())
+        assert pred.counts.tolist() == b["attention_mask"].sum(1).tolist()
 
 
 def test_next_token_scoring_is_off_when_asked_or_without_an_lm_head(llama):

@@ -321,9 +321,9 @@ WHOLE_MODEL_MERGE_METHODS: tuple[str, ...] = tuple(s.name for s in BUILTIN_METHO
 
 
 class FeatCalConfig(_Strict):
-    """FeatCal hyperparameters (defaults: the authors' demo, ../shared/SPEC.md §2)."""
+    """FeatCal hyperparameters (defaults: the authors' demo, docs/method.md §6)."""
 
-    # The per-task Grams are normalised to unit Frobenius norm (SPEC §2.6), so both ridge terms compare with
+    # The per-task Grams are normalised to unit Frobenius norm (docs/method.md §5), so both ridge terms compare with
     # O(1): λ = 100 already pins every weight to the anchor, and an ε past 0.01 stops being a jitter and
     # shrinks every Linear weight toward zero (ε = 1e300 zeroed them all). Larger values are typos.
     lambda_ratio: float = Field(

@@ -4,7 +4,7 @@
 - "layernorm": `nn.LayerNorm` with an affine, and any probed norm that centres its input (blocks/norms.py);
 - "rmsnorm": any probed weight-only RMS norm, z·w or z·(1 + w) (Llama, T5, Gemma, Qwen3's q/k norms, ...).
 
-Everything else in a block keeps its merged value (SPEC §2.6): DINOv2's LayerScale, T5's relative position
+Everything else in a block keeps its merged value (docs/method.md §2): DINOv2's LayerScale, T5's relative position
 bias, a mixture of experts' router and its experts. Experts are kept even when they are Linears (a list of
 expert sub-networks, as some mixture-of-experts layers hold them): each one sees only the tokens routed to
 it, which differ between the merged model and each expert, so its statistics would pair unrelated tokens.

@@ -1,6 +1,6 @@
 """Which modules are norms FeatCal can solve, found by what they compute rather than by class name.
 
-A norm is solved per channel from the moments of its normalised input z (SPEC §2.6), so FeatCal must know
+A norm is solved per channel from the moments of its normalised input z (docs/method.md §5), so FeatCal must know
 z exactly and how the weight is applied to it. `nn.LayerNorm` says so itself. Any other module is probed:
 a leaf module whose parameters are a 1-D `weight` (and optionally a 1-D `bias`) is run once, on the CPU, on
 a random input with a random weight put in its place (`torch.func.functional_call`: the module's own

@@ -188,7 +188,7 @@ def has_class_token(model: nn.Module, entry_path: str, blocks_path: str) -> bool
     cls token): a parameter of exactly `hidden_size` elements held by the entry itself or by a module
     registered before the blocks (the stem), other than a norm, linear, convolution or embedding layer.
     Such a model reads its output from that token (the pooled output), so the last block weighs the other
-    tokens less (SPEC §2.3). A model without one (SigLIP, whose head pools every token with a learned query
+    tokens less (docs/method.md §4). A model without one (SigLIP, whose head pools every token with a learned query
     of its own, registered after the blocks) weighs every token alike."""
     from featcal.blocks.norms import norm_form
 

@@ -1,4 +1,4 @@
-"""The drift a calibration records: mean over valid tokens of ‖hm − he‖² / ‖he‖², averaged over tasks.
+"""The drift a run records (docs/method.md §9): mean over valid tokens of ‖hm − he‖² / ‖he‖², over tasks.
 
 hm is the merged side's activation and he expert t's on task t's inputs; token weights are 1, padding 0
 (docs/method.md §4). Per block the engine records it "before" (the block as merged) and "after" (the block

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
@@ -189,11 +190,10 @@ class MergedFolder:
     def __enter__(self) -> MergedFolder:
         for c in self.modules:
             if c.kind == "linear":
-                self._handles.append(c.module.register_forward_hook(lambda _m, i, _o, n=c.name: self.fold_linear(n, i[0])))
+                hook = partial(_linear_hook, self, c.name)
             else:
-                self._handles.append(
-                    c.module.register_forward_hook(lambda m, i, _o, n=c.name, f=c.form: self.fold_norm(m, n, i[0], f))
-                )
+                hook = partial(_norm_hook, self, c.name, c.form)
+            self._handles.append(c.module.register_forward_hook(hook))
         return self
 
     def end_forward(self) -> None:
@@ -205,6 +205,14 @@ class MergedFolder:
             h.remove()
         self._handles.clear()
         self.end_forward()
+
+
+def _linear_hook(folder: MergedFolder, name: str, _mod: nn.Module, args: tuple, _out) -> None:
+    folder.fold_linear(name, args[0])
+
+
+def _norm_hook(folder: MergedFolder, name: str, form: NormForm | None, mod: nn.Module, args: tuple, _out) -> None:
+    folder.fold_norm(mod, name, args[0], form)
 
 
 class StopForward(Exception):

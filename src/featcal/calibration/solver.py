@@ -1,4 +1,4 @@
-"""Closed-form FeatCal solves (SPEC §2.6): pure functions on statistics, no model knowledge.
+"""Closed-form FeatCal solves (docs/method.md §5): pure functions on statistics, no model knowledge.
 
 Everything here works in float64: the systems are small (in×in at most) next to the forwards that
 produced their statistics, and double precision keeps the ridge solves exact to round-off.

@@ -1,10 +1,10 @@
-"""Streaming, mergeable statistics for one block (SPEC §2.4), and their per-task normalised sums.
+"""Streaming, mergeable statistics for one block (docs/method.md §4, §8), and their per-task normalised sums.
 
 Two levels, both plain sums so that batches, tasks and ranks can be added in any order:
 
 - `TaskSums`: raw token-weighted sums for ONE task, accumulated batch by batch in float32 (what an
   all-reduce across ranks would add). Inputs are never stored beyond the batch that produced them.
-- `NormalisedSums`: Σt over tasks of the per-task moments divided by st = ‖Ct‖_F (SPEC §2.6), held in
+- `NormalisedSums`: Σt over tasks of the per-task moments divided by st = ‖Ct‖_F (docs/method.md §5), held in
   float64. A task's `TaskSums` is folded in as soon as the task is finished, then dropped.
 
 The teacher input x~ = α·xe + (1−α)·xs is never formed. Its only uses are X_t W_tᵀ and W_t μ~t, and
@@ -181,7 +181,7 @@ class LinearNormalised:
 
 @dataclass
 class NormNormalised:
-    """Σt of a norm's moments and targets (NOT normalised per task, SPEC §2.6)."""
+    """Σt of a norm's moments and targets (NOT normalised per task, docs/method.md §5)."""
 
     e: torch.Tensor  # Σ et
     m: torch.Tensor  # Σ mt

@@ -79,7 +79,7 @@ class Adapter(ABC):
 
     name = "base"
     # key / value projections by transformers' names: in a class-token-read stack's last block they keep every
-    # token's weight, since every token's key and value feed the class token (SPEC §2.3)
+    # token's weight, since every token's key and value feed the class token (docs/method.md §4)
     kv_names: tuple[str, ...] = ("k_proj", "v_proj", "key", "value", "k", "v")
     capture_kwargs: dict[str, Any] = {}
     # int64 tensors per token a text calibration batch holds: input_ids and attention_mask

@@ -23,18 +23,12 @@ from featcal.calibration.inputs import (
 )
 from featcal.calibration.result import CalibrationResult, TunedCandidate, TuningRecord
 from featcal.calibration.tuning import record as records
+from featcal.calibration.tuning import search as rules
 from featcal.calibration.tuning.features import NEXT_TOKEN, Head, Reference, expert_reference, has_lm_head
 from featcal.calibration.tuning.heads import check_request, check_soft_tiebreak
 from featcal.calibration.tuning.merges import base_source, rescale_merge
 from featcal.calibration.tuning.score import Score, combine_folds, score
-from featcal.calibration.tuning.search import (
-    PatternSearch,
-    Setting,
-    candidate_cost,
-    max_candidates,
-    resolve_fixed,
-    resolve_tiebreak,
-)
+from featcal.calibration.tuning.search import PatternSearch, Setting
 from featcal.calibration.tuning.split import (
     AUTO_SOFT_MAX_HELD,
     Split,
@@ -135,10 +129,10 @@ def _plan(request: _Request, calibration: Mapping[str, Iterable[Any]], heads: di
     splits = make_splits(data, folds, config.tune_holdout, config.seed)
     fewest_held = fewest_held_out(splits)
     scored, next_token = _scored_heads(config, model, heads, experts)
-    tiebreak, tiebreak_why = resolve_tiebreak(config.tune_tiebreak, scored, experts, fewest_held)
+    tiebreak, tiebreak_why = rules.resolve_tiebreak(config.tune_tiebreak, scored, experts, fewest_held)
     if tiebreak == "soft":
         check_soft_tiebreak(scored, experts, "give heads or use tune_tiebreak 'drift'")
-    fixed, fixed_why = resolve_fixed(config.tune_fixed, fewest_held)
+    fixed, fixed_why = rules.resolve_fixed(config.tune_fixed, fewest_held)
     if fewest_held <= AUTO_SOFT_MAX_HELD:  # measured: no one-split rule stayed above the defaults on every preset here
         log.warning("featcal tune: only %d held-out example(s) per task score the candidates: at this size every "
                     "one-split search rule measured fell below the paper's defaults on some preset; cross-fitting "
@@ -148,7 +142,7 @@ def _plan(request: _Request, calibration: Mapping[str, Iterable[Any]], heads: di
     searchable = (["merge_scaling"] if start.merge_scaling is not None else []) + (
         ["anchor_blend_rho"] if request.base is not None else []) + ["lambda_ratio", "teacher_interp_alpha"]
     return _Plan(model, adapter, data, splits, folds, folds_why, scored, sorted(heads), next_token, tiebreak,
-                 tiebreak_why, fixed, fixed_why, max_candidates(config.tune_budget, config.tune_holdout, folds), start,
+                 tiebreak_why, fixed, fixed_why, rules.max_candidates(config.tune_budget, config.tune_holdout, folds), start,
                  [k for k in searchable if k not in fixed])
 
 
@@ -275,7 +269,7 @@ def _record(config: FeatCalConfig, plan: _Plan, candidates: list[TunedCandidate]
         seed=config.seed, folds=plan.folds, folds_setting=config.tune_folds, folds_why=plan.folds_why,
         split=folds_record(plan.splits),
         budget={"calibrations": config.tune_budget, "max_candidates": plan.limit, "candidates": len(candidates),
-                "candidate_cost": round(candidate_cost(config.tune_holdout, plan.folds), 4)},
+                "candidate_cost": round(rules.candidate_cost(config.tune_holdout, plan.folds), 4)},
         searched=plan.knobs, fixed=list(plan.fixed),
         fixed_setting=config.tune_fixed if config.tune_fixed == "auto" else list(config.tune_fixed),
         fixed_why=plan.fixed_why, start=plan.start, candidates=candidates, min_evidence=config.tune_min_evidence,

@@ -1,7 +1,7 @@
 """What the exact method must compute, counted: why its cost cannot approach the forward floor.
 
 The bench times calibration against a floor of one forward pass of the merged model and one of each
-expert over the calibration data. The method as specified (SPEC §2) does more than that per block and
+expert over the calibration data. The method as specified (docs/method.md §3) does more than that per block and
 token, whatever the implementation: it runs the expert block once, the merged block twice (as merged,
 to record the modules' inputs, then calibrated, to propagate), and accumulates, per distinct module
 input, its Gram xs·xsᵀ and a cross moment with the expert side. featcal's statistics (see

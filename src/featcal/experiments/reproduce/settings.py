@@ -1,7 +1,7 @@
 """The paper's settings: which hub ids, which data, which splits, and the numbers the paper reports.
 
 A Setting is pure data; the pipelines in featcal.experiments.reproduce read it. Reference numbers come from
-the paper / demo (SPEC §3); where the paper gives only an average, per-task references are absent.
+the paper / demo (docs/method.md §10); where the paper gives only an average, per-task references are absent.
 """
 
 from __future__ import annotations
@@ -158,8 +158,8 @@ SETTINGS: dict[str, Setting] = {
     s.name: s
     for s in (
         _clip_setting("clip-vit-b32-ta8", "clip-vit-base-patch32", _B32_REFERENCE),
-        _clip_setting("clip-vit-b16-ta8", "clip-vit-base-patch16", Reference(source="not in SPEC §3")),
-        _clip_setting("clip-vit-l14-ta8", "clip-vit-large-patch14", Reference(source="not in SPEC §3")),
+        _clip_setting("clip-vit-b16-ta8", "clip-vit-base-patch16", Reference(source="not among the paper's reference numbers (docs/method.md §10)")),
+        _clip_setting("clip-vit-l14-ta8", "clip-vit-large-patch14", Reference(source="not among the paper's reference numbers (docs/method.md §10)")),
         Setting(
             name="flan-t5-base-glue-ta8",
             family="glue",
