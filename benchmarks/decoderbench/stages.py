@@ -1,0 +1,140 @@
+"""The bench's `featcal` stages (merge, calibrate, eval): keyed, cached, run, and recorded.
+
+A stage is a `featcal` command line. Its output folder is named by a hash of its arguments (the paths in
+them already name what they hold: experts and data files by their own keys or content hashes, models by
+the key of the stage that wrote them) and of featcal's version, so a rerun finds every finished stage
+and a killed run resumes at the first unfinished one. featcal writes its outputs atomically, so a folder
+that exists is complete. Beside it, `<folder>.stage.json` keeps what the bench measured when the stage
+ran (wall seconds, the runner, featcal's source digest), so a cached stage still reports its own cost.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+FEATCAL_JSON, EVAL_JSON = "featcal.json", "eval.json"
+RUNNERS = ("subprocess", "inprocess")
+
+
+@dataclass
+class Stage:
+    """One `featcal` command: `args` without --out, which is `cache/<kind>/<slug>-<key>`."""
+
+    name: str  # e.g. "merge:ties", "calibrate:ties+featcal@32", "eval:ties+featcal@32", "select:ties"
+    kind: str  # merge | calibrate | eval | select
+    args: list[str]
+    out: Path = field(init=False)
+    key: str = field(init=False)
+    cache: Path
+    estimate_s: float = 0.0
+    units: dict = field(default_factory=dict)  # what the time estimate is made of (windows, tokens, ...)
+
+    def __post_init__(self) -> None:
+        from featcal import __version__
+
+        self.key = hashlib.sha256(json.dumps([self.args, __version__]).encode()).hexdigest()[:12]
+        slug = self.name.split(":", 1)[1].replace("+", "_").replace("@", "_")
+        self.out = self.cache / {"select": "eval"}.get(self.kind, self.kind) / f"{slug}-{self.key}"
+
+    @property
+    def argv(self) -> list[str]:
+        return [*self.args, "--no-progress", "--out", str(self.out)]
+
+    @property
+    def command(self) -> str:
+        return "featcal " + shlex.join(self.argv)
+
+    @property
+    def report_path(self) -> Path:
+        return self.out / (EVAL_JSON if self.kind in ("eval", "select") else FEATCAL_JSON)
+
+    @property
+    def done(self) -> bool:
+        return self.report_path.is_file()
+
+    @property
+    def record_path(self) -> Path:
+        return self.out.with_name(self.out.name + ".stage.json")
+
+
+_SOURCE_DIGEST: list[str] = []
+
+
+def featcal_source_digest() -> str:
+    """sha256 (12 hex) of featcal's own .py files: which code a stage ran under (recorded, not keyed)."""
+    if not _SOURCE_DIGEST:
+        import featcal
+
+        root = Path(featcal.__file__).parent
+        h = hashlib.sha256()
+        for f in sorted(root.rglob("*.py")):
+            h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
+        _SOURCE_DIGEST.append(h.hexdigest()[:12])
+    return _SOURCE_DIGEST[0]
+
+
+def run_stage(stage: Stage, runner: str, threads: int, log) -> dict:
+    """Run the stage unless its output exists; return its record (command, times, peak RSS, cached)."""
+    if stage.done:
+        record = json.loads(stage.record_path.read_text()) if stage.record_path.is_file() else {}
+        return _info(stage, record, cached=True)
+    log(stage.command)
+    stage.out.parent.mkdir(parents=True, exist_ok=True)
+    t = time.perf_counter()
+    if runner == "inprocess":
+        import contextlib
+        import io
+
+        from featcal.cli.main import main as featcal_main
+
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):  # its tables: the bench prints its own
+            rc = featcal_main(stage.argv)
+        tail = printed.getvalue()[-4000:]
+    else:
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1")
+        done = subprocess.run([sys.executable, "-m", "featcal", *stage.argv], env=env, capture_output=True,
+                              text=True)
+        rc, tail = done.returncode, done.stdout[-4000:] + done.stderr[-4000:]
+    wall = round(time.perf_counter() - t, 1)
+    if rc != 0 or not stage.done:
+        sys.stderr.write(tail)
+        raise SystemExit(f"failed ({rc}): {stage.command}")
+    record = {"wall_seconds": wall, "runner": runner, "threads": threads, "featcal_source": featcal_source_digest(),
+              "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    stage.record_path.write_text(json.dumps(record, indent=1) + "\n")
+    return _info(stage, record, cached=False)
+
+
+def _info(stage: Stage, record: dict, cached: bool) -> dict:
+    report = json.loads(stage.report_path.read_text())
+    info = {"name": stage.name, "kind": stage.kind, "command": stage.command, "out": str(stage.out),
+            "cached": cached, "wall_seconds": record.get("wall_seconds"), "runner": record.get("runner"),
+            "featcal_source": record.get("featcal_source"), "seconds": report.get("seconds"),
+            "peak_rss_mb": report.get("peak_rss_mb"), "estimate_s": round(stage.estimate_s)}
+    if report.get("drift"):  # calibration: feature drift from the experts, by block, before -> after
+        info["blocks_calibrated"] = len(report["drift"])
+        info["end_to_end_drift"] = report.get("end_to_end_drift")
+    if report.get("tuning"):
+        info["tuning_chosen"] = report["tuning"].get("chosen")
+    return info
+
+
+def eval_rows(stage: Stage) -> dict[str, dict[str, dict[str, float]]]:
+    """eval.json's results as row -> task -> {loss, ppl, acc, tokens} (the metrics of a causal LM)."""
+    names = {"loss": "loss", "perplexity": "ppl", "next_token_accuracy": "acc"}
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for r in json.loads(stage.report_path.read_text())["results"]:
+        if r["metric"] in names:
+            cell = out.setdefault(r["model"], {}).setdefault(r["task"], {})
+            cell[names[r["metric"]]] = r["value"]
+            cell["tokens"] = r.get("tokens")
+    return out
