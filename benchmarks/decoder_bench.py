@@ -176,6 +176,8 @@ def run_seed(s: Settings, seed: int, inputs: SeedInputs, cache: Path, rates, reg
 
     def run(stages: list[Stage]) -> None:
         for stage in stages:
+            if any(x["name"] == stage.name for x in done):
+                continue  # the best merge's stage when that merge is TA: it ran already
             info = run_stage(stage, s.runner, s.threads, log)
             info["units"] = stage.units
             done.append(info)
@@ -187,6 +189,7 @@ def run_seed(s: Settings, seed: int, inputs: SeedInputs, cache: Path, rates, reg
     out = {"seed": seed, "regime": reg, "regime_line": summary.regime_line(seed, reg)}
     if regime_only:
         return dict(out, stages=done, results=early, rows=dict(st.rows))
+    run(st.merges())
     run(st.selection())
     selection = selection_of(st, s.merges)
     best = min(selection, key=selection.get)
@@ -251,7 +254,7 @@ def bench(s: Settings, out: Path, cache: Path, sources: Path, command: str, regi
 
 # ---------------------------------------------------------------------------------------------- --plan
 
-def plan(s: Settings, cache: Path, sources: Path, reports: list[Path]) -> dict:
+def plan(s: Settings, cache: Path, sources: Path, reports: list[Path], regime_only: bool = False) -> dict:
     """Every stage's command and estimated time, without running any. With the base GGUF already in the cache
     (or --tiny) the commands are exact (data files written, keys final); otherwise their paths hold <...>."""
     rates = estimates.load_rates(s.model, s.tiny, reports)
@@ -276,19 +279,29 @@ def plan(s: Settings, cache: Path, sources: Path, reports: list[Path]) -> dict:
             records = {d: {"cached": False} for d in s.domains}
         base_ckpt = cache / "base" / f"base-{base_sha[:12]}" if exact else cache / "base" / "base-<sha>"
         st = SeedStages(s, SeedInputs(seed, gguf_shown, base_ckpt, experts, files, s.base_from_gguf), cache, rates)
-        listed = st.early() + st.selection() + st.calibrations()
-        listed.append(st.best(next((m for m in s.merges if m != summary.REFERENCE), summary.REFERENCE)))
-        listed = list({x.name: x for x in listed + st.late_evals()}.values())
+        listed, chosen, best = st.early(), False, None
+        if not regime_only:
+            listed += st.merges() + st.selection() + st.calibrations()
+            chosen = all(st.stages[f"select:{m}"].done for m in s.merges)
+            if chosen:  # the selection already ran: its choice
+                selection = selection_of(st, s.merges)
+                best = min(selection, key=selection.get)
+            else:  # an upper bound: the first merge after TA (no extra stage when TA is chosen)
+                best = next((m for m in s.merges if m != summary.REFERENCE), summary.REFERENCE)
+            listed.append(st.best(best))
+            listed = list({x.name: x for x in listed + st.late_evals()}.values())
         train = sum(0.0 if records[d].get("cached") else train_s for d in s.domains)
         stages = [{"name": x.name, "command": x.command, "estimate_s": round(x.estimate_s), "cached": x.done}
                   for x in listed]
         seconds = train + sum(x["estimate_s"] for x in stages if not x["cached"])
-        seeds.append({"seed": seed, "train_estimate_s": round(train), "stages": stages, "estimate_s": round(seconds)})
+        seeds.append({"seed": seed, "train_estimate_s": round(train), "stages": stages, "estimate_s": round(seconds),
+                      "best_merge": best if chosen else None})
         total += seconds
     return {"settings": asdict(s), "exact_commands": exact, "rates": asdict(rates), "train_s_per_expert": round(train_s),
             "seeds": seeds, "estimate_s": round(total),
-            "note": "the best merge's --tune stage is listed as that of the first merge after TA (an upper bound: "
-                    "it is no extra stage when TA is chosen); estimates are rough: see rates.source"}
+            "note": "until a seed's selection has run, its best merge's --tune stage is listed as that of the first "
+                    "merge after TA (an upper bound: it is no extra stage when TA is chosen); estimates are rough: see "
+                    "rates.source"}
 
 
 def plan_text(p: dict) -> str:
@@ -296,8 +309,9 @@ def plan_text(p: dict) -> str:
              f"# rates: {p['rates']['source']}",
              f"# each expert: ~{p['train_s_per_expert']} s of training"]
     for seed in p["seeds"]:
+        best = f"best merge {seed['best_merge']}" if seed["best_merge"] else "no best merge chosen yet"
         lines.append(f"## seed {seed['seed']}: ~{seed['estimate_s'] / 3600:.1f} h "
-                     f"(experts ~{seed['train_estimate_s'] / 60:.0f} min)")
+                     f"(experts ~{seed['train_estimate_s'] / 60:.0f} min; {best})")
         for st in seed["stages"]:
             mark = "cached" if st["cached"] else f"~{st['estimate_s']:>6} s"
             lines.append(f"{mark:>10}  {st['name']}\n            {st['command']}")
@@ -428,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     reports = a.timings or sorted(Path("runs").glob("*/bench.json")) + [out / "bench.json"]
     if a.plan:
-        print(plan_text(plan(s, cache, a.sources, reports)))
+        print(plan_text(plan(s, cache, a.sources, reports, a.regime_only)))
         return 0
     command = "python benchmarks/decoder_bench.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     result = bench(s, out, cache, a.sources, command.strip(), a.regime_only, reports)

