@@ -55,7 +55,7 @@ from decoderbench import estimates, report, summary  # noqa: E402
 from decoderbench.pipeline import SeedInputs, SeedStages  # noqa: E402
 from decoderbench.settings import MODEL_DEFAULTS, MODELS, TINY, Settings  # noqa: E402
 from decoderbench.sources import DOMAINS, base_gguf, base_source, domain_docs, gemma3_gguf, log, sha256  # noqa: E402, F401
-from decoderbench.stages import RUNNERS, Stage, eval_rows, run_stage  # noqa: E402
+from decoderbench.stages import RUNNERS, Stage, eval_rows, is_pruned, prune, run_stage, unprune  # noqa: E402
 from decoderbench.tiny import write_tiny_gguf  # noqa: E402
 from decoderbench.training import (  # noqa: E402, F401
     base_checkpoint,
@@ -178,6 +178,12 @@ def run_seed(s: Settings, seed: int, inputs: SeedInputs, cache: Path, rates, reg
         for stage in stages:
             if any(x["name"] == stage.name for x in done):
                 continue  # the best merge's stage when that merge is TA: it ran already
+            producer = st.stages.get(stage.reads) if stage.reads else None
+            if producer is not None and not stage.done and is_pruned(producer):
+                log(f"{producer.name}: its weights were pruned and {stage.name} is not done: calibrating again")
+                unprune(producer)
+                done[:] = [x for x in done if x["name"] != producer.name]
+                run([producer])
             info = run_stage(stage, s.runner, s.threads, log)
             info["units"] = stage.units
             done.append(info)
@@ -200,8 +206,16 @@ def run_seed(s: Settings, seed: int, inputs: SeedInputs, cache: Path, rates, reg
     run(st.late_evals())
     results = results_of(st)
     seed_summary = summary.seed_summary(results, s.domains)
+    freed = 0
+    if not s.keep_models:  # a calibrated model is read by its own evaluation only, which is done
+        for stage in st.stages.values():
+            if stage.kind == "calibrate" and not is_pruned(stage):
+                freed += prune(stage)
+        if freed:
+            log(f"seed {seed}: pruned the calibrated models' weights ({freed / 2**30:.2f} GiB; --keep-models keeps them)")
     return dict(out, stages=done, results=results, rows=dict(st.rows), models={r: st.model_of[r] for r in st.model_of},
-                selection={"loss": selection, "best": best}, summary=dict(seed_summary, seed=seed))
+                selection={"loss": selection, "best": best}, summary=dict(seed_summary, seed=seed),
+                pruned_bytes=freed)
 
 
 # ---------------------------------------------------------------------------------------------- the run
@@ -418,6 +432,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--base-from-gguf", action="store_true", default=None,
                    help="give featcal merge / calibrate the .gguf itself as --base (each process dequantises it) "
                         "instead of its safetensors copy; RegMean always gets the copy")
+    p.add_argument("--keep-models", action="store_true", default=None,
+                   help="keep the calibrated checkpoints' weights (default: pruned once evaluated, to bound the disk "
+                        "a multi-seed run takes; merges and experts are always kept)")
     p.add_argument("--runner", choices=RUNNERS, default=None,
                    help="each stage a fresh featcal process (default; its own time and peak RSS) or in-process "
                         "(default with --tiny)")

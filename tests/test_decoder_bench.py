@@ -11,6 +11,7 @@ recomputed here from the eval.json of each row's own `featcal eval` stage.
 import importlib.util
 import json
 import math
+import shutil
 import statistics
 import subprocess
 import sys
@@ -276,11 +277,12 @@ def test_tiny_figures_are_recomputed_from_the_eval_json_rows(tiny):
     assert "## The issue's goals" in md and r["goals"]["regime"]["met"] == all(s["regime"]["holds"] for s in r["seeds"])
 
 
-def test_tiny_gemma3_regime_only_then_resume_then_plan(tmp_path):
+def test_tiny_gemma3_regime_only_then_resume_plan_and_pruned_model(tmp_path):
     """--model gemma3 --tiny (a random Gemma3ForCausalLM, 5 sliding-window blocks + 1 global, window 16 < 32
     tokens, written as a gemma3 GGUF with a sentencepiece vocabulary, whose tokenizer starts a text with <bos>):
-    --regime-only stops after the regime check; the full run then finds those stages cached and runs the
-    rest; --plan then lists every stage as cached, with the same commands."""
+    --regime-only stops after the regime check; the full run finds those stages cached and runs the rest,
+    pruning the calibrated weights once evaluated; with one evaluation lost, --plan lists only it as to run,
+    and the next run calibrates that model again (its weights were pruned) and gets the same figures."""
     _need_sources()
     out, cache = tmp_path / "out", tmp_path / "cache"
     args = ["--model", "gemma3", "--tiny", "--seeds", "0", "--domains", "python,french", "--steps", "4",
@@ -303,13 +305,24 @@ def test_tiny_gemma3_regime_only_then_resume_then_plan(tmp_path):
     full = json.loads((out / "bench.json").read_text())
     stages = {st["name"]: st for st in full["seeds"][0]["stages"]}
     assert all(stages[n]["cached"] for n in ("merge:task_arithmetic", "eval:base", "eval:experts"))
-    assert not stages["merge:ties"]["cached"]
     assert all(e["cached"] for e in full["seeds"][0]["experts"].values())
-    assert not stages["calibrate:ties+featcal@4"]["cached"] and stages["calibrate:ties+featcal@4"]["blocks_calibrated"] == 6
+    assert not stages["merge:ties"]["cached"] and not stages["calibrate:ties+featcal@4"]["cached"]
+    assert stages["calibrate:ties+featcal@4"]["blocks_calibrated"] == 6
     assert full["seeds"][0]["results"]["base"] == seed["results"]["base"]
+    calibrated = Path(stages["calibrate:ties+featcal@4"]["out"])
+    assert full["seeds"][0]["pruned_bytes"] > 0 and not list(calibrated.glob("*.safetensors"))
+    assert list(Path(stages["merge:ties"]["out"]).glob("*.safetensors"))  # merges stay: calibrations read them
 
+    lost = Path(stages["eval:ties+featcal@4"]["out"])
+    shutil.rmtree(lost)
     plan = _run(*args, "--plan").stdout
-    listed = [line.split()[1] for line in plan.splitlines() if line.startswith(" ") and not line.startswith("      ")]
-    assert set(listed) == set(stages) and all(line.split()[0] == "cached" for line in plan.splitlines()
-                                              if line.startswith(" ") and not line.startswith("      "))
-    assert all(st["command"] in plan for st in stages.values())
+    marks = {line.split()[-1]: line.split()[0] for line in plan.splitlines()
+             if line.startswith(" ") and not line.startswith("      ")}
+    assert set(marks) == set(stages) and all(st["command"] in plan for st in stages.values())
+    assert {n for n, m in marks.items() if m != "cached"} == {"eval:ties+featcal@4"}
+
+    _run(*args)
+    again = json.loads((out / "bench.json").read_text())
+    restaged = {st["name"]: st for st in again["seeds"][0]["stages"]}
+    assert {n for n, st in restaged.items() if not st["cached"]} == {"calibrate:ties+featcal@4", "eval:ties+featcal@4"}
+    assert again["seeds"][0]["results"] == full["seeds"][0]["results"]  # the same inputs give the same figures

@@ -113,7 +113,7 @@ class SeedStages:
         return stage
 
     def evaluate(self, row: str, role: str, path: str | Path | None = None, part: str = "test",
-                 name: str | None = None) -> Stage:
+                 name: str | None = None, reads: str | None = None) -> Stage:
         """`featcal eval` of one model (`role`: base, merged, calibrated; expert: all experts) on a part's windows;
         `name`: the model's own name where the row is an alias (the best merge's row)."""
         s, i = self.s, self.inputs
@@ -128,7 +128,7 @@ class SeedStages:
         kind, tag = ("eval", "eval") if part == "test" else ("select", "select")
         stage = Stage(f"{tag}:{name or row}", kind, ["eval", *models, *_tasks(i, part), "--max-length", str(s.seq_len),
                                               "--batch-size", str(s.eval_batch)], self.cache, estimate,
-                      {"tokens": self._tokens(windows, 1 if role == "expert" else None)})
+                      {"tokens": self._tokens(windows, 1 if role == "expert" else None)}, reads)
         stage = self.add(stage)
         if part == "test":
             self.rows[row] = stage.name
@@ -137,7 +137,7 @@ class SeedStages:
     def evaluate_model(self, row: str) -> Stage:
         producer = self.stages[self.model_of[row]]
         return self.evaluate(row, "merged" if producer.kind == "merge" else "calibrated", producer.out,
-                             name=producer.name.split(":", 1)[1])
+                             name=producer.name.split(":", 1)[1], reads=producer.name)
 
     def early(self) -> list[Stage]:
         """What the regime check needs: the TA merge, and base, experts and TA scored."""

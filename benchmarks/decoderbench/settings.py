@@ -37,6 +37,7 @@ class Settings:
     curve: tuple[str, ...] = ("featcal", "featcal_tuned")  # TA + these at every calib size
     tune_every_merge: bool = False  # also --tune on TIES, RegMean and WUDI at the main size
     tune_budget: float | None = None  # None: featcal's default
+    keep_models: bool = False  # else a calibrated checkpoint's weights are deleted once it is evaluated
     base_from_gguf: bool = False  # merges and calibrations read the .gguf (else its safetensors copy)
     threads: int = 2
     runner: str = "subprocess"  # each stage a fresh `featcal` process (its own time and peak RSS), or in-process

@@ -2,10 +2,15 @@
 
 A stage is a `featcal` command line. Its output folder is named by a hash of its arguments (the paths in
 them already name what they hold: experts and data files by their own keys or content hashes, models by
-the key of the stage that wrote them) and of featcal's version, so a rerun finds every finished stage
-and a killed run resumes at the first unfinished one. featcal writes its outputs atomically, so a folder
-that exists is complete. Beside it, `<folder>.stage.json` keeps what the bench measured when the stage
-ran (wall seconds, the runner, featcal's source digest), so a cached stage still reports its own cost.
+the key of the stage that wrote them) and of featcal's own source files, so a rerun under the same code
+finds every finished stage and a killed run resumes at the first unfinished one, while a change to
+featcal recomputes what it could change. featcal writes its outputs atomically, so a folder that exists
+is complete. Beside it, `<folder>.stage.json` keeps what the bench measured when the stage ran (wall
+seconds, the runner), so a cached stage still reports its own cost.
+
+Disk: a calibrated checkpoint is needed only by its own evaluation, so once that is done its weights can
+be pruned (`prune`: the *.safetensors files go, featcal.json and a PRUNED.json marker stay); a pruned
+model whose evaluation is missing is calibrated again (`unprune`).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-FEATCAL_JSON, EVAL_JSON = "featcal.json", "eval.json"
+FEATCAL_JSON, EVAL_JSON, PRUNED = "featcal.json", "eval.json", "PRUNED.json"
 RUNNERS = ("subprocess", "inprocess")
 
 
@@ -36,11 +41,10 @@ class Stage:
     cache: Path
     estimate_s: float = 0.0
     units: dict = field(default_factory=dict)  # what the time estimate is made of (windows, tokens, ...)
+    reads: str | None = None  # an eval: the name of the stage whose model it scores
 
     def __post_init__(self) -> None:
-        from featcal import __version__
-
-        self.key = hashlib.sha256(json.dumps([self.args, __version__]).encode()).hexdigest()[:12]
+        self.key = hashlib.sha256(json.dumps([self.args, featcal_source_digest()]).encode()).hexdigest()[:12]
         slug = self.name.split(":", 1)[1].replace("+", "_").replace("@", "_")
         self.out = self.cache / {"select": "eval"}.get(self.kind, self.kind) / f"{slug}-{self.key}"
 
@@ -108,8 +112,7 @@ def run_stage(stage: Stage, runner: str, threads: int, log) -> dict:
     if rc != 0 or not stage.done:
         sys.stderr.write(tail)
         raise SystemExit(f"failed ({rc}): {stage.command}")
-    record = {"wall_seconds": wall, "runner": runner, "threads": threads, "featcal_source": featcal_source_digest(),
-              "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    record = {"wall_seconds": wall, "runner": runner, "threads": threads, "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}
     stage.record_path.write_text(json.dumps(record, indent=1) + "\n")
     return _info(stage, record, cached=False)
 
@@ -118,14 +121,39 @@ def _info(stage: Stage, record: dict, cached: bool) -> dict:
     report = json.loads(stage.report_path.read_text())
     info = {"name": stage.name, "kind": stage.kind, "command": stage.command, "out": str(stage.out),
             "cached": cached, "wall_seconds": record.get("wall_seconds"), "runner": record.get("runner"),
-            "featcal_source": record.get("featcal_source"), "seconds": report.get("seconds"),
+            "seconds": report.get("seconds"),
             "peak_rss_mb": report.get("peak_rss_mb"), "estimate_s": round(stage.estimate_s)}
     if report.get("drift"):  # calibration: feature drift from the experts, by block, before -> after
         info["blocks_calibrated"] = len(report["drift"])
         info["end_to_end_drift"] = report.get("end_to_end_drift")
     if report.get("tuning"):
         info["tuning_chosen"] = report["tuning"].get("chosen")
+    if (stage.out / PRUNED).is_file():
+        info["pruned"] = True
     return info
+
+
+def is_pruned(stage: Stage) -> bool:
+    return (stage.out / PRUNED).is_file()
+
+
+def prune(stage: Stage) -> int:
+    """Delete the stage's weights (*.safetensors), keeping its reports and a PRUNED.json marker; bytes freed."""
+    files = sorted(stage.out.glob("*.safetensors"))
+    freed = sum(f.stat().st_size for f in files)
+    (stage.out / PRUNED).write_text(json.dumps({"removed": [f.name for f in files], "bytes": freed,
+                                                "why": "its evaluation is done; rerun the stage to get it back"}) + "\n")
+    for f in files:
+        f.unlink()
+    return freed
+
+
+def unprune(stage: Stage) -> None:
+    """Forget a pruned stage (its folder and record, the bench's own cache), so that it runs again."""
+    import shutil
+
+    shutil.rmtree(stage.out)
+    stage.record_path.unlink(missing_ok=True)
 
 
 def eval_rows(stage: Stage) -> dict[str, dict[str, dict[str, float]]]:
