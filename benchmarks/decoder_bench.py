@@ -55,7 +55,16 @@ from decoderbench import estimates, report, summary  # noqa: E402
 from decoderbench.pipeline import SeedInputs, SeedStages  # noqa: E402
 from decoderbench.settings import MODEL_DEFAULTS, MODELS, TINY, Settings  # noqa: E402
 from decoderbench.sources import DOMAINS, base_gguf, base_source, domain_docs, gemma3_gguf, log, sha256  # noqa: E402, F401
-from decoderbench.stages import RUNNERS, Stage, eval_rows, is_pruned, prune, run_stage, unprune  # noqa: E402
+from decoderbench.stages import (  # noqa: E402
+    RUNNERS,
+    Stage,
+    eval_rows,
+    featcal_source_digest,
+    is_pruned,
+    prune,
+    run_stage,
+    unprune,
+)
 from decoderbench.tiny import write_tiny_gguf  # noqa: E402
 from decoderbench.training import (  # noqa: E402, F401
     base_checkpoint,
@@ -172,7 +181,7 @@ def selection_of(st: SeedStages, merges) -> dict:
 
 def run_seed(s: Settings, seed: int, inputs: SeedInputs, cache: Path, rates, regime_only: bool) -> dict:
     st = SeedStages(s, inputs, cache, rates)
-    done = []
+    done, freed = [], []
 
     def run(stages: list[Stage]) -> None:
         for stage in stages:
@@ -187,6 +196,8 @@ def run_seed(s: Settings, seed: int, inputs: SeedInputs, cache: Path, rates, reg
             info = run_stage(stage, s.runner, s.threads, log)
             info["units"] = stage.units
             done.append(info)
+            if producer is not None and producer.kind == "calibrate" and not s.keep_models and not is_pruned(producer):
+                freed.append(prune(producer))  # its one reader is done: its weights only take disk now
 
     run(st.early())
     early = results_of(st)
@@ -206,16 +217,12 @@ def run_seed(s: Settings, seed: int, inputs: SeedInputs, cache: Path, rates, reg
     run(st.late_evals())
     results = results_of(st)
     seed_summary = summary.seed_summary(results, s.domains)
-    freed = 0
-    if not s.keep_models:  # a calibrated model is read by its own evaluation only, which is done
-        for stage in st.stages.values():
-            if stage.kind == "calibrate" and not is_pruned(stage):
-                freed += prune(stage)
-        if freed:
-            log(f"seed {seed}: pruned the calibrated models' weights ({freed / 2**30:.2f} GiB; --keep-models keeps them)")
+    if freed:
+        log(f"seed {seed}: pruned the calibrated models' weights once evaluated ({sum(freed) / 2**30:.2f} GiB; "
+            "--keep-models keeps them)")
     return dict(out, stages=done, results=results, rows=dict(st.rows), models={r: st.model_of[r] for r in st.model_of},
                 selection={"loss": selection, "best": best}, summary=dict(seed_summary, seed=seed),
-                pruned_bytes=freed)
+                pruned_bytes=sum(freed))
 
 
 # ---------------------------------------------------------------------------------------------- the run
@@ -255,7 +262,7 @@ def bench(s: Settings, out: Path, cache: Path, sources: Path, command: str, regi
                  "start_tokens": start_tokens(tok),
                  "source": f"random tiny {type(base).__name__} written as GGUF" if s.tiny else base_source(s.model)},
         "python_stdlib": {"path": sysconfig.get_paths()["stdlib"], "version": platform.python_version()},
-        "data_version": DATA_VERSION, "seeds": seeds,
+        "data_version": DATA_VERSION, "featcal_source": featcal_source_digest(), "seeds": seeds,
         "environment": {"threads": s.threads, "runner": s.runner, "cpus": os.cpu_count(),
                         "load_average_start": load_start, "load_average_end": load_average(),
                         "versions": versions()},

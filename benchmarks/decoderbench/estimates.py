@@ -90,8 +90,9 @@ def _new_format(report: dict) -> dict:
             if st["kind"] == "calibrate" and not u.get("tune") and isinstance(secs, dict) and secs.get("calibrate"):
                 out["calib_s_per_window"] = secs["calibrate"] / u["windows"]
                 out["calib_overhead_s"] = max(0.0, wall - secs["calibrate"])
-            elif st["kind"] == "eval" and u.get("tokens") and st["name"] != "eval:experts":
-                out["eval_s_per_token"] = wall / u["tokens"]
+            elif st["kind"] == "eval" and u.get("tokens") and st["name"] != "eval:experts" and secs:
+                out["eval_s_per_token"] = secs / u["tokens"]  # eval.json's seconds: the scoring
+                out["eval_overhead_s"] = max(0.0, wall - secs)
             elif st["name"] == "merge:task_arithmetic":
                 out["merge_s"] = wall
             elif st["name"] == "merge:ties":

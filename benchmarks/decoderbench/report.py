@@ -61,15 +61,18 @@ def _header(r: dict) -> list[str]:
     title = f"tiny {TINY_CLASS[arch]}" if s["tiny"] else MODEL_TITLES[model]
     env = r["environment"]
     return [f"# Decoder benchmark ({title})", "", f"Produced by: `{r['command']}`", "",
-            f"Base: {b['source']} ({b['layers']} blocks, width {b['hidden']}), read with featcal.io.gguf; scored "
-            f"by `featcal eval` from a safetensors copy of the same dequantised weights ({b['checkpoint_for_eval']}). "
+            f"Base: {b['source']} ({b['layers']} blocks, width {b['hidden']}), read with featcal.io.gguf and saved "
+            f"once as safetensors ({b['checkpoint_for_eval']}): `featcal eval` scores that copy, and "
+            + ("merges and calibrations get the .gguf itself as --base (RegMean the copy). " if s.get("base_from_gguf")
+               else "every merge and calibration gets it as --base. ") +
             f"Experts: {s['steps']} steps of {s['batch_size']} x {s['seq_len']} tokens, last {s['train_layers']} "
             f"blocks trained, lr {s['lr']}. Windows of {s['seq_len']} tokens, each starting with the tokenizer's "
             f"start tokens {b['start_tokens']}: {s['eval_windows']} test and {s['select_windows']} selection windows "
             f"per domain; calibration at {', '.join(map(str, s['calib_sizes']))} windows per domain (every merge at "
             f"{s['main_size']}). Seeds {', '.join(map(str, s['seeds']))}. TA {s['ta_scaling']}, TIES density "
             f"{s['ties_density']} scaling {s['ties_scaling']}, RegMean on {s['main_size']} windows per domain, WUDI "
-            f"and FeatCal at their defaults. {s['threads']} threads, stages run {env['runner']}; load average "
+            f"{s.get('wudi_steps') or 300} Adam steps, FeatCal's own defaults (--tune budget "
+            f"{s.get('tune_budget') or 'featcal default'}); featcal source {r.get('featcal_source')}. {s['threads']} threads, stages run {env['runner']}; load average "
             f"at start / end {env['load_average_start']} / {env['load_average_end']} ({env['cpus']} CPUs). "
             f"Total {r['total_seconds']} s.", ""]
 
