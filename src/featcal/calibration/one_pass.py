@@ -82,7 +82,7 @@ def calibrate_block(engine: Any, stack: Stack, layer: int, n_blocks: int, stages
     drift after on every batch), both reduced over the ranks.
     """
     if greenlet is None:
-        raise FeatCalError("block_statistics sequential_one_pass needs the 'greenlet' package: pip install greenlet")
+        raise FeatCalError("block_statistics sequential_one_pass needs greenlet: pip install 'featcal[one-pass]'")
     bar.total = sum(len(engine._batches(t)) for t in engine.tasks) * (len(stages) + 1)
     bar.refresh()
     block_m = stack.blocks(engine.merged)[layer]
