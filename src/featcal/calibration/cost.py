@@ -3,7 +3,8 @@
 The counts follow the engine (engine.py) for `block_statistics` "as_merged", the default: per block and task,
 every batch of the task runs through the expert's block (its statistics recorded), through the merged block as
 merged (the merged statistics folded in), and through the calibrated block (propagation); one batch per task
-also runs through the block as merged on the reference chain (the end-to-end drift). Then each task's sums
+also runs through the block as merged on the reference chain (the end-to-end drift), and one batch through the
+whole merged model once, before the first block (the check that blocks replay as the model calls them). Then each task's sums
 are folded into the float64 cross-task sums (an in×in×out product per Linear) and every Linear is solved
 (a Cholesky factor of its in×in system and two triangular solves against its out right-hand sides).
 "sequential" runs the merged block once more per stage (an upper bound is counted: whole forwards);
@@ -75,7 +76,7 @@ class BlockCounts:
     tokens: int  # token positions per side: tasks × examples × tokens per example
     batches: int  # batches over all tasks (block forwards of each kind below run on every one)
     expert_forwards: int  # batch forwards of the expert block
-    merged_forwards: int  # batch forwards of the merged block as merged (statistics), the reference's included
+    merged_forwards: int  # batch forwards of the merged block as merged: statistics, reference, context check
     calibrated_forwards: int  # batch forwards of the calibrated block (propagation)
     linear_solves: int
     norm_solves: int
@@ -138,8 +139,10 @@ def block_counts(stack, block, *, tasks: int, config: FeatCalConfig, file_bytes:
     stages = len(groups) + len(block.norm_channels)
     merged_passes = {"as_merged": 1, "sequential": stages, "sequential_one_pass": 1}[mode]
     calibrated = 0 if mode == "sequential_one_pass" else batches  # one pass: the propagation is the same forward
-    reference = tasks * min(bs, n) * stack.tokens  # one batch per task as merged (end-to-end drift)
-    forward_macs = fwd * (tokens * (1 + merged_passes) + (tokens if calibrated else 0) + reference)
+    # as merged, outside the statistics: one batch per task on the reference chain (the end-to-end drift), and
+    # one batch through the whole model at the start (engine.check_context_replay)
+    extra = (tasks + 1) * min(bs, n) * stack.tokens
+    forward_macs = fwd * (tokens * (1 + merged_passes) + (tokens if calibrated else 0) + extra)
     fold = tasks * sum(i * i * o for _, i, o in block.linears) if config.teacher_interp_alpha < 1 else 0
     solve = sum(i ** 3 // 6 + i * i * o for _, i, o in block.linears)
     widest = max(((i, o) for _, i, o in block.linears), key=lambda x: x[0] * x[0] * x[1], default=(0, 0))
@@ -153,7 +156,7 @@ def block_counts(stack, block, *, tasks: int, config: FeatCalConfig, file_bytes:
         moved = 5 * entry + 4 * block.param_count * 4 + tasks * block.param_count * 4
     return BlockCounts(
         stack=stack.name, tokens=tokens, batches=batches, expert_forwards=batches,
-        merged_forwards=batches * merged_passes + tasks, calibrated_forwards=calibrated,
+        merged_forwards=batches * merged_passes + tasks + 1, calibrated_forwards=calibrated,
         linear_solves=len(block.linears), norm_solves=len(block.norm_channels), largest_system=widest,
         forward_macs=forward_macs, statistics_macs=stats * tokens, fold_macs=fold, solve_macs=solve,
         read_bytes=read, moved_bytes=moved,
