@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 
 from featcal.blocks.grams import gram_chunks
 from featcal.calibration.chains import DTYPES
+from featcal.calibration.engine import TEACHER_FORM_TOKENS_PER_INPUT
 from featcal.config import FeatCalConfig
 
 _OUTPUT_PROJECTIONS = {"out_proj", "o_proj", "o", "wo"}  # read the attention output, not the block input
@@ -82,7 +83,7 @@ class BlockCounts:
     norm_solves: int
     largest_system: tuple[int, int]  # (in, out) of the widest Linear solve
     forward_macs: int  # all three sides' forwards
-    statistics_macs: int  # Grams and cross moments (float32)
+    statistics_macs: int  # Grams and cross moments (float32), with the teacher form's products where taken
     fold_macs: int  # float64: each task's sums folded into the cross-task sums
     solve_macs: int  # float64: Cholesky factors and triangular solves
     read_bytes: int  # expert and base block weights read from their files
@@ -129,7 +130,8 @@ def token_macs(block, tokens: int, hidden: int) -> tuple[int, int]:
 def block_counts(stack, block, *, tasks: int, config: FeatCalConfig, file_bytes: int = 4) -> BlockCounts:
     """The counts of one block (`stack`: planner.StackShape, `block`: planner.BlockShape) of a run of `tasks`
     tasks at `config`; `file_bytes`: bytes per parameter in the experts' and the base's files."""
-    n, bs = config.num_calibration_examples, config.calibration_batch_size
+    n = config.num_calibration_examples
+    bs = min(config.calibration_batch_size, n)
     per_task = math.ceil(n / bs)
     batches = tasks * per_task
     tokens = tasks * n * stack.tokens
@@ -141,9 +143,9 @@ def block_counts(stack, block, *, tasks: int, config: FeatCalConfig, file_bytes:
     calibrated = 0 if mode == "sequential_one_pass" else batches  # one pass: the propagation is the same forward
     # as merged, outside the statistics: one batch per task on the reference chain (the end-to-end drift), and
     # one batch through the whole model at the start (engine.check_context_replay)
-    extra = (tasks + 1) * min(bs, n) * stack.tokens
+    extra = (tasks + 1) * bs * stack.tokens
     forward_macs = fwd * (tokens * (1 + merged_passes) + (tokens if calibrated else 0) + extra)
-    fold = tasks * sum(i * i * o for _, i, o in block.linears) if config.teacher_interp_alpha < 1 else 0
+    fold, teacher = _fold_macs(groups, n * stack.tokens, config.teacher_interp_alpha)
     solve = sum(i ** 3 // 6 + i * i * o for _, i, o in block.linears)
     widest = max(((i, o) for _, i, o in block.linears), key=lambda x: x[0] * x[0] * x[1], default=(0, 0))
     read = (tasks + 1) * block.param_count * file_bytes  # each expert's block, and the base's anchors
@@ -158,9 +160,28 @@ def block_counts(stack, block, *, tasks: int, config: FeatCalConfig, file_bytes:
         stack=stack.name, tokens=tokens, batches=batches, expert_forwards=batches,
         merged_forwards=batches * merged_passes + tasks + 1, calibrated_forwards=calibrated,
         linear_solves=len(block.linears), norm_solves=len(block.norm_channels), largest_system=widest,
-        forward_macs=forward_macs, statistics_macs=stats * tokens, fold_macs=fold, solve_macs=solve,
-        read_bytes=read, moved_bytes=moved,
+        forward_macs=forward_macs, statistics_macs=(stats + teacher) * tokens, fold_macs=tasks * fold,
+        solve_macs=solve, read_bytes=read, moved_bytes=moved,
     )
+
+
+def _fold_macs(groups, task_tokens: int, alpha: float) -> tuple[int, int]:
+    """(float64 multiply-accumulates folding one task in, float32 ones per token the teacher form adds to the pass).
+
+    As statistics.NormalisedSums.add_task and engine._teacher_form do it: a "cross" group (input narrower than
+    its outputs together) forms its target as an in×in×out product per member; an "output" group needs that
+    product only to blend in (1 − α)·C_t W_tᵀ, and takes the teacher form instead (W_t x~ summed in the pass,
+    in·out per token) when the task has fewer tokens than the group's input width."""
+    fold = teacher = 0
+    for (_, i), members in groups.items():
+        outs = sum(o for _, _, o in members)
+        if i < outs:  # cross form
+            fold += sum(i * i * o for _, _, o in members)
+        elif alpha < 1 and task_tokens * TEACHER_FORM_TOKENS_PER_INPUT < i:
+            teacher += sum(i * o for _, _, o in members)
+        elif alpha < 1:
+            fold += sum(i * i * o for _, _, o in members)
+    return fold, teacher
 
 
 def run_counts(shape, *, tasks: int, config: FeatCalConfig, file_bytes: int = 4) -> list[BlockCounts]:

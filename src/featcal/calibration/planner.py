@@ -220,7 +220,8 @@ def _statistics_bytes(block: BlockShape) -> tuple[int, str]:
 
 def estimate(shape: ModelShape, *, tasks: int, config: FeatCalConfig, baseline_bytes: int, world: int = 1) -> MemoryPlan:
     """The peak-memory breakdown of one rank (see the module docstring); pure arithmetic."""
-    n, bs = config.num_calibration_examples, config.calibration_batch_size
+    n = config.num_calibration_examples
+    bs = min(config.calibration_batch_size, n)  # a batch holds at most a task's examples
     batches = math.ceil(n / bs)
     local = min(n, math.ceil(batches / world) * bs)  # examples per task on the busiest rank
     model = shape.param_count * 4
@@ -312,7 +313,8 @@ def _offloaded(shape: ModelShape, *, tasks: int, config: FeatCalConfig, baseline
                chains_all: int, settings: dict, paused: list[Component]) -> MemoryPlan:
     """The --offload-blocks plan: host lines as without offloading less the per-block transients, which
     move to the device; device lines per phase (capture, block), of which the larger is the peak."""
-    n, bs = config.num_calibration_examples, config.calibration_batch_size
+    n = config.num_calibration_examples
+    bs = min(config.calibration_batch_size, n)
     model = shape.param_count * 4
     chain_b = DTYPES[config.chain_dtype].itemsize
     s0 = max(shape.stacks, key=lambda s: s.tokens * s.hidden)
@@ -358,8 +360,9 @@ def alternatives(shape: ModelShape, *, tasks: int, config: FeatCalConfig, baseli
         out.append(("--chain-dtype bfloat16", plan(config.model_copy(update={"chain_dtype": "bfloat16"}))))
     if config.spill_dir is None:
         out.append(("--spill-dir DIR", plan(config.model_copy(update={"spill_dir": Path("DIR")}))))
-    if config.calibration_batch_size > 1:
-        half = max(1, config.calibration_batch_size // 2)
+    batch = min(config.calibration_batch_size, config.num_calibration_examples)
+    if batch > 1:
+        half = max(1, batch // 2)
         out.append((f"--calibration-batch-size {half}", plan(config.model_copy(update={"calibration_batch_size": half}))))
     out.append((f"torchrun --nproc-per-node {2 * world}", plan(config, 2 * world)))
     both = config.model_copy(update={"chain_dtype": "bfloat16", "spill_dir": config.spill_dir or Path("DIR")})
