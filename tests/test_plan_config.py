@@ -139,6 +139,10 @@ def test_resident_device_plan_puts_models_and_chains_on_the_device():
     assert device["merged model"] == device["expert template"] == cpu["merged model"]
     assert "expert block read" not in device  # read into the device template in place, tensor by tensor
     assert plan.device_total == sum(device.values())
+    options = dict(planner.alternatives(_shape(), tasks=4, config=cfg, baseline_bytes=0))
+    assert options["--offload-blocks"].device_total < plan.device_total  # offered where the models sit on a device
+    assert "--offload-blocks" not in dict(planner.alternatives(_shape(), tasks=4, config=cfg.model_copy(
+        update={"device": "cpu"}), baseline_bytes=0))
 
 
 def test_fit_takes_the_fastest_option_that_fits():

@@ -364,6 +364,8 @@ def alternatives(shape: ModelShape, *, tasks: int, config: FeatCalConfig, baseli
     if batch > 1:
         half = max(1, batch // 2)
         out.append((f"--calibration-batch-size {half}", plan(config.model_copy(update={"calibration_batch_size": half}))))
+    if on_accelerator(config.device) and not config.offload_blocks:
+        out.append(("--offload-blocks", plan(config.model_copy(update={"offload_blocks": True}))))
     out.append((f"torchrun --nproc-per-node {2 * world}", plan(config, 2 * world)))
     both = config.model_copy(update={"chain_dtype": "bfloat16", "spill_dir": config.spill_dir or Path("DIR")})
     out.append(("--chain-dtype bfloat16 --spill-dir DIR", plan(both)))
@@ -401,6 +403,9 @@ def render(plan: MemoryPlan, options: list[tuple[str, MemoryPlan]], max_memory: 
             elif options:
                 name, p = min(options, key=lambda x: x[1].total)
                 lines.append(f"no option fits; the smallest is {name} at {fmt(p.total)}")
+    elif plan.device_components:
+        lines.append("with memory options (host, device):")
+        lines += [f"  {name:<40} {fmt(p.total)}, {fmt(p.device_total)}" for name, p in options]
     else:
         lines.append("with memory options:")
         lines += [f"  {name:<40} {fmt(p.total)}" for name, p in options]
