@@ -468,7 +468,8 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=None, help="tokens per window (default 256; tiny 32)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--chains", default="float32,bfloat16", help="chain dtypes to calibrate with, in order")
+    p.add_argument("--chains", default="float32,bfloat16",
+                   help="chain dtypes to run featcal calibrate with, in order ('none': no calibrate run, e.g. with --compare)")
     p.add_argument("--compare", action="store_true", help="also: experts streamed from files vs in memory")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--api-run", default=None, help=argparse.SUPPRESS)
@@ -499,7 +500,8 @@ def main() -> int:
     merge = run(featcal("merge", *merge_args), args.threads, "merge")
     merge.pop("stdout")
     rates = gemm_rates(args.threads)
-    runs = [calibrate_run(args, work, dirs, data, chain, rates) for chain in args.chains.split(",")]
+    chains = [c for c in args.chains.split(",") if c and c != "none"]
+    runs = [calibrate_run(args, work, dirs, data, chain, rates) for chain in chains]
     acc = accounting(config, Path(dirs["base"]) / "model.safetensors")
     res = {
         "model": {"title": "tiny Llama (the 1B's architecture)" if args.tiny else "Llama-3.2-1B shape",

@@ -86,7 +86,7 @@ class BlockCounts:
     statistics_macs: int  # Grams and cross moments (float32), with the teacher form's products where taken
     fold_macs: int  # float64: each task's sums folded into the cross-task sums
     solve_macs: int  # float64: Cholesky factors and triangular solves
-    read_bytes: int  # expert and base block weights read from their files
+    read_bytes: int  # expert and base block weights read from their files; spilled chains read and written
     moved_bytes: int  # host <-> device (offload_blocks only)
 
     @property
@@ -149,10 +149,11 @@ def block_counts(stack, block, *, tasks: int, config: FeatCalConfig, file_bytes:
     solve = sum(i ** 3 // 6 + i * i * o for _, i, o in block.linears)
     widest = max(((i, o) for _, i, o in block.linears), key=lambda x: x[0] * x[0] * x[1], default=(0, 0))
     read = (tasks + 1) * block.param_count * file_bytes  # each expert's block, and the base's anchors
+    entry = tokens * stack.hidden * DTYPES[config.chain_dtype].itemsize  # one side's chains for this block
+    if config.spill_dir is not None:  # every chain entry read back and written again, both sides
+        read += 4 * entry
     moved = 0
     if config.offload_blocks:
-        chain = DTYPES[config.chain_dtype].itemsize
-        entry = tokens * stack.hidden * chain  # one side's chains for this block
         # expert chains in and out, merged chains in twice (statistics, propagation) and out once, and
         # both blocks there and back (float32), each expert's weights in
         moved = 5 * entry + 4 * block.param_count * 4 + tasks * block.param_count * 4

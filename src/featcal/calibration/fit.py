@@ -1,10 +1,12 @@
 """Which machine a calibration fits, with which memory options, and roughly how long it takes there.
 
 A target is a kind of machine: its device memory (none for the CPU), its host memory and its stated throughput
-(cost.py). For a target, the options are tried from the fastest to the most frugal: the models resident on the
-device, then offloaded block by block (--offload-blocks), float32 then bfloat16 chains, the chains spilled to
-disk, the batch halved; the first whose planned host and device peaks (planner.py) fit is the answer. On the
-CPU "offload" can only mean the disk: bfloat16 chains, then --spill-dir.
+(cost.py). The option sets, from the simplest: the models resident on the device, then offloaded block by block
+(--offload-blocks); within each, float32 chains, bfloat16 chains, the chains spilled to disk. Of those whose
+planned host and device peaks (planner.py) fit, the answer is the quickest by the time estimate (offloading moves
+every block and chain entry across the bus; spilled chains go through the disk), the simpler one when it is
+within 5 % of it. When none fits, the batch is halved on the most frugal set. On the CPU "offload" can only mean
+the disk: bfloat16 chains, then --spill-dir.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from featcal.io.models import load_config
 
 GiB = 2**30
 SPILL = Path("DIR")  # what the options name; a run picks its own folder
+QUICKER = 0.05  # a more intrusive option set is preferred only when its time estimate is at least this much lower
 
 
 @dataclass(frozen=True)
@@ -80,7 +83,7 @@ class Fit:
 
 
 def _candidates(config: FeatCalConfig, t: Target) -> list[tuple[str, FeatCalConfig]]:
-    """(flags, config) from the fastest to the most frugal; the user's own choices kept."""
+    """(flags, config) from the simplest to the most frugal; the user's own choices kept."""
     on_device = t.device != "cpu"
     base = config.model_copy(update={"device": t.device, "offload_blocks": config.offload_blocks and on_device})
     memory = [("", {})]
@@ -92,32 +95,43 @@ def _candidates(config: FeatCalConfig, t: Target) -> list[tuple[str, FeatCalConf
     out = []
     for offload in placements:
         for flags, update in memory:
-            words = f"{'--offload-blocks' if offload and not config.offload_blocks else ''} {flags}".strip()
-            out.append((words, base.model_copy(update={**update, "offload_blocks": offload})))
-    last_flags, last = out[-1]
-    bs = last.calibration_batch_size
-    while bs > 1:  # smaller batches: smaller activations
+            words = f"{'--offload-blocks' if offload and not config.offload_blocks else ''} {flags}".split()
+            out.append((" ".join(words), base.model_copy(update={**update, "offload_blocks": offload})))
+    return out
+
+
+def _smaller_batches(flags: str, config: FeatCalConfig) -> list[tuple[str, FeatCalConfig]]:
+    bs, out = min(config.calibration_batch_size, config.num_calibration_examples), []
+    while bs > 1:
         bs //= 2
-        out.append((f"{last_flags} --calibration-batch-size {bs}".strip(),
-                     last.model_copy(update={"calibration_batch_size": bs})))
+        out.append((f"{flags} --calibration-batch-size {bs}".strip(), config.model_copy(
+            update={"calibration_batch_size": bs})))
     return out
 
 
 def fit(shape: ModelShape, t: Target, *, tasks: int, config: FeatCalConfig, baseline_bytes: int,
         file_bytes: int = 4, world: int = 1) -> Fit:
-    """The first option set (fastest first) whose plan fits target `t`; else the most frugal one, not fitting."""
-    tried = None
-    for flags, cfg in _candidates(config, t):
+    """What fits target `t`: of the option sets that fit at the user's batch size, the quickest by the time estimate,
+    unless an earlier (simpler) one is within QUICKER of it; when none fits, the batch is halved on the most
+    frugal set until it fits (else that last try is returned, not fitting)."""
+    def attempt(flags: str, cfg: FeatCalConfig) -> Fit:
         plan = estimate(shape, tasks=tasks, config=cfg, baseline_bytes=baseline_bytes, world=world)
+        fits = plan.total <= t.host_bytes and (t.device_bytes is None or plan.device_total <= t.device_bytes)
         blocks = cost.run_counts(shape, tasks=tasks, config=cfg, file_bytes=file_bytes)
         time = cost.estimate_time(blocks, t.throughput, model_bytes=shape.param_count * file_bytes)
-        tried = Fit(t, flags or "(none)", cfg, plan, time, False)
-        host_ok = plan.total <= t.host_bytes
-        device_ok = t.device_bytes is None or plan.device_total <= t.device_bytes
-        if host_ok and device_ok:
-            return Fit(t, flags or "(none)", cfg, plan, time, True)
-    assert tried is not None
-    return tried
+        return Fit(t, flags or "(none)", cfg, plan, time, fits)
+
+    tried = [attempt(flags, cfg) for flags, cfg in _candidates(config, t)]
+    fitting = [f for f in tried if f.fits]
+    if fitting:
+        quickest = min(f.time.total_s for f in fitting)
+        return next(f for f in fitting if f.time.total_s <= quickest * (1 + QUICKER))
+    last = tried[-1]
+    for flags, cfg in _smaller_batches(last.options.replace("(none)", ""), last.config):
+        last = attempt(flags, cfg)
+        if last.fits:
+            break
+    return last
 
 
 def render_fits(fits: list[Fit]) -> str:
