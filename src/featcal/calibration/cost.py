@@ -44,6 +44,7 @@ class Throughput:
     read: float  # expert and base checkpoints read from disk
     link: float  # host <-> device copies (offloaded blocks and chains); unused on the CPU
     note: str
+    source: str = "stated"  # where the rates come from: "stated", or "measured" by a probe (time_estimate.py)
 
 
 THROUGHPUTS: dict[str, Throughput] = {
@@ -235,7 +236,7 @@ def _si(x: float, unit: str) -> str:
 def render_time(blocks: list[BlockCounts], est: TimeEstimate) -> str:
     """The per-block counts and the time, as `featcal plan` prints them."""
     tp = est.throughput
-    lines = [f"estimated time at stated throughput '{tp.name}' ({tp.note}): float32 {_si(tp.f32, 'FLOP/s')}, "
+    lines = [f"estimated time at {tp.source} throughput '{tp.name}' ({tp.note}): float32 {_si(tp.f32, 'FLOP/s')}, "
              f"float64 {_si(tp.f64, 'FLOP/s')}, reads {_si(tp.read, 'B/s')}"
              + (f", host<->device {_si(tp.link, 'B/s')}" if tp.link else "") + "; --flops / --flops64 to change"]
     for stack in dict.fromkeys(b.stack for b in blocks):

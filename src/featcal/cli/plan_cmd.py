@@ -90,6 +90,33 @@ def _rates(args: argparse.Namespace) -> None:
             raise ConfigError(f"--{flag} must be a positive number of FLOP/s, got {value}")
 
 
+def _time_source(args: argparse.Namespace, config: FeatCalConfig) -> bool:
+    """Whether the time comes from a measured probe of this machine: --time-from, by default a probe for a run on
+    this machine (checkpoints given, its device here, no --flops) and the stated throughput for --config."""
+    from featcal.calibration.time_estimate import can_probe
+
+    rates = [f"--{f}" for f in ("flops", "flops64") if getattr(args, f) is not None]
+    if args.time_from == "probe":
+        if rates:
+            raise ConfigError(f"--time-from probe measures the rates that {' and '.join(rates)} state: give one")
+        if not can_probe(config.device):
+            raise ConfigError(f"--time-from probe: device {config.device} is not on this machine to be measured; "
+                              "use --time-from stated (or --flops) to plan for it")
+        return True
+    if args.time_from == "stated":
+        return False
+    return args.config is None and not rates and can_probe(config.device)
+
+
+def _time(merged, tasks: int, config: FeatCalConfig, args: argparse.Namespace, measure: bool) -> str:
+    from featcal.calibration import cost
+    from featcal.calibration.time_estimate import time_report
+
+    stated = cost.with_rates(cost.throughput_for(config.device), args.flops, args.flops64)
+    return time_report(merged, tasks=tasks, config=config, max_length=args.max_length, measure=measure,
+                       throughput=stated)
+
+
 def run(args: argparse.Namespace) -> int:
     config = config_from_args(args, FeatCalConfig)
     _check_inputs(args)
@@ -98,9 +125,11 @@ def run(args: argparse.Namespace) -> int:
     from featcal.calibration.planner import parse_size, render
 
     limit = parse_size(args.max_memory) if args.max_memory is not None else None
+    measure = _time_source(args, config)
     if args.config is None:
         plan, options, merged = _plan(args, config, check_device=False)
         print(render(plan, options, limit))
+        print(_time(merged, len(args.expert), config, args, measure))
         if args.target:
             print(fit.plan_report(merged, tasks=len(args.expert), config=config, max_length=args.max_length,
                                   targets=_targets(args, ()), with_plan=False))
@@ -111,6 +140,14 @@ def run(args: argparse.Namespace) -> int:
     if args.tasks < 1:
         raise ConfigError(f"--tasks must be at least 1, got {args.tasks}")
     tp = cost.with_rates(cost.throughput_for(config.device), args.flops, args.flops64)
+    if measure:  # --time-from probe: this machine's rates, for the plan and its targets' times
+        from featcal.calibration import time_estimate
+        from featcal.calibration.planner import model_shape
+        from featcal.io.models import load_config
+
+        shape = model_shape(load_config(args.config), args.max_length)
+        found = time_estimate.probe(shape, config, device=time_estimate.probe_device(config.device))
+        tp = time_estimate.measured_throughput(found, tp)
     print(fit.plan_report(args.config, tasks=args.tasks, config=config, max_length=args.max_length,
                           targets=_targets(args, tuple(fit.TARGETS)), throughput=tp, max_memory=limit,
                           world=int(os.environ.get("WORLD_SIZE", "1"))))
@@ -141,6 +178,9 @@ def register(subparsers) -> None:
     g.add_argument("--host-memory", default=None, metavar="SIZE", help="the targets' host memory (e.g. 256GiB)")
     g.add_argument("--flops", type=float, default=None, metavar="FLOP/S",
                    help="sustained float32 FLOP/s to estimate time at, instead of the stated one (calibration/cost.py)")
+    g.add_argument("--time-from", choices=("probe", "stated"), default=None,
+                   help="the run's time from a short measured probe of this machine (about 1 s; the default for a "
+                   "run on this machine), or at the stated throughput of its device kind (the default with --config)")
     g.add_argument("--flops64", type=float, default=None, metavar="FLOP/S",
                    help="sustained float64 FLOP/s (the fold and the solves), instead of the stated one")
     p.set_defaults(func=run)
