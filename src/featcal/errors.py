@@ -33,3 +33,7 @@ class EvaluationDataError(FeatCalError):
 
 class CalibrationOverlapError(FeatCalError):
     """A model would be evaluated on examples it was calibrated on (featcal eval's leakage guard)."""
+
+
+class MissingExtraError(FeatCalError):
+    """An optional feature needs a package that is not installed (named with the featcal extra that brings it)."""

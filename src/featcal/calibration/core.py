@@ -25,6 +25,7 @@ from featcal.calibration.inputs import (
     check_base_for_rho,
     check_batches,
     check_tasks,
+    check_variant_packages,
     identity,
     normalise_batches,
     refuse_non_finite,
@@ -70,6 +71,7 @@ def _check_request(config: FeatCalConfig, base: ModelLike | None, experts: Mappi
     validate_expert_names(experts.keys())
     check_tasks(experts, calibration)
     device = resolve_device(config.device, offload=config.offload_blocks)
+    check_variant_packages(config)
     check_base_for_rho(config, base)
     return device
 

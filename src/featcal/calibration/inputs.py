@@ -44,6 +44,15 @@ def resolve_device(name: str, *, offload: bool = False) -> torch.device:
     return torch.device(name)
 
 
+def check_variant_packages(config: FeatCalConfig) -> None:
+    """The packages an option's variant runs on, before any work: block_statistics sequential_one_pass runs each
+    block forward in a greenlet (the `one-pass` extra)."""
+    if config.block_statistics == "sequential_one_pass":
+        from featcal.io.extras import require
+
+        require("one-pass", "block_statistics sequential_one_pass")
+
+
 def as_model(m: ModelLike, what: str, allow_pickle: bool) -> nn.Module:
     if isinstance(m, nn.Module):
         return m

@@ -84,7 +84,7 @@ def sequential_one_pass(block: BlockContext, bar) -> BlockDrift:
     if not staged:
         return gather.sequential(block, bar)
     if greenlet is None:
-        raise FeatCalError("block_statistics sequential_one_pass needs the 'greenlet' package: pip install greenlet")
+        raise FeatCalError("block_statistics sequential_one_pass needs greenlet: pip install 'featcal[one-pass]'")
     return _OnePass(block, staged, bar).calibrate()
 
 

@@ -22,7 +22,7 @@ import torch
 from featcal.blocks.support import check_config
 from featcal.calibration import api
 from featcal.calibration.distributed import RankGroup, current_group
-from featcal.calibration.inputs import resolve_device
+from featcal.calibration.inputs import check_variant_packages, resolve_device
 from featcal.calibration.result import CalibrationResult
 from featcal.calibration.resume import default_resume_dir, discard_on_error
 from featcal.calibration.tuning import load_heads, merge_scaling_from_report
@@ -183,6 +183,7 @@ def check_options(config: FeatCalConfig, max_length: int, check_device: bool = T
         raise ConfigError(f"max_length must be at least 1, got {max_length}")
     if check_device:
         resolve_device(config.device, offload=config.offload_blocks)  # e.g. cuda asked for on a machine without it
+        check_variant_packages(config)
     spill = config.spill_dir
     if spill is not None:
         spill = Path(spill).expanduser()

@@ -16,6 +16,15 @@ larger of two phases (placement.py): capture (both models' stems, the merged blo
 block (block l of the merged model and of the template, float64 base anchors, the statistics, one
 batch's activations and chain entries). The host then holds no statistics, anchors or activations.
 
+With --device cuda and no offloading the models and chains live on the device for the whole run: the
+device holds what the host would (two models, chains, one block's transients: the "run" phase), and the
+host holds, at its peak, both models as loaded before they move (core.py copies the template on the host).
+
+The shapes come from the model built on the meta device from its config (`model_shape`, what `featcal plan`
+uses, with or without checkpoints: `plan_for_config` needs nothing but the config), or from a loaded model
+(`shape_of`): the two give the same plan. Tied parameters (an LM head tied to the embedding, T5's shared
+embedding) are counted once, as they are held once.
+
 Text lengths use --max-length (batches are padded to their longest text, so this is an upper bound).
 Linears are grouped by shared input (q/k/v, gate/up) by a naming rule; the engine groups by the
 actual input tensor, so the statistics line can differ slightly from the run's.
@@ -35,13 +44,13 @@ from featcal.blocks.adapters import adapter_for
 from featcal.blocks.discovery import calibrated_modules
 from featcal.blocks.support import check_config
 from featcal.calibration.chains import DTYPES
+from featcal.calibration.cost import input_groups
 from featcal.calibration.placement import stem_parts
 from featcal.config import FeatCalConfig
 from featcal.errors import ConfigError
 from featcal.io.models import load_config
 from featcal.io.report import peak_rss_mb
 
-_OUTPUT_PROJECTIONS = {"out_proj", "o_proj", "o", "wo"}  # read the attention output, not the block input
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
           "g": 2**30, "gb": 10**9, "gib": 2**30, "t": 2**40, "tb": 10**12, "tib": 2**40}
 
@@ -110,6 +119,11 @@ def _block_shape(block: nn.Module, adapter) -> BlockShape:
 def model_shape(config, max_length: int) -> ModelShape:
     """The shapes that drive memory, from a transformers config (the model is built on the meta device)."""
     model = check_config(config)  # on the meta device; an architecture featcal cannot calibrate is refused here
+    return shape_of(model, config, max_length)
+
+
+def shape_of(model: nn.Module, config, max_length: int) -> ModelShape:
+    """The shapes that drive memory, from `model` (on the meta device, or loaded: the same numbers)."""
     adapter = adapter_for(model)
     stacks = []
     vision = hasattr(config, "image_size") or hasattr(getattr(config, "vision_config", None), "image_size")
@@ -130,8 +144,13 @@ def model_shape(config, max_length: int) -> ModelShape:
             ctx = tokens * tokens  # boolean (B, 1, S, S) mask
             ctx += adapter.context_bytes(st, tokens, hidden, heads)  # T5's position bias, Llama's rotary tables
         stacks.append(StackShape(st.name, shapes, hidden, heads, tokens, ctx))
-    count = sum(t.numel() for t in model.state_dict().values())
-    return ModelShape(count, tuple(stacks), input_bytes, _stem_count(model, adapter.stacks(model)))
+    return ModelShape(held_count(model), tuple(stacks), input_bytes, _stem_count(model, adapter.stacks(model)))
+
+
+def held_count(model: nn.Module) -> int:
+    """Elements of the parameters and buffers `model` holds, each tied tensor once (a state dict lists an LM head
+    tied to the embedding, or T5's shared embedding, under every name, though one tensor holds it)."""
+    return sum(t.numel() for t in (*model.parameters(), *model.buffers()))
 
 
 def _stem_count(model: nn.Module, stacks) -> int:
@@ -173,16 +192,6 @@ class MemoryPlan:
         return max((self.phase_total(c.phase) for c in self.device_components), default=0)
 
 
-def _groups(linears: tuple[tuple[str, int, int], ...]) -> dict[tuple[str, int], list[tuple[str, int, int]]]:
-    """Linears reading the same input: same parent module and width, output projections apart."""
-    out: dict[tuple[str, int], list] = {}
-    for name, i, o in linears:
-        parent, _, leaf = name.rpartition(".")
-        key = (name if leaf in _OUTPUT_PROJECTIONS else parent, i)
-        out.setdefault(key, []).append((name, i, o))
-    return out
-
-
 def statistics_parts(block: BlockShape) -> tuple[int, int, int]:
     """(one task's raw sums, float32; the cross-task sums, float64; the fold/solve temporaries) in bytes.
 
@@ -190,7 +199,7 @@ def statistics_parts(block: BlockShape) -> tuple[int, int, int]:
     so the first part does not grow with the number of tasks; nor do the others.
     """
     task = 0  # float32, one task
-    for members in _groups(block.linears).values():
+    for members in input_groups(block.linears).values():
         i = members[0][1]
         outs = sum(o for _, _, o in members)
         task += (i * i + i + 1) * 4
@@ -211,7 +220,8 @@ def _statistics_bytes(block: BlockShape) -> tuple[int, str]:
 
 def estimate(shape: ModelShape, *, tasks: int, config: FeatCalConfig, baseline_bytes: int, world: int = 1) -> MemoryPlan:
     """The peak-memory breakdown of one rank (see the module docstring); pure arithmetic."""
-    n, bs = config.num_calibration_examples, config.calibration_batch_size
+    n = config.num_calibration_examples
+    bs = min(config.calibration_batch_size, n)  # a batch holds at most a task's examples
     batches = math.ceil(n / bs)
     local = min(n, math.ceil(batches / world) * bs)  # examples per task on the busiest rank
     model = shape.param_count * 4
@@ -256,7 +266,33 @@ def estimate(shape: ModelShape, *, tasks: int, config: FeatCalConfig, baseline_b
         Component("activations", act, f"one batch of {bs} through one block, both sides"),
         *paused,
     ]
+    if on_accelerator(config.device):
+        return _resident(comps, chains_all, settings)
     return MemoryPlan(comps, chains_all, settings)
+
+
+def on_accelerator(device: str) -> bool:
+    """Whether `device` (a FeatCalConfig.device) is other memory than the host's: cuda, cuda:N, or auto here."""
+    if device == "auto":
+        import torch
+
+        return bool(torch.cuda.is_available())
+    return device != "cpu"
+
+
+_ON_HOST = ("process baseline", "calibration inputs")  # resident on an accelerator: what stays on the host
+_LOADED = ("merged model", "expert template")  # on the host too until they move, at the start
+
+
+def _resident(comps: list[Component], chains_all: int, settings: dict) -> MemoryPlan:
+    """The plan of a run on an accelerator without offloading: both models, the chains and one block's
+    transients on the device for the whole run (phase "run"); on the host, the models as loaded, before they move
+    (core.py copies the template on the host, then placement.setup moves both), the inputs and the baseline.
+    Expert weights are read into the device template in place, one tensor at a time (no block-sized copy)."""
+    host = [c for c in comps if c.name in _ON_HOST + _LOADED]
+    device = [Component(c.name, c.bytes, c.detail, "run") for c in comps
+              if c.name not in _ON_HOST and c.name != "expert block read"]
+    return MemoryPlan(host, chains_all, settings, device)
 
 
 def _one_pass_parts(config: FeatCalConfig, tasks: int, local_batches: int, act: int, block_params: int,
@@ -277,7 +313,8 @@ def _offloaded(shape: ModelShape, *, tasks: int, config: FeatCalConfig, baseline
                chains_all: int, settings: dict, paused: list[Component]) -> MemoryPlan:
     """The --offload-blocks plan: host lines as without offloading less the per-block transients, which
     move to the device; device lines per phase (capture, block), of which the larger is the peak."""
-    n, bs = config.num_calibration_examples, config.calibration_batch_size
+    n = config.num_calibration_examples
+    bs = min(config.calibration_batch_size, n)
     model = shape.param_count * 4
     chain_b = DTYPES[config.chain_dtype].itemsize
     s0 = max(shape.stacks, key=lambda s: s.tokens * s.hidden)
@@ -323,9 +360,12 @@ def alternatives(shape: ModelShape, *, tasks: int, config: FeatCalConfig, baseli
         out.append(("--chain-dtype bfloat16", plan(config.model_copy(update={"chain_dtype": "bfloat16"}))))
     if config.spill_dir is None:
         out.append(("--spill-dir DIR", plan(config.model_copy(update={"spill_dir": Path("DIR")}))))
-    if config.calibration_batch_size > 1:
-        half = max(1, config.calibration_batch_size // 2)
+    batch = min(config.calibration_batch_size, config.num_calibration_examples)
+    if batch > 1:
+        half = max(1, batch // 2)
         out.append((f"--calibration-batch-size {half}", plan(config.model_copy(update={"calibration_batch_size": half}))))
+    if on_accelerator(config.device) and not config.offload_blocks:
+        out.append(("--offload-blocks", plan(config.model_copy(update={"offload_blocks": True}))))
     out.append((f"torchrun --nproc-per-node {2 * world}", plan(config, 2 * world)))
     both = config.model_copy(update={"chain_dtype": "bfloat16", "spill_dir": config.spill_dir or Path("DIR")})
     out.append(("--chain-dtype bfloat16 --spill-dir DIR", plan(both)))
@@ -341,10 +381,14 @@ def render(plan: MemoryPlan, options: list[tuple[str, MemoryPlan]], max_memory: 
         lines.append(f"  {c.name:<{width}}  {fmt(c.bytes):>11}  {c.detail}")
     if plan.settings.get("spill_dir") is not None:
         lines.append(f"  disk under spill_dir: {fmt(plan.chain_bytes_total)} (all chains)")
-    if plan.device_components:
+    if plan.device_components and plan.settings.get("offload_blocks"):
         lines.append(f"estimated peak device memory per process (--offload-blocks on {plan.settings.get('device')}): "
                      f"{fmt(plan.device_total)}, the larger phase")
-        for phase in ("block", "capture"):
+    elif plan.device_components:
+        lines.append(f"estimated peak device memory per process (models and chains resident on "
+                     f"{plan.settings.get('device')}; --offload-blocks to hold one block there): {fmt(plan.device_total)}")
+    if plan.device_components:
+        for phase in dict.fromkeys(c.phase for c in plan.device_components):
             lines.append(f"  {phase} phase: {fmt(plan.phase_total(phase))}")
             lines += [f"    {c.name:<{width}}  {fmt(c.bytes):>11}  {c.detail}"
                       for c in plan.device_components if c.phase == phase]
@@ -359,6 +403,9 @@ def render(plan: MemoryPlan, options: list[tuple[str, MemoryPlan]], max_memory: 
             elif options:
                 name, p = min(options, key=lambda x: x[1].total)
                 lines.append(f"no option fits; the smallest is {name} at {fmt(p.total)}")
+    elif plan.device_components:
+        lines.append("with memory options (host, device):")
+        lines += [f"  {name:<40} {fmt(p.total)}, {fmt(p.device_total)}" for name, p in options]
     else:
         lines.append("with memory options:")
         lines += [f"  {name:<40} {fmt(p.total)}" for name, p in options]
@@ -368,9 +415,15 @@ def render(plan: MemoryPlan, options: list[tuple[str, MemoryPlan]], max_memory: 
 def plan_for_checkpoint(merged: str | os.PathLike, *, tasks: int, config: FeatCalConfig, max_length: int = 128,
                         baseline_bytes: int | None = None, world: int = 1) -> tuple[MemoryPlan, list]:
     """Plan a calibration of the checkpoint at `merged` (reads its config.json only)."""
-    shape = model_shape(load_config(merged), max_length)
+    return plan_for_config(merged, tasks=tasks, config=config, max_length=max_length, baseline_bytes=baseline_bytes,
+                           world=world)
+
+
+def plan_for_config(source: str | os.PathLike, *, tasks: int, config: FeatCalConfig, max_length: int = 128,
+                    baseline_bytes: int | None = None, world: int = 1) -> tuple[MemoryPlan, list]:
+    """Plan a calibration from a model's config alone: a config.json file, a folder holding one, or a hub id
+    (nothing but the config is read; the model is built on the meta device)."""
+    shape = model_shape(load_config(source), max_length)
     base = current_rss() if baseline_bytes is None else baseline_bytes
     kw = dict(tasks=tasks, config=config, baseline_bytes=base, world=world)
     return estimate(shape, **kw), alternatives(shape, **kw)
-
-

@@ -118,20 +118,22 @@ def add_output_flags(p: argparse.ArgumentParser) -> None:
                    "for a merge, the merged checkpoint's for a calibration)")
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The calibrate arguments, shared with `featcal plan`."""
-    p.add_argument("--base", required=True,
+def add_arguments(p: argparse.ArgumentParser, inputs_required: bool = True) -> None:
+    """The calibrate arguments, shared with `featcal plan` (which can plan from a config alone: its
+    `inputs_required` False leaves --base, --merged, --expert, --calib and --out for it to check)."""
+    required = inputs_required
+    p.add_argument("--base", required=required,
                    help="pretrained base checkpoint (directory, hub id, or a .gguf file / folder holding one)")
-    p.add_argument("--merged", required=True, help="merged checkpoint to calibrate")
-    p.add_argument("--expert", action="append", metavar="NAME=PATH", required=True,
+    p.add_argument("--merged", required=required, help="merged checkpoint to calibrate")
+    p.add_argument("--expert", action="append", metavar="NAME=PATH", required=required,
                    help="a task's fine-tuned expert (repeat per task): a checkpoint, a .gguf file, or a LoRA/PEFT "
                    "adapter folder (applied to the base)")
     add_expert_kind(p)
-    p.add_argument("--calib", action="append", metavar="NAME=DATA", required=True,
+    p.add_argument("--calib", action="append", metavar="NAME=DATA", required=required,
                    help="a task's calibration data (repeat per task): an image folder, a text file or folder, chat / "
                    "SFT .jsonl, .csv / .tsv, .parquet, a saved dataset, or a hub dataset id NAME[:CONFIG][@SPLIT] "
                    "(docs/data.md)")
-    p.add_argument("--out", required=True, help="output directory for the calibrated checkpoint")
+    p.add_argument("--out", required=required, help="output directory for the calibrated checkpoint")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
     p.add_argument("--allow-pickle", action="store_true", help="accept pickled (*.bin) checkpoints")
     p.add_argument("--max-length", type=int, default=128, metavar="INT", help="truncate texts to this many tokens")

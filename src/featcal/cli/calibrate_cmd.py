@@ -8,6 +8,7 @@ the same schema as the Python API and YAML run files.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from featcal.cli.calibrate_args import (  # noqa: F401  (add_config_flags, parse_pairs: re-exported)
     add_arguments,
@@ -42,10 +43,24 @@ def end_to_end_line(e2e: dict) -> str:
             f"merged {e2e['merged']:.4g} -> calibrated {e2e['calibrated']:.4g}{worse}")
 
 
+def write_drift_figure(report: dict, out: str) -> Path:
+    """drift.png beside the checkpoint (written atomically, after it): per block, the drift as merged and after."""
+    from featcal.evaluation.drift_plot import PLOT_PNG, calibration_drift_png
+    from featcal.io.atomic import atomic_write_bytes
+
+    path = Path(out) / PLOT_PNG
+    atomic_write_bytes(path, calibration_drift_png(report.get("drift") or [], f"featcal calibrate: {Path(out).name}"))
+    return path
+
+
 def run(args: argparse.Namespace) -> int:
     from featcal.calibration.distributed import init_from_env
     from featcal.calibration.pipeline import calibrate_to_dir
 
+    if args.plot:  # before any work: the figure needs matplotlib
+        from featcal.io.extras import require
+
+        require("plot", "--plot")
     config = config_from_args(args, FeatCalConfig)
     options = run_options_from_args(args)
     if args.dry_run or args.max_memory is not None:
@@ -69,6 +84,8 @@ def run(args: argparse.Namespace) -> int:
         from featcal.calibration.tuning import summary_line
 
         print(summary_line(report["tuning"]))
+    if args.plot:
+        print(f"drift figure: {write_drift_figure(report, args.out)}")
     s = report["seconds"]
     print(
         f"calibrated checkpoint: {args.out}  (load {s['load']:.1f} s, calibrate {s['calibrate']:.1f} s, "
@@ -89,4 +106,7 @@ def register(subparsers) -> None:
     add_arguments(p)
     add_output_flags(p)
     p.add_argument("--dry-run", action="store_true", help="print the memory plan (featcal plan) and stop")
+    p.add_argument("--plot", action="store_true",
+                   help="also write the per-block drift figure beside the checkpoint (drift.png; needs "
+                   "matplotlib: pip install 'featcal[plot]')")
     p.set_defaults(func=run)

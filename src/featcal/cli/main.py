@@ -10,6 +10,7 @@ import signal
 import sys
 import threading
 
+from featcal.cli import manners
 from featcal.errors import FeatCalError
 from featcal.io import host_allocator, interrupts
 from featcal.io.atomic import os_error_of
@@ -23,7 +24,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="featcal", description="Merge fine-tuned transformers and calibrate the merge toward its experts."
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
     for name in COMMANDS:
         try:
@@ -33,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
                 continue  # sub-command not built yet
             raise
         module.register(sub)
+    manners.add_global_flags(parser)  # --version, --quiet, --log-level, --no-progress, --threads: every command
     return parser
 
 
@@ -72,21 +73,19 @@ def interrupted_message(args: argparse.Namespace, exc: KeyboardInterrupt) -> str
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s"
-    )
     try:  # before any model is read: FEATCAL_HOST_ALLOCATOR=tuned keeps and reuses freed pages (io/host_allocator.py)
         applied = host_allocator.apply(host_allocator.requested())
     except ValueError as exc:
         print(f"featcal: error: {host_allocator.ENV}: {exc}", file=sys.stderr)
         return 2
-    logging.getLogger(__name__).debug("host allocator: %s", "tuned" if applied else "unchanged")
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.getsignal(signal.SIGTERM)
     try:
         if in_main_thread:  # inside the try: a SIGTERM right after this is handled like any other
             interrupts.install()
-        rc = int(args.func(args) or 0)
+        with manners.applied(args):  # log level, progress bars, threads (cli/manners.py)
+            logging.getLogger(__name__).debug("host allocator: %s", "tuned" if applied else "unchanged")
+            rc = int(args.func(args) or 0)
         if in_main_thread and interrupts.requested():  # its exception was swallowed (a finaliser) past every check
             print(f"featcal: terminated (SIGTERM) as the command finished: {finished_message(args)}", file=sys.stderr)
             return 130

@@ -23,9 +23,11 @@ from featcal.data.preprocess import model_modality
 from featcal.errors import ConfigError, FeatCalError
 from featcal.evaluation import leakage
 from featcal.evaluation import lm_eval as harness
+from featcal.evaluation.metrics import check_metric_packages
 from featcal.evaluation.options import EvalOptions
 from featcal.evaluation.plan import EXPERTS, EvalPlan, build_plan
 from featcal.evaluation.report import GAP, eval_plot, eval_table, gap_rows
+from featcal.io.extras import installed
 from featcal.io.models import hf_progress_bars
 from featcal.io.report import Timer, build_report
 
@@ -65,6 +67,7 @@ def evaluate(
         _check_output(out, overwrite, tasks, models, base, merged, calibrated, experts)
     total = Timer()
     plan = build_plan(tasks, models, base=base, merged=merged, calibrated=calibrated, experts=experts, options=opts)
+    check_metric_packages({m for e in plan.entries for m in e.kind.metrics})
     found = [o for e in plan.entries
              for o in leakage.overlaps(e.name, e.path, [plan.sets[t] for x, t in plan.pairs if x is e],
                                        model_modality(e.config))]
@@ -98,8 +101,11 @@ def evaluate(
         report["seconds"] = seconds
         write_report(tmp, report, EVAL_JSON)
         (tmp / TABLE_MD).write_text(eval_table(report))
-        if report["results"]:
+        if report["results"] and installed("matplotlib"):
             eval_plot(report, tmp / PLOT_PNG)
+        elif report["results"]:
+            log.warning("%s not drawn: it needs matplotlib (pip install 'featcal[plot]'); eval.json and %s hold "
+                        "every figure", PLOT_PNG, TABLE_MD)
     return report
 
 

@@ -315,6 +315,23 @@ def atomic_output_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterat
         raise
 
 
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """atomic_write_text for bytes (a figure rendered in memory): readers never see half of the file."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        os.chmod(tmp, 0o666 & ~current_umask())
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """Write a text file through a temporary file and rename, so readers never see half of it."""
     path = Path(path)

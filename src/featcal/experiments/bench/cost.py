@@ -12,13 +12,16 @@ pre-norm transformer block gives the ratio below (ViT-B/32 size: about 2.2×; th
 Grams and in×in cross moments everywhere, was 3.06×). It counts arithmetic, not time: large Gram
 products run at a higher rate than a forward's many small operations, so a measured ratio can sit
 below it, but never below 1 (one forward of each model is the floor of any implementation).
+
+The same count for any family, from the block's own Linears, with the whole run's forwards, folds and solves:
+calibration/cost.py (`run_counts`); `run_macs` here sums it for a benchmark's run.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from featcal.blocks.grams import gram_chunks
+from featcal.calibration.cost import gram_macs
 
 
 @dataclass(frozen=True)
@@ -41,13 +44,6 @@ class BlockMacs:
     @property
     def ratio(self) -> float:
         return self.exact_method / self.floor
-
-
-def gram_macs(width: int, symmetric: bool = True) -> int:
-    """Multiply-accumulates per token of one width×width Gram: (k+1)/(2k) of width² with k chunks."""
-    k = gram_chunks(width) if symmetric else 1
-    bounds = [i * width // k for i in range(k + 1)]
-    return sum((hi - lo) * (width - lo) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True))
 
 
 def block_macs(hidden: int, intermediate: int, tokens: int, *, symmetric: bool = True,
@@ -74,3 +70,17 @@ def arithmetic_cost_ratio(model_config, tokens: int | None = None) -> float:
     if intermediate is None:
         intermediate = model_config.hidden_size * model_config.mlp_ratio
     return block_macs(model_config.hidden_size, intermediate, tokens).ratio
+
+
+def run_macs(shape, *, tasks: int, config) -> dict[str, int]:
+    """Multiply-accumulates of a whole calibration (`shape`: planner.ModelShape; calibration/cost.py's counts
+    summed over blocks): the floor (one merged and one expert forward over every token), the forwards the method
+    runs, its float32 statistics, its float64 folds and solves."""
+    from featcal.calibration.cost import run_counts, token_macs
+
+    blocks = run_counts(shape, tasks=tasks, config=config)
+    floor = sum(2 * token_macs(b, s.tokens, s.hidden)[0] * tasks * config.num_calibration_examples * s.tokens
+                for s in shape.stacks for b in s.blocks)
+    return {"floor": floor, "forwards": sum(b.forward_macs for b in blocks),
+            "statistics": sum(b.statistics_macs for b in blocks), "fold": sum(b.fold_macs for b in blocks),
+            "solves": sum(b.solve_macs for b in blocks)}
