@@ -396,7 +396,7 @@ def api_run(spec: dict) -> dict:
     cfg = FeatCalConfig(num_calibration_examples=spec["examples"], chain_dtype=spec["chain"], resume=False)
     t = time.perf_counter()
     model = featcal.calibrate(merged, base=spec["base"], experts=experts, calibration=spec["data"], config=cfg,
-                              progress=False, inplace=True, tokenizer=spec["base"], max_length=spec["tokens"])
+                              progress=False, inplace=True, tokenizer=spec["base"], max_length=spec["tokens"]).model
     seconds = time.perf_counter() - t
     h = hashlib.sha256()
     for name, p in sorted(model.state_dict().items()):

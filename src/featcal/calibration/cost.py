@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 
 from featcal.blocks.grams import gram_chunks
 from featcal.calibration.chains import DTYPES
-from featcal.calibration.engine import TEACHER_FORM_TOKENS_PER_INPUT
+from featcal.calibration.context import TEACHER_FORM_TOKENS_PER_INPUT
 from featcal.config import FeatCalConfig
 
 _OUTPUT_PROJECTIONS = {"out_proj", "o_proj", "o", "wo"}  # read the attention output, not the block input
