@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from featcal.errors import CheckpointError
+from featcal.io.tensor_source import TensorSource
 
 log = logging.getLogger(__name__)
 
@@ -31,12 +32,13 @@ log = logging.getLogger(__name__)
 RECREATED_BUFFERS = ("position_ids",)
 
 
-class RenamedSource:
+class RenamedSource(TensorSource):
     """CheckpointReader's read interface (`path`, `config`, `keys`, `meta`, `get`) under other names."""
 
     def __init__(self, source: Any, key_map: Mapping[str, str], config: dict, view: str) -> None:
         self.source = source
         self.path = source.path
+        self.label = self.label or getattr(source, "label", "")
         self._map = dict(key_map)  # name in the view -> name in the checkpoint
         self._config = dict(config)
         self.view = view  # what the renaming did, for messages and reports

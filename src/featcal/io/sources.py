@@ -19,6 +19,7 @@ from torch import nn
 
 from featcal.errors import CheckpointError
 from featcal.io.checkpoint import CheckpointReader
+from featcal.io.tensor_source import TensorSource
 
 MergeInput = Union[str, os.PathLike, nn.Module, CheckpointReader]
 
@@ -99,12 +100,12 @@ def module_config(module: nn.Module) -> dict:
     return data
 
 
-class ModuleSource:
+class ModuleSource(TensorSource):
     """CheckpointReader's read interface over an in-memory model (no copy of its weights)."""
 
     def __init__(self, module: nn.Module, label: str | None = None) -> None:
         self.module = module
-        self.path = label or f"<in-memory {type(module).__name__}>"
+        self.path = self.label = label or f"<in-memory {type(module).__name__}>"
         self._state = checkpoint_state_dict(module)
         self._config = module_config(module)
 

@@ -21,29 +21,11 @@ from torch import Tensor, nn
 
 from featcal.config import MergeConfig, MethodKind
 from featcal.errors import CheckpointError, ConfigError
-from featcal.io.sources import ModuleSource, checkpoint_state_dict
+from featcal.io.family import load_source_model
+from featcal.io.sources import checkpoint_state_dict
 from featcal.merging.calibration_data import LoadedCalibration
 from featcal.merging.family import Family
 from featcal.merging.method import Merger, register
-
-
-def _model(source, label: str, allow_pickle: bool) -> nn.Module:
-    """An input as a model: an in-memory one as given, a checkpoint through featcal's safe loader."""
-    if isinstance(source, ModuleSource):
-        return source.module
-    from featcal.io.layouts import RenamedSource, load_view
-    from featcal.io.models import load_model
-
-    if isinstance(source, RenamedSource):  # read under other names (a CLIPModel base's vision tower, ...)
-        try:
-            return load_view(source)
-        except CheckpointError as exc:
-            raise CheckpointError(f"{label}: {exc}") from None
-
-    try:
-        return load_model(source.path, allow_pickle=allow_pickle)
-    except CheckpointError as exc:
-        raise CheckpointError(f"{label}: {exc}") from None
 
 
 class ModelMerger(Merger):
@@ -81,8 +63,9 @@ class ModelMerger(Merger):
 
     @torch.no_grad()
     def prepare(self, family: Family, *, progress: bool = False) -> None:
-        base = _model(family.base, "base", self.allow_pickle)
-        experts = {t: partial(_model, s, f"expert {t!r}", self.allow_pickle) for t, s in family.experts.items()}
+        base = load_source_model(family.base, "base", self.allow_pickle)
+        experts = {t: partial(load_source_model, s, f"expert {t!r}", self.allow_pickle)
+                   for t, s in family.experts.items()}
         merged = self.merge_models(base, experts, progress)
         self.state = checkpoint_state_dict(merged)
         missing = [n for n in family.floating_names if n not in self.state]

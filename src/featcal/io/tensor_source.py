@@ -1,0 +1,48 @@
+"""What every input of a merge or a calibration is, once opened: tensors by name, read one at a time.
+
+One interface for all of them (a checkpoint folder or hub id, an in-memory model, a LoRA adapter applied
+to its base, a dequantised GGUF file, any of those viewed under other names or at another vocabulary
+size), so that opening (io/family.py), validation (io/validate.py), the streaming merge and the block-by-
+block calibration never ask which kind they were given. A source is named either as its checkpoint names
+its tensors (the merge's view) or by the parameter names of the model being calibrated (io/param_sources.py's
+views); the interface is the same.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class TensorSource:
+    """Names, headers and values of one model's tensors, and its config.json as a dict.
+
+    Subclasses implement `keys`, `meta` and `get` (and `config` where they have one); `shape` and `in` follow
+    from those. `label` names the input in messages ("expert 'mnist'"); `path` says where it comes from.
+    """
+
+    path: Any = None
+    label: str = ""
+
+    @property
+    def config(self) -> dict:
+        return {}
+
+    def keys(self) -> list[str]:
+        raise NotImplementedError
+
+    def meta(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
+        """Shape and dtype of tensor `name`, without reading its values."""
+        raise NotImplementedError
+
+    def get(self, name: str) -> torch.Tensor:
+        """The tensor's values (may be the source's own tensor: callers never modify it in place)."""
+        raise NotImplementedError
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.keys()
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        """Shape of `name`, or None when the source does not hold it."""
+        return tuple(self.meta(name)[0]) if name in self else None
