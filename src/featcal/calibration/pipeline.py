@@ -26,7 +26,14 @@ from featcal.calibration.inputs import resolve_device
 from featcal.calibration.result import CalibrationResult
 from featcal.calibration.resume import default_resume_dir, discard_on_error
 from featcal.calibration.tuning import load_heads, merge_scaling_from_report
-from featcal.config import FeatCalConfig, OutputOptions, check_expert_kinds, parse, run_options
+from featcal.config import (
+    DEFAULT_MAX_LENGTH,
+    FeatCalConfig,
+    OutputOptions,
+    check_expert_kinds,
+    parse,
+    run_options,
+)
 from featcal.data.batch import Batch
 from featcal.data.calibration import (
     batches_record,
@@ -110,7 +117,7 @@ def check_calibration_inputs(
     out: str | Path,
     overwrite: bool = False,
     allow_pickle: bool = False,
-    max_length: int = 128,
+    max_length: int = DEFAULT_MAX_LENGTH,
     allow_fewer: bool = False,
     check_finite: bool = True,
     progress: bool = False,
@@ -258,7 +265,7 @@ def calibrate_to_dir(
     overwrite: bool = False,
     allow_pickle: bool = False,
     progress: bool = True,
-    max_length: int = 128,
+    max_length: int = DEFAULT_MAX_LENGTH,
     allow_fewer: bool = False,
     check_finite: bool = True,
     merge_scaling: float | None = None,

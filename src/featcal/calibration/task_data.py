@@ -21,7 +21,7 @@ from typing import Any
 
 from torch import nn
 
-from featcal.config import FeatCalConfig, run_options
+from featcal.config import DEFAULT_MAX_LENGTH, FeatCalConfig, run_options
 from featcal.data.calibration import (
     batches_record,
     data_options,
@@ -37,7 +37,7 @@ from featcal.io.models import load_config
 
 def resolve_calibration(
     merged: Any, *, base: Any, experts: Mapping[str, Any], calibration: Any, config: FeatCalConfig,
-    tokenizer: Any = None, max_length: int = 128, allow_fewer: bool = False, progress: bool = False,
+    tokenizer: Any = None, max_length: int = DEFAULT_MAX_LENGTH, allow_fewer: bool = False, progress: bool = False,
 ) -> tuple[Any, dict[str, dict[str, Any]]]:
     """(`calibration` with every source read into batches, what featcal.json would record per source task).
 

@@ -62,7 +62,10 @@ from featcal.calibration.inputs import (
     resolve_device,
 )
 from featcal.calibration.result import CalibrationResult
-from featcal.config import DEFAULT_TUNE_HOLDOUT, FeatCalConfig
+from featcal.config import DEFAULT_TUNE_HOLDOUT, FeatCalConfig, is_task_vector_merge
+from featcal.config import (
+    TASK_VECTOR_METHODS as TASK_VECTOR_METHODS,  # merges θ0 + s·v: the method table's, importable here as before
+)
 from featcal.data.batch import Batch
 from featcal.errors import CalibrationDataError, CheckpointError, ConfigError
 from featcal.io.checkpoint import read_json
@@ -74,9 +77,6 @@ log = logging.getLogger("featcal.calibration")
 
 # a task head: an nn.Module applied to the model's pooled output, or a callable head(model, batch) -> logits
 Head = nn.Module | Callable[[nn.Module, Batch], torch.Tensor]
-
-# merges of the form θ0 + s·v(experts), v independent of s: rescaling the merged task vector rebuilds them
-TASK_VECTOR_METHODS: tuple[str, ...] = ("task_arithmetic", "ties", "dare_ta", "dare_ties")
 
 # the ladders the search steps along (the configured value is inserted where it is not on one)
 SCALING_FACTORS: tuple[float, ...] = (0.5, 0.75, 1.0, 1.5, 2.25, 3.4)  # × the merge's own scaling
@@ -526,7 +526,7 @@ def merge_scaling_from_report(merged_dir: str | os.PathLike, base_dir: str | os.
         return None, f"{path}: {exc}"
     params = report.get("params") or {}
     method, scaling = params.get("method"), params.get("scaling")
-    if report.get("command") != "merge" or method not in TASK_VECTOR_METHODS:
+    if report.get("command") != "merge" or not is_task_vector_merge(method):
         return None, f"the merged checkpoint is not a featcal task-vector merge ({report.get('command')}, {method})"
     if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not 0 < scaling <= MAX_MERGE_SCALING:
         return None, f"{path}: no usable scaling ({scaling!r})"

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from featcal.config import DEFAULT_MAX_LENGTH
 from featcal.data.batch import Batch, BatchLike, batch_size
 from featcal.data.fingerprint import example_sha256
 from featcal.data.packing import documents_in_order, pack
@@ -63,7 +64,7 @@ class SourcePlan:
     record: dict[str, Any] = field(default_factory=dict)
 
 
-def data_options(config: Any, *, max_length: int = 128, allow_fewer: bool = False) -> dict[str, Any]:
+def data_options(config: Any, *, max_length: int = DEFAULT_MAX_LENGTH, allow_fewer: bool = False) -> dict[str, Any]:
     """The keyword options of check_calibration_source / load_calibration_batches a FeatCalConfig or
     MergeConfig (and the run options) set: one place maps the config onto the data seam."""
     return {
@@ -82,7 +83,7 @@ def _model_label(model_dir: str | Path | None, config) -> str:
 def plan_source(
     source: Any, *, model_dir: str | Path | None, num_examples: int, allow_fewer: bool = False, config=None,
     text_column: str | None = None, allow_test_split: bool = False, text_unit: str | None = None,
-    data_format: str | None = None, pack_texts: bool | None = None, max_length: int = 128,
+    data_format: str | None = None, pack_texts: bool | None = None, max_length: int = DEFAULT_MAX_LENGTH,
     num_examples_explicit: bool = True, tokenizer=None, template_dirs: Mapping[str, Path] | None = None,
     seed: int = 0,
 ) -> SourcePlan:
@@ -213,7 +214,7 @@ def load_calibration_batches(
     num_examples: int,
     batch_size: int,
     seed: int = 0,
-    max_length: int = 128,
+    max_length: int = DEFAULT_MAX_LENGTH,
     allow_fewer: bool = False,
     progress: bool = False,
     record: dict | None = None,

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
-from featcal.config import MAX_SEED
+from featcal.config import MAX_SEED, FrozenStrictModel
 
 DEFAULT_TEMPLATE = "a photo of a {}."
 
 
-class EvalOptions(BaseModel):
+class EvalOptions(FrozenStrictModel):
     """How the tasks are read and the models run; none of it changes what a metric means."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     batch_size: int = Field(16, ge=1, description="examples per forward (batches are length-sorted)")
     max_length: int = Field(512, ge=1, description="truncate texts to this many tokens")

@@ -19,7 +19,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from featcal.config import MergeConfig, OutputOptions, check_expert_kinds, parse, run_options
+from featcal.config import (
+    DEFAULT_MAX_LENGTH,
+    MergeConfig,
+    OutputOptions,
+    check_expert_kinds,
+    parse,
+    run_options,
+)
 from featcal.errors import ConfigError
 from featcal.io.atomic import (
     atomic_output_dir,
@@ -205,7 +212,7 @@ def merge(
     config: MergeConfig | None = None,
     progress: bool = True,
     calibration: Mapping[str, CalibrationInput] | None = None,
-    max_length: int = 128,
+    max_length: int = DEFAULT_MAX_LENGTH,
     allow_fewer: bool = False,
     expert_kind: Mapping[str, str] | None = None,
     dtype: str | None = None,

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
 
-from featcal.config import MergeConfig, method_names, method_spec
+from featcal.config import DEFAULT_MAX_LENGTH, MergeConfig, method_names, method_spec
 from featcal.data.batch import BatchLike, as_batches
 from featcal.data.calibration import (
     batches_record,
@@ -67,7 +67,7 @@ def check_calibration_data(
     *,
     model_dir: Path | None,
     config: MergeConfig,
-    max_length: int = 128,
+    max_length: int = DEFAULT_MAX_LENGTH,
     allow_fewer: bool = False,
     experts: Mapping[str, Any] | None = None,
 ) -> None:
@@ -109,7 +109,7 @@ def load_calibration(
     *,
     model_dir: Path | None,
     config: MergeConfig,
-    max_length: int = 128,
+    max_length: int = DEFAULT_MAX_LENGTH,
     allow_fewer: bool = False,
     progress: bool = False,
     experts: Mapping[str, Any] | None = None,

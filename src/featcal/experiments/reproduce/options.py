@@ -4,19 +4,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
-from featcal.config import FeatCalConfig
+from featcal.config import FeatCalConfig, StrictModel, data_field
 
 
-class ReproduceOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ReproduceOptions(StrictModel):
+    """`featcal reproduce`'s options; the calibration data options are FeatCal's own (config/data.py)."""
 
     setting: str
     out: Path
     tasks: list[str] | None = Field(None, description="run only these tasks of the setting")
-    num_calibration_examples: int = Field(256, ge=1, description="calibration examples per task")
-    calibration_batch_size: int = Field(16, ge=1)
+    num_calibration_examples: int = data_field("num_calibration_examples", description="calibration examples per task")
+    calibration_batch_size: int = data_field("calibration_batch_size")
     seed: int = Field(42, ge=0, description="draws the calibration examples and any eval subset")
     max_eval_samples: int | None = Field(None, ge=1, description="evaluate on a seeded subset of this size")
     device: str = "auto"
