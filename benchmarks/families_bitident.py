@@ -8,7 +8,10 @@ Uses only the public API (featcal.calibrate, FeatCalConfig), so it runs against 
     diff old.txt new.txt      # empty: the same checkpoints, bit for bit
 
 Each family is calibrated with the default settings and with a few that take other engine paths
-(sequential statistics, the one-pass mode, the final and stem norms, the joint bias solve).
+(sequential statistics, the one-pass mode, the final and stem norms, the joint bias solve), and once more with
+base and experts read from checkpoint folders (the front door's path, io/family.py). Then every merge method
+(RegMean and RegMean++ on in-memory batches, WUDI with a few steps) merges saved checkpoints of a few
+families (`python benchmarks/families_bitident.py --merges`, or a family name to run that one only).
 """
 
 from __future__ import annotations
@@ -16,11 +19,13 @@ from __future__ import annotations
 import copy
 import hashlib
 import sys
+import tempfile
+from pathlib import Path
 
 import torch
 import transformers as T
 
-from featcal import FeatCalConfig, calibrate
+from featcal import FeatCalConfig, calibrate, merge
 
 torch.set_num_threads(1)
 SL, FU = "sliding_attention", "full_attention"
@@ -103,6 +108,42 @@ def digest(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
+def state_digest(state: dict) -> str:
+    h = hashlib.sha256()
+    for k, v in sorted(state.items()):
+        h.update(k.encode())
+        h.update(v.detach().contiguous().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+MERGES = {  # method -> keyword parameters (the bench's settings; WUDI shortened)
+    "average": {}, "linear": {}, "task_arithmetic": {"scaling": 0.3}, "ties": {"density": 0.2, "scaling": 1.0},
+    "dare_ta": {"drop_rate": 0.5, "scaling": 0.3}, "dare_ties": {"drop_rate": 0.5, "density": 0.2, "scaling": 1.0},
+    "regmean": {"alpha": 0.9}, "regmean++": {"alpha": 0.9}, "wudi": {"steps": 5, "lr": 1e-3},
+}
+MERGED_FAMILIES = ("clip_vision_model", "bert", "llama")
+
+
+def saved(root: Path, base, experts) -> tuple[Path, dict[str, Path]]:
+    base.save_pretrained(root / "base")
+    for t, e in experts.items():
+        e.save_pretrained(root / t)
+    return root / "base", {t: root / t for t in experts}
+
+
+def main_merges(names: list[str]) -> None:
+    for name in names or MERGED_FAMILIES:
+        torch.manual_seed(0)
+        base, experts, merged = family(FAMILIES[name]())
+        batches = data(merged, experts)
+        with tempfile.TemporaryDirectory() as tmp:
+            base_dir, expert_dirs = saved(Path(tmp), base, experts)
+            for method, params in MERGES.items():
+                extra = {"calibration": batches} if method.startswith("regmean") else {}
+                state = merge(base_dir, expert_dirs, method, progress=False, **params, **extra)
+                print(f"{name:18s} merge:{method:16s} {state_digest(state)}", flush=True)
+
+
 def main(names: list[str]) -> None:
     for name in names or FAMILIES:
         torch.manual_seed(0)
@@ -111,7 +152,15 @@ def main(names: list[str]) -> None:
         for setting, cfg in SETTINGS.items():
             out = calibrate(merged, base=base, experts=experts, calibration=batches, config=cfg, progress=False)
             print(f"{name:18s} {setting:10s} {digest(out)}", flush=True)
+        with tempfile.TemporaryDirectory() as tmp:  # base and experts read from their folders, block by block
+            base_dir, expert_dirs = saved(Path(tmp), base, experts)
+            out = calibrate(merged, base=str(base_dir), experts={t: str(d) for t, d in expert_dirs.items()},
+                            calibration=batches, config=FeatCalConfig(), progress=False)
+            print(f"{name:18s} {'paths':10s} {digest(out)}", flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    if sys.argv[1:2] == ["--merges"]:
+        main_merges(sys.argv[2:])
+    else:
+        main(sys.argv[1:])

@@ -8,6 +8,8 @@ merge methods' parameters, `featcal eval` and `featcal reproduce` options) deriv
 
 from __future__ import annotations
 
+import types
+import typing
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
@@ -30,9 +32,17 @@ class StrictModel(BaseModel):
     def _no_bool_for_numbers(cls, v: Any, info: ValidationInfo) -> Any:
         # pydantic's lax mode reads True as 1: YAML `scaling: true` would merge at scale 1.0
         if isinstance(v, bool) and info.field_name is not None:
-            if cls.model_fields[info.field_name].annotation in (int, float):
+            if _numeric(cls.model_fields[info.field_name].annotation):
                 raise ValueError(f"Input should be a number, not the boolean {str(v).lower()}")
         return v
+
+
+def _numeric(annotation: Any) -> bool:
+    """int, float, or either of them `| None` (an optional number is a number when given)."""
+    members = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) \
+        else (annotation,)
+    members = [m for m in members if m is not type(None)]
+    return bool(members) and all(m in (int, float) for m in members)
 
 
 class FrozenStrictModel(StrictModel):

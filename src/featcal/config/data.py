@@ -3,7 +3,7 @@ merges, bench and reproduce), so that an option means the same, with the same de
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
@@ -14,6 +14,8 @@ DEFAULT_CALIBRATION_EXAMPLES = 256
 
 class DataOptions(StrictModel):
     """Which calibration examples are drawn from each task's data and how a source is read (docs/data.md)."""
+
+    concern: ClassVar[str] = "calibration data (docs/data.md)"
 
     num_calibration_examples: int = Field(
         DEFAULT_CALIBRATION_EXAMPLES, ge=1, description="examples per task; left at the default, a task holding "

@@ -14,7 +14,7 @@ from __future__ import annotations
 import typing
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
@@ -30,6 +30,8 @@ TuneKnob = Literal["merge_scaling", "anchor_blend_rho", "lambda_ratio", "teacher
 
 class SolveOptions(StrictModel):
     """What the closed-form solves compute (defaults: the authors' demo; docs/method.md §5, §6)."""
+
+    concern: ClassVar[str] = "FeatCal: what is solved"
 
     # The per-task Grams are normalised to unit Frobenius norm (docs/method.md §4), so both ridge terms compare with
     # O(1): λ = 100 already pins every weight to the anchor, and an ε past 0.01 stops being a jitter and
@@ -73,6 +75,8 @@ class SolveOptions(StrictModel):
 class ExecutionOptions(StrictModel):
     """Where the work runs and where its intermediate chains are kept; never what is computed."""
 
+    concern: ClassVar[str] = "execution: device and memory (never what is computed)"
+
     chain_dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="dtype in which block-input chains are stored between blocks"
     )
@@ -94,6 +98,8 @@ class ExecutionOptions(StrictModel):
 class ResumeOptions(StrictModel):
     """How a killed calibration resumes from per-block checkpoints."""
 
+    concern: ClassVar[str] = "resuming a killed run"
+
     resume: bool = Field(True, description="checkpoint calibrated blocks so that rerunning a killed run resumes it")
     checkpoint_every: int = Field(
         1, ge=1, description="write a resume checkpoint (all chains) after every N-th block and after the last one"
@@ -105,6 +111,8 @@ class ResumeOptions(StrictModel):
 
 class TuneOptions(StrictModel):
     """The label-free hyperparameter search (docs/tuning.md)."""
+
+    concern: ClassVar[str] = "tune: the label-free search (docs/tuning.md)"
 
     tune: bool = Field(
         False, description="choose anchor_blend_rho, lambda_ratio, teacher_interp_alpha (and a task-vector merge's "

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -59,6 +59,8 @@ class MergeConfig(DataOptions):
     `method_options` and are validated by that model.
     """
 
+    concern: ClassVar[str] = "merge method and hyperparameters"
+
     method: MethodName = Field("task_arithmetic", description="merge method, one of the registry's (method_names())")
     scaling: float = Field(0.3, gt=0.0, le=10.0, description="s in θ0 + s·Σ(θt−θ0) (TA, TIES, DARE)")
     density: float = Field(0.2, gt=0.0, le=1.0, description="TIES: fraction of each task vector kept")
@@ -73,18 +75,21 @@ class MergeConfig(DataOptions):
     method_options: dict[str, Any] = Field(
         default_factory=dict, description="parameters of the method's own parameter model that MergeConfig has no "
         "field for (RegMean's and WUDI's exclude, WUDI's device, a registered method's own)",
+        json_schema_extra={"flag": None},  # given as keywords (a run file's merge.params), validated by that model
     )
     # --- the recipe's per-expert and mergekit-compatible options (docs/mergekit.md); omitted from featcal.json's
     # params while at their defaults, so that a recipe that does not use them is reported as before
     weights: Weight = Field(
         default_factory=dict, description="per-expert weight w_t (experts not listed: 1): θ0 + s·Σ w_t·τ_t (TA, "
-        "TIES, DARE), Σ w_t·θ_t (linear)",
+        "TIES, DARE), Σ w_t·θ_t (linear)", json_schema_extra={"flag": "--weight", "metavar": "NAME=W"},
     )
     densities: Densities = Field(
         default_factory=dict, description="per-expert TIES density (experts not listed: density)",
+        json_schema_extra={"flag": "--expert-density", "metavar": "NAME=D"},
     )
     drop_rates: DropRates = Field(
         default_factory=dict, description="per-expert DARE drop rate (experts not listed: drop_rate)",
+        json_schema_extra={"flag": "--expert-drop-rate", "metavar": "NAME=P"},
     )
     normalize: bool | None = Field(
         None, description="divide the weighted sum of task vectors by the sum of the weights (TIES: of the agreeing "

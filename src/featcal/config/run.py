@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -105,6 +105,8 @@ class RunOptions(StrictModel):
     device stays a FeatCalConfig field (`device`), where the calibration reads it.
     """
 
+    concern: ClassVar[str] = "reading the inputs, writing the output"
+
     overwrite: bool = Field(False, description="replace a non-empty output directory (one featcal wrote)")
     allow_pickle: bool = Field(False, description="accept pickled (*.bin) checkpoints (read with weights_only)")
     max_length: int = Field(DEFAULT_MAX_LENGTH, description="truncate calibration texts to this many tokens")
@@ -113,7 +115,8 @@ class RunOptions(StrictModel):
     )
     expert_kind: dict[str, Literal["full", "adapter"]] = Field(
         default_factory=dict, description="task -> full or adapter: how to read an expert folder holding both full "
-        "weights and a LoRA / PEFT adapter (refused without it)"
+        "weights and a LoRA / PEFT adapter (refused without it)",
+        json_schema_extra={"flag": "--expert-kind", "metavar": "NAME=KIND"},
     )
 
     @field_validator("max_length")
@@ -131,6 +134,8 @@ class OutputOptions(StrictModel):
     """What the written checkpoint holds besides the weights' values: `featcal merge` / `calibrate` flags
     (--dtype, --tokenizer-source), featcal.merge's keywords and a run file's top-level keys (mergekit's dtype,
     out_dtype and tokenizer_source)."""
+
+    concern: ClassVar[str] = "the written checkpoint"
 
     dtype: OutputDtype | None = Field(
         None, description="floating dtype of the written weights (computed in float32 either way); unset: the "
