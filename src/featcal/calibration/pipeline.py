@@ -35,15 +35,7 @@ from featcal.config import (
     run_options,
 )
 from featcal.data.batch import Batch
-from featcal.data.calibration import (
-    batches_record,
-    check_calibration_source,
-    check_task_names,
-    data_options,
-    load_calibration_batches,
-    naming_task,
-    template_dirs,
-)
+from featcal.data.calibration import check_task_names, check_task_sources, data_options, load_task_sources
 from featcal.data.preprocess import (
     IMAGE_PROCESSOR_FILES,
     TOKENIZER_FILES,
@@ -160,11 +152,9 @@ def check_calibration_inputs(
     check_config(model_config)  # an architecture featcal cannot calibrate: refused from its config, no weights read
     expert_dirs = {t: inputs[expert_label(t)] for t in tasks}
     data_dir = processor_dir(inputs[reference], inputs[BASE], model_config)
-    options = data_options(config, max_length=max_length, allow_fewer=allow_fewer)
-    for t in tasks:
-        with naming_task(t):
-            check_calibration_source(calibration_sources[t], model_dir=data_dir, config=model_config,
-                                     template_dirs=template_dirs(expert_dirs, t), **options)
+    check_task_sources({t: calibration_sources[t] for t in tasks}, model_dir=data_dir, config=model_config,
+                       options=data_options(config, max_length=max_length, allow_fewer=allow_fewer),
+                       experts=expert_dirs)
     if check_finite:  # the costliest check, last: reads every checkpoint once, one tensor at a time
         family.scan_finite(progress=progress)
     read_as = {label: family.kind(label) for label in family.items if label != MERGED}
@@ -366,20 +356,14 @@ def _load_calibration(
     checked: CheckedInputs, calibration_sources: Mapping[str, str | Path], config: FeatCalConfig,
     max_length: int, allow_fewer: bool, progress: bool,
 ) -> tuple[dict[str, list[Batch]], dict[str, dict]]:
-    """Each task's calibration batches, and which column each task's data was read from (the model's config
+    """Each task's calibration batches, and what featcal.json records of each task's data (the model's config
     is read once for all the tasks)."""
-    calibration: dict[str, list[Batch]] = {}
-    read_as: dict[str, dict] = {t: {} for t in checked.tasks}
-    model_config = load_config(checked.data_dir, error=CalibrationDataError)
-    options = data_options(config, max_length=max_length, allow_fewer=allow_fewer)
-    for t in checked.tasks:
-        with naming_task(t):
-            calibration[t] = load_calibration_batches(
-                calibration_sources[t], model_dir=checked.data_dir, batch_size=config.calibration_batch_size,
-                progress=progress, record=read_as[t], config=model_config,
-                template_dirs=template_dirs(checked.experts, t), **options,
-            )
-    return calibration, read_as
+    return load_task_sources(
+        {t: calibration_sources[t] for t in checked.tasks}, model_dir=checked.data_dir,
+        config=load_config(checked.data_dir, error=CalibrationDataError), batch_size=config.calibration_batch_size,
+        options=data_options(config, max_length=max_length, allow_fewer=allow_fewer), experts=checked.experts,
+        progress=progress,
+    )
 
 
 def _tune_arguments(
@@ -430,8 +414,7 @@ def _inputs_report(
         "base": {"path": str(base_dir), "sha256": checkpoint_hashes(base_dir), **checked.read_as.get(BASE, {})},
         "experts": {t: {"path": str(d), "sha256": checkpoint_hashes(d), **checked.read_as.get(expert_label(t), {})}
                     for t, d in checked.experts.items()},
-        "calibration": {t: {**read_as[t], "source": str(calibration_sources[t]), **batches_record(b)}
-                        for t, b in calibration.items()},
+        "calibration": {t: {**read_as[t], "source": str(calibration_sources[t])} for t in calibration},
         "processor_dir": str(checked.data_dir),
     }
 

@@ -15,6 +15,7 @@ Everything is importable from `featcal.config` as before the cut.
 from featcal.config.base import (
     DEFAULT_MAX_LENGTH,
     MAX_SEED,
+    Device,
     FrozenStrictModel,
     StrictModel,
     parse,
@@ -88,7 +89,7 @@ __all__ = [
     "DEFAULT_TUNE_BUDGET", "DEFAULT_TUNE_HOLDOUT", "EXPERT_ENTRY_KEYS", "MAX_COVARIANCE_EPS", "MAX_LAMBDA_RATIO",
     "MAX_RUN_FILE_BYTES", "MAX_RUN_FILE_DEPTH", "MAX_RUN_FILE_VALUES", "MAX_SEED", "MERGE_METHODS", "RECIPE_OPTIONS",
     "REPORTED_WHEN_SET", "SECTIONS", "TASK_VECTOR_METHODS", "WHOLE_MODEL_MERGE_METHODS", "CalibrateSpec",
-    "DataOptions", "Densities", "DropRates", "ExecutionOptions", "FeatCalConfig", "FrozenStrictModel",
+    "DataOptions", "Densities", "Device", "DropRates", "ExecutionOptions", "FeatCalConfig", "FrozenStrictModel",
     "MergeConfig", "MergeMethod", "MergeSpec", "MergedSpec", "MethodKind", "MethodName", "MethodParams",
     "MethodSpec", "ModulePatterns", "OutputDtype", "OutputOptions", "RegMeanParams", "ResumeOptions", "RunConfig",
     "RunOptions", "SolveOptions", "StrictModel", "TuneKnob", "TuneOptions", "Weight", "WudiParams", "add_method",

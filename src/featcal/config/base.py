@@ -10,9 +10,17 @@ from __future__ import annotations
 
 import types
 import typing
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
 from featcal.errors import ConfigError
 
@@ -49,6 +57,15 @@ class FrozenStrictModel(StrictModel):
     """A StrictModel whose instances do not change once validated (parameter sets passed around as values)."""
 
     model_config = ConfigDict(frozen=True, validate_assignment=False)
+
+
+def _device_name(v: str) -> str:
+    if v not in ("cpu", "cuda", "auto") and not v.startswith("cuda:"):
+        raise ValueError(f"device must be cpu, cuda, cuda:N or auto, not {v!r}")
+    return v
+
+
+Device = Annotated[str, AfterValidator(_device_name)]  # a torch device name featcal runs on, or auto
 
 
 def seed_field(description: str) -> Any:

@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from featcal.config.base import StrictModel
+from featcal.config.base import Device, StrictModel
 from featcal.config.data import DataOptions
 
 MAX_LAMBDA_RATIO = 100.0
@@ -81,18 +81,12 @@ class ExecutionOptions(StrictModel):
         "float32", description="dtype in which block-input chains are stored between blocks"
     )
     spill_dir: Path | None = Field(None, description="spill block-input chains to this directory instead of RAM")
-    device: str = Field("cpu", description="torch device for the block forwards and solves")
+    device: Device = Field("cpu", description="torch device for the block forwards and solves")
     offload_blocks: bool = Field(
         False, description="keep both models and the chains on the CPU and put only the block being calibrated "
         "(of the merged model and of the expert template) and one batch on --device"
     )
 
-    @field_validator("device")
-    @classmethod
-    def _device_known(cls, v: str) -> str:
-        if v not in ("cpu", "cuda", "auto") and not v.startswith("cuda:"):
-            raise ValueError(f"device must be cpu, cuda, cuda:N or auto, not {v!r}")
-        return v
 
 
 class ResumeOptions(StrictModel):
@@ -234,25 +228,12 @@ class FeatCalConfig(TuneOptions, ResumeOptions, ExecutionOptions, DataOptions, S
         return model.model_construct(_fields_set=self.model_fields_set & set(model.model_fields),
                                      **{k: getattr(self, k) for k in model.model_fields})
 
-    @property
-    def solve_options(self) -> SolveOptions:
-        return self.section("solve")
-
-    @property
-    def data_options(self) -> DataOptions:
-        return self.section("data")
-
-    @property
-    def execution_options(self) -> ExecutionOptions:
-        return self.section("execution")
-
-    @property
-    def resume_options(self) -> ResumeOptions:
-        return self.section("resume")
-
-    @property
-    def tune_options(self) -> TuneOptions:
-        return self.section("tune")
+    # each concern's options as their own model: config.solve_options, .data_options, ... (`section`)
+    solve_options = property(lambda self: self.section("solve"), doc="the solve options (SolveOptions)")
+    data_options = property(lambda self: self.section("data"), doc="the calibration data options (DataOptions)")
+    execution_options = property(lambda self: self.section("execution"), doc="where it runs (ExecutionOptions)")
+    resume_options = property(lambda self: self.section("resume"), doc="how it resumes (ResumeOptions)")
+    tune_options = property(lambda self: self.section("tune"), doc="the search's options (TuneOptions)")
 
 
 def _is_section(name: str, value: Any) -> bool:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from featcal.config.base import DEFAULT_MAX_LENGTH, StrictModel, parse
 from featcal.config.featcal import FeatCalConfig
@@ -15,6 +15,14 @@ from featcal.config.merge import MergeConfig
 from featcal.config.registry import MethodName
 from featcal.errors import ConfigError
 
+
+def _some_experts(v: dict[str, str]) -> dict[str, str]:
+    if not v:
+        raise ValueError("at least one expert is needed")
+    return v
+
+
+Experts = Annotated[dict[str, str], AfterValidator(_some_experts)]  # task -> checkpoint, at least one
 # a run file's per-expert entry key -> the MergeConfig field that holds it
 EXPERT_ENTRY_KEYS = {"weight": "weights", "density": "densities", "drop_rate": "drop_rates"}
 
@@ -24,7 +32,7 @@ class MergeSpec(StrictModel):
     is a path, or an entry {path, weight, density, drop_rate} carrying its own recipe values."""
 
     base: str
-    experts: dict[str, str]
+    experts: Experts
     method: MethodName = "task_arithmetic"
     calibration: dict[str, str] | None = Field(None, description="RegMean(++): task -> calibration data")
     params: dict[str, Any] = Field(default_factory=dict)
@@ -56,13 +64,6 @@ class MergeSpec(StrictModel):
         data["experts"], data["params"] = experts, params
         return data
 
-    @field_validator("experts")
-    @classmethod
-    def _non_empty(cls, v: dict[str, str]) -> dict[str, str]:
-        if not v:
-            raise ValueError("at least one expert is needed")
-        return v
-
     def merge_config(self) -> MergeConfig:
         return parse(MergeConfig, {"method": self.method, **self.params})
 
@@ -87,14 +88,7 @@ class MergedSpec(StrictModel):
 
     path: str
     base: str
-    experts: dict[str, str]
-
-    @field_validator("experts")
-    @classmethod
-    def _non_empty(cls, v: dict[str, str]) -> dict[str, str]:
-        if not v:
-            raise ValueError("at least one expert is needed")
-        return v
+    experts: Experts
 
 
 class RunOptions(StrictModel):

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from featcal.errors import CheckpointError
-from featcal.io.tensor_source import TensorSource
+from featcal.io.tensor_source import DictSource, MappedSource, TensorSource
 
 
 def parameter_aliases(model: nn.Module) -> dict[str, list[str]]:
@@ -59,13 +59,12 @@ def checkpoint_key_map(model: nn.Module, checkpoint_keys: list[str]) -> dict[str
 ParamSource = TensorSource
 
 
-class ModelSource(TensorSource):
+class ModelSource(DictSource):
     """An in-memory model's parameters, every alias of a tied one included (never modified)."""
 
     def __init__(self, model: nn.Module, label: str) -> None:
-        self.label = self.path = label
+        super().__init__(dict(model.named_parameters(remove_duplicate=False)), label)
         self.module = model
-        self._params = dict(model.named_parameters(remove_duplicate=False))
 
     @property
     def config(self) -> dict:
@@ -73,21 +72,8 @@ class ModelSource(TensorSource):
 
         return module_config(self.module)
 
-    def keys(self) -> list[str]:
-        return sorted(self._params)
 
-    def __contains__(self, name: str) -> bool:
-        return name in self._params
-
-    def meta(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
-        p = self._params[name]
-        return tuple(p.shape), p.dtype
-
-    def get(self, name: str) -> torch.Tensor:
-        return self._params[name].detach()
-
-
-class CheckpointSource(TensorSource):
+class CheckpointSource(MappedSource):
     """A checkpoint (any opened input: a folder, a LoRA adapter applied to its base, a dequantised GGUF file)
     viewed by the parameter names of `template`, read one tensor at a time.
 
@@ -102,37 +88,31 @@ class CheckpointSource(TensorSource):
 
         self.label = label
         # `reader`: the input as io/family.py opened it; else the folder `path`
-        self.reader: TensorSource = reader or UnmappedReader(path, allow_pickle=allow_pickle)
-        self.path = self.reader.path
-        self.key_map = checkpoint_key_map(template, self.reader.keys())
-        aliases = parameter_aliases(template)
-        for name, names in aliases.items():  # a tied parameter may be saved under one alias only
-            if name not in self.key_map:
-                found = next((self.key_map[a] for a in names if a in self.key_map), None)
+        reader = reader or UnmappedReader(path, allow_pickle=allow_pickle)
+        key_map = checkpoint_key_map(template, reader.keys())
+        for name, names in parameter_aliases(template).items():  # a tied parameter may be saved under one alias only
+            if name not in key_map:
+                found = next((key_map[a] for a in names if a in key_map), None)
                 if found is not None:
-                    self.key_map[name] = found
+                    key_map[name] = found
+        super().__init__(reader, key_map, {}, view=f"{label} by the parameter names of {type(template).__name__}")
+
+    @property
+    def reader(self) -> TensorSource:
+        return self.source
 
     @property
     def config(self) -> dict:
-        return self.reader.config
-
-    def keys(self) -> list[str]:
-        return sorted(self.key_map)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.key_map
-
-    def meta(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
-        return self.reader.meta(self.key_map[name])
+        return self.source.config
 
     def get(self, name: str) -> torch.Tensor:
         if name not in self.key_map:
-            raise CheckpointError(f"{self.label} ({self.reader.path}): tensor {name!r} is missing")
-        return self.reader.get(self.key_map[name])
+            raise CheckpointError(f"{self.label} ({self.source.path}): tensor {name!r} is missing")
+        return self.source.get(self.key_map[name])
 
     def shape(self, name: str) -> tuple[int, ...] | None:
         key = self.key_map.get(name)
-        return None if key is None else self.reader.meta(key)[0]
+        return None if key is None else self.source.meta(key)[0]
 
 
 def validate_source(source: ParamSource, reference: nn.Module, names: list[str]) -> None:
