@@ -3,7 +3,8 @@
 Why: the schema is the one place where an option, its default, its help and its valid range are defined; a
 flag written by hand repeats them and drifts (two defaults of --max-length did). Each field of a model becomes
 one flag: bools --x / --no-x, Literals their choices, a mapping NAME=VALUE pairs (repeated), a list a comma-
-separated value. A field may name its own flag (`json_schema_extra={"flag": "--weight"}`, None for none). The
+separated value (or, with `"repeat": True`, one flag per item). A field may name its own flag and metavar
+(`json_schema_extra={"flag": "--weight", "metavar": "NAME=W"}`; "flag" None: no flag). The
 flags of one model share a namespace prefix; unset flags are absent, so the schema's default applies, and the
 values are validated by the same schema as the Python API and YAML files.
 """
@@ -119,6 +120,10 @@ def _add_flag(group, name: str, info: FieldInfo, prefix: str, choices: Sequence[
         kwargs = _flag_kwargs(info.annotation)
         if choices is not None:
             kwargs = {"type": str, "choices": list(choices)}
+        if _extra(info).get("repeat"):  # a list whose items may hold commas: one flag per item
+            kwargs = {"action": "append"}
+        if "metavar" in _extra(info):
+            kwargs["metavar"] = _extra(info)["metavar"]
         help_text = (info.description or name.replace("_", " ")) + f" (default: {default})"
     group.add_argument(flag_of(name, info), dest=prefix + name, default=argparse.SUPPRESS, help=help_text, **kwargs)
 
