@@ -26,7 +26,7 @@ from featcal.blocks.adapters import adapter_for
 from featcal.calibration import context
 from featcal.calibration.api import calibrate
 from featcal.config import FeatCalConfig
-from featcal.experiments.bench.run import _batches
+from featcal.evaluation.features import batches as _batches
 from featcal.experiments.zoo.store import Zoo
 from featcal.merging.api import merge
 

@@ -8,11 +8,15 @@ Uses only the public API (featcal.calibrate, FeatCalConfig), so it runs against 
     diff old.txt new.txt      # empty: the same checkpoints, bit for bit
 
 Each family is calibrated with the default settings and with a few that take other engine paths
-(sequential statistics, the one-pass mode, the final and stem norms, the joint bias solve), and tuned
+(sequential statistics, the one-pass mode, the final and stem norms, the joint bias solve), once more with
+base and experts read from checkpoint folders (the front door's path, io/family.py), and tuned
 (`tune`: the label-free search over the merge's scaling, rho, lambda and alpha, scored by the held-out
 drift; `tune_heads`: scored through a callable head reading the model's logits, where it has them).
 A version whose `tune` scores causal LMs by next-token agreement (tune_next_token) runs `tune` with it
 off, so that the same search is compared; `tune_next_token` is printed where the option exists.
+Then every merge method (RegMean and RegMean++ on in-memory batches, WUDI with a few steps) merges saved
+checkpoints of a few families (`python benchmarks/families_bitident.py --merges`, or a family name to run
+that one only).
 """
 
 from __future__ import annotations
@@ -20,11 +24,13 @@ from __future__ import annotations
 import copy
 import hashlib
 import sys
+import tempfile
+from pathlib import Path
 
 import torch
 import transformers as T
 
-from featcal import FeatCalConfig, calibrate
+from featcal import FeatCalConfig, calibrate, merge
 
 torch.set_num_threads(1)
 SL, FU = "sliding_attention", "full_attention"
@@ -124,6 +130,42 @@ def calibrated(out) -> torch.nn.Module:
     return out if isinstance(out, torch.nn.Module) else out.model
 
 
+def state_digest(state: dict) -> str:
+    h = hashlib.sha256()
+    for k, v in sorted(state.items()):
+        h.update(k.encode())
+        h.update(v.detach().contiguous().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+MERGES = {  # method -> keyword parameters (the bench's settings; WUDI shortened)
+    "average": {}, "linear": {}, "task_arithmetic": {"scaling": 0.3}, "ties": {"density": 0.2, "scaling": 1.0},
+    "dare_ta": {"drop_rate": 0.5, "scaling": 0.3}, "dare_ties": {"drop_rate": 0.5, "density": 0.2, "scaling": 1.0},
+    "regmean": {"alpha": 0.9}, "regmean++": {"alpha": 0.9}, "wudi": {"steps": 5, "lr": 1e-3},
+}
+MERGED_FAMILIES = ("clip_vision_model", "bert", "llama")
+
+
+def saved(root: Path, base, experts) -> tuple[Path, dict[str, Path]]:
+    base.save_pretrained(root / "base")
+    for t, e in experts.items():
+        e.save_pretrained(root / t)
+    return root / "base", {t: root / t for t in experts}
+
+
+def main_merges(names: list[str]) -> None:
+    for name in names or MERGED_FAMILIES:
+        torch.manual_seed(0)
+        base, experts, merged = family(FAMILIES[name]())
+        batches = data(merged, experts)
+        with tempfile.TemporaryDirectory() as tmp:
+            base_dir, expert_dirs = saved(Path(tmp), base, experts)
+            for method, params in MERGES.items():
+                extra = {"calibration": batches} if method.startswith("regmean") else {}
+                state = merge(base_dir, expert_dirs, method, progress=False, **params, **extra)
+                print(f"{name:18s} merge:{method:16s} {state_digest(state)}", flush=True)
+
+
 def main(names: list[str]) -> None:
     for name in names or FAMILIES:
         torch.manual_seed(0)
@@ -141,7 +183,15 @@ def main(names: list[str]) -> None:
             out = calibrate(merged, base=base, experts=experts, calibration=batches, config=cfg, progress=False,
                             **extra)
             print(f"{name:18s} {setting:16s} {digest(calibrated(out))}", flush=True)
+        with tempfile.TemporaryDirectory() as tmp:  # base and experts read from their folders, block by block
+            base_dir, expert_dirs = saved(Path(tmp), base, experts)
+            out = calibrate(merged, base=str(base_dir), experts={t: str(d) for t, d in expert_dirs.items()},
+                            calibration=batches, config=FeatCalConfig(), progress=False)
+            print(f"{name:18s} {'paths':16s} {digest(calibrated(out))}", flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    if sys.argv[1:2] == ["--merges"]:
+        main_merges(sys.argv[2:])
+    else:
+        main(sys.argv[1:])

@@ -24,8 +24,9 @@ import torch
 from featcal.calibration.api import calibrate
 from featcal.config import FeatCalConfig
 from featcal.evaluation.classification import accuracy
+from featcal.evaluation.features import batches as _batches
 from featcal.experiments.bench.metrics import gap_closed
-from featcal.experiments.bench.run import MERGE_PARAMS, _batches
+from featcal.experiments.bench.run import MERGE_PARAMS
 from featcal.experiments.zoo.store import Zoo
 from featcal.merging.api import merge
 

@@ -57,8 +57,9 @@ def calibrate_toward(zoo, loaded, target, calib: int) -> dict:
     """FeatCal from TA 0.3 toward one model for every task; accuracy before and after."""
     from featcal.calibration.api import calibrate
     from featcal.config import FeatCalConfig
+    from featcal.evaluation.features import batches as _batches
     from featcal.experiments.bench.metrics import gap_closed
-    from featcal.experiments.bench.run import MERGE_PARAMS, _batches
+    from featcal.experiments.bench.run import MERGE_PARAMS
     from featcal.merging.api import merge
 
     tasks = zoo.tasks

@@ -25,9 +25,9 @@ import torch
 from featcal.calibration.api import calibrate
 from featcal.config import FeatCalConfig
 from featcal.evaluation.classification import accuracy
+from featcal.evaluation.features import batches as _batches
 from featcal.evaluation.features import features
 from featcal.experiments.bench.metrics import gap_closed
-from featcal.experiments.bench.run import _batches
 from featcal.experiments.zoo.store import Zoo
 from featcal.io.report import Timer
 from featcal.merging.api import merge

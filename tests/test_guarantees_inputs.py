@@ -69,7 +69,7 @@ def no_calibration_work(monkeypatch):
         raise AssertionError("calibration work started before the input was validated")
 
     monkeypatch.setattr(pipeline, "load_model", boom)
-    monkeypatch.setattr(pipeline, "load_calibration_batches", boom)
+    monkeypatch.setattr(pipeline, "load_task_sources", boom)
 
 
 def _replace_with(directory, kind):

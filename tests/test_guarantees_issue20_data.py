@@ -65,7 +65,7 @@ def no_calibration_work(monkeypatch):
         raise AssertionError("calibration work started before the input was validated")
 
     monkeypatch.setattr(pipeline, "load_model", boom)
-    monkeypatch.setattr(pipeline, "load_calibration_batches", boom)
+    monkeypatch.setattr(pipeline, "load_task_sources", boom)
 
 
 @pytest.fixture
@@ -210,9 +210,9 @@ def test_yaml_merge_keys_still_override():
 
 
 def _loader():
-    from featcal.config import _UniqueKeyLoader
+    from featcal.config.files import UniqueKeyLoader
 
-    return _UniqueKeyLoader
+    return UniqueKeyLoader
 
 
 # --- item 6: relative image paths in data files ---------------------------------------------------------------

@@ -122,7 +122,7 @@ def no_work(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("work started before the request was validated")
 
-    for name in ("open_source", "load_calibration", "merge_family"):
+    for name in ("open_family", "load_calibration", "merge_family"):
         monkeypatch.setattr(merge_api, name, boom)
 
 

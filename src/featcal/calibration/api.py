@@ -12,7 +12,7 @@ from featcal.calibration import core, tuning
 from featcal.calibration.inputs import ModelLike, adapter_reader, resolve_device
 from featcal.calibration.result import CalibrationResult
 from featcal.calibration.task_data import resolve_calibration
-from featcal.config import FeatCalConfig, check_expert_kinds, run_options
+from featcal.config import DEFAULT_MAX_LENGTH, FeatCalConfig, check_expert_kinds, run_options
 from featcal.errors import ConfigError
 
 # re-exported: callers that read a checkpoint as calibrate does, or check a device as it does
@@ -36,7 +36,7 @@ def calibrate(
     return_result: bool | None = None,
     expert_kind: Mapping[str, str] | None = None,
     tokenizer: Any = None,
-    max_length: int = 128,
+    max_length: int = DEFAULT_MAX_LENGTH,
     allow_fewer: bool = False,
 ) -> CalibrationResult:
     """Calibrate a merged model toward its experts with FeatCal (docs/method.md); returns a CalibrationResult,

@@ -20,7 +20,6 @@ from featcal.calibration.distributed import RankGroup, current_group
 from featcal.calibration.engine import FeatCalEngine
 from featcal.calibration.inputs import (
     ModelLike,
-    adapter_reader,
     as_model,
     check_base_for_rho,
     check_batches,
@@ -28,7 +27,6 @@ from featcal.calibration.inputs import (
     check_variant_packages,
     identity,
     normalise_batches,
-    refuse_non_finite,
     resolve_device,
 )
 from featcal.calibration.param_names import needed_param_names
@@ -36,9 +34,9 @@ from featcal.calibration.placement import Placement
 from featcal.calibration.result import CalibrationResult, DriftRow
 from featcal.config import FeatCalConfig
 from featcal.data.batch import Batch
-from featcal.io.param_sources import CheckpointSource, ModelSource, ParamSource, validate_source
+from featcal.io.family import open_family
+from featcal.io.param_sources import ParamSource
 from featcal.io.validate import validate_expert_names
-from featcal.io.vocab import pad_param_sources
 
 log = logging.getLogger("featcal.calibration")
 
@@ -105,44 +103,19 @@ def _open_resume_store(config: FeatCalConfig, model: nn.Module, base: ModelLike 
     return store
 
 
-def _param_sources(template: nn.Module, base: ModelLike | None, experts: Mapping[str, ModelLike],
-                   allow_pickle: bool, expert_kind: Mapping[str, str] | None = None,
-                   ) -> tuple[dict[str, ParamSource], ParamSource | None]:
-    """Where each expert's and the base's parameters are read from: the model given, or its files read
-    block by block into `template` (a LoRA adapter applied to the base, a GGUF file dequantised)."""
-    sources: dict[str, ParamSource] = {}
-    for t, e in experts.items():
-        if isinstance(e, nn.Module):
-            sources[t] = ModelSource(e, f"expert {t!r}")
-        else:
-            sources[t] = CheckpointSource(e, template, f"expert {t!r}", allow_pickle=allow_pickle,
-                                          reader=adapter_reader(e, base, f"expert {t!r}", allow_pickle,
-                                                                (expert_kind or {}).get(t)))
-    base_src: ParamSource | None = None
-    if base is not None:
-        base_src = ModelSource(base, "base") if isinstance(base, nn.Module) else CheckpointSource(
-            base, template, "base", allow_pickle=allow_pickle, reader=adapter_reader(base, None, "base", allow_pickle)
-        )
-    return sources, base_src
-
-
-def _checked_sources(model: nn.Module, stacks: list[Stack], sources: dict[str, ParamSource],
-                     base_src: ParamSource | None, check_finite: bool,
-                     final_names: list[str] | None = None) -> dict[str, ParamSource]:
-    """The experts' sources completed to a grown vocabulary, every parameter the run reads checked
-    against the merged model (and, with `check_finite`, for NaN/Inf). `final_names`: the parameters of the
-    norms solved outside the blocks (calibrate_final_norm, calibrate_stem_norm), which the base's anchor is
-    read for too."""
-    sources = pad_param_sources(sources, model)  # fewer vocabulary rows than a grown merge: its rows complete them
+def _checked_sources(model: nn.Module, template: nn.Module, stacks: list[Stack], base: ModelLike | None,
+                     experts: Mapping[str, ModelLike], allow_pickle: bool, check_finite: bool,
+                     expert_kind: Mapping[str, str] | None = None, final_names: list[str] | None = None,
+                     ) -> tuple[dict[str, ParamSource], ParamSource | None]:
+    """Where each expert's and the base's parameters are read from (io/family.py: the model given, or its files
+    read block by block into `template`; a LoRA adapter applied to the base, a GGUF file dequantised), completed
+    to a grown vocabulary, every parameter the run reads checked against the merged model (and, with
+    `check_finite`, for NaN/Inf). `final_names`: the parameters of the norms solved outside the blocks
+    (calibrate_final_norm, calibrate_stem_norm), which the base's anchor is read for too."""
+    family = open_family(base, experts, allow_pickle=allow_pickle, expert_kind=expert_kind, eager=False)
     stem_names, block_names = needed_param_names(model, stacks)
     block_names = block_names + list(final_names or [])  # read from experts and base like a block's (the anchor)
-    for src in sources.values():
-        validate_source(src, model, stem_names + block_names)
-    if base_src is not None:
-        validate_source(base_src, model, block_names)
-    if check_finite:
-        refuse_non_finite(model, sources, base_src, stem_names, block_names)
-    return sources
+    return family.calibration_sources(model, template, stem_names + block_names, block_names, check_finite)
 
 
 def _run_engine(
@@ -196,11 +169,11 @@ def calibrate_setting(
     data = _calibration_data(model, adapter, adapter.main_input(model, stacks[0]), experts, calibration, group)
     store = _open_resume_store(config, model, base, experts, data, group, expert_kind)
     template = copy.deepcopy(model)  # expert t's weights are loaded into this, block by block
-    sources, base_src = _param_sources(template, base, experts, allow_pickle, expert_kind)
     final = adapter.final_norm(model, stacks[-1]) if config.calibrate_final_norm else None
     stem = adapter.stem_norm(model, stacks[0]) if config.calibrate_stem_norm else None
     solved_norms = [n for norm in (stem, final) if norm is not None for n in norm.param_names()]
-    sources = _checked_sources(model, stacks, sources, base_src, check_finite, solved_norms)
+    sources, base_src = _checked_sources(model, template, stacks, base, experts, allow_pickle, check_finite,
+                                         expert_kind, solved_norms)
     drift, end_to_end, final_norm, stem_norm, kept = _run_engine(model, template, adapter, sources, base_src, data,
                                                                  config, device, progress, group, store,
                                                                  keep_resume_state)

@@ -1,6 +1,6 @@
 """What every calibration checks and prepares before any work: the device, the merged model, the
-calibration batches (normalised and checked against the model), the task names, NaN/Inf in the
-parameters read, and the readers of LoRA / GGUF inputs. Shared by a single calibration (core.py) and the
+calibration batches (normalised and checked against the model) and the task names. The checkpoints are opened
+and checked by the front door (io/family.py). Shared by a single calibration (core.py) and the
 hyperparameter search (tuning.py).
 """
 
@@ -17,13 +17,10 @@ from torch import nn
 from featcal.blocks.adapters import Adapter
 from featcal.calibration import resume as resume_mod
 from featcal.config import FeatCalConfig
-from featcal.errors import CalibrationDataError, CheckpointError, ConfigError
+from featcal.errors import CalibrationDataError, ConfigError
 from featcal.io import models as io_models  # looked up at call time (tests watch load_model)
-from featcal.io.gguf import open_gguf
-from featcal.io.inputs import open_source
-from featcal.io.lora import open_adapter, reads_as_adapter
-from featcal.io.param_sources import ParamSource
-from featcal.io.validate import first_non_finite
+from featcal.io.family import open_input
+from featcal.io.tensor_source import TensorSource
 
 log = logging.getLogger("featcal.calibration")
 
@@ -90,24 +87,6 @@ def check_batches(task: str, batches: list[dict[str, torch.Tensor]], main_input:
         adapter.check_batch(config, b, main_input, f"task {task!r}, batch {i}")
 
 
-def refuse_non_finite(
-    model: nn.Module, sources: Mapping[str, ParamSource], base: ParamSource | None,
-    stem_names: list[str], block_names: list[str],
-) -> None:
-    """Refuse NaN/Inf in any parameter the run reads, naming its owner, before any forward runs."""
-    def read(src: ParamSource, names: list[str]):  # lazily: one tensor in memory at a time
-        return ((n, src.get(n)) for n in names)
-
-    owners = [("merged model", model.named_parameters())]
-    owners += [(src.label, read(src, stem_names + block_names)) for src in sources.values()]
-    if base is not None:
-        owners.append((base.label, read(base, block_names)))
-    for label, tensors in owners:
-        bad = first_non_finite(tensors)
-        if bad is not None:
-            raise CheckpointError(f"{label}: parameter {bad[0]!r} contains NaN or Inf ({bad[1]} value(s))")
-
-
 def check_tasks(experts: Mapping[str, Any], calibration: Mapping[str, Any]) -> None:
     if not experts:
         raise CalibrationDataError("no experts given: FeatCal calibrates toward at least one expert")
@@ -130,18 +109,13 @@ def identity(source: ModelLike) -> str:
     return resume_mod.files_digest(path) if os.path.isdir(path) else f"id:{path}"
 
 def adapter_reader(expert: ModelLike, base: ModelLike | None, label: str, allow_pickle: bool,
-                   kind: str | None = None):
-    """A LoRA / PEFT adapter folder read as base + ΔW (io/lora.py), a GGUF file dequantised (io/gguf.py);
-    None for any other input (a checkpoint folder, read by CheckpointSource itself). `kind` (full / adapter)
-    settles an expert folder holding both (`reads_as_adapter`, the rule merge follows too); the base
-    (`label` "base") is read as its full weights."""
-    if not reads_as_adapter(expert, label, kind, may_be_adapter=label != "base"):
-        return open_gguf(expert, label)
-    if base is None:
-        need = "pass base= (the model it was trained on) to apply it" if label != "base" else "the base must be a model"
-        raise ConfigError(f"{label}: {expert} is a LoRA adapter; {need}")
-    return open_adapter(expert, open_source(base, label="base", allow_pickle=allow_pickle), label,
-                        allow_pickle=allow_pickle)
+                   kind: str | None = None) -> TensorSource:
+    """`expert` opened as calibrate opens it (io/family.py's `open_input`): a LoRA / PEFT adapter folder read as
+    base + ΔW, a GGUF file dequantised, a checkpoint folder read one tensor at a time. `kind` (full / adapter)
+    settles an expert folder holding both; the base (`label` "base") is read as its full weights."""
+    opened_base = None if base is None else (lambda: open_input(base, label="base", allow_pickle=allow_pickle))
+    return open_input(expert, label=label, allow_pickle=allow_pickle, base=opened_base, kind=kind,
+                      may_be_adapter=label != "base")
 
 
 def check_base_for_rho(config: FeatCalConfig, base: Any) -> None:

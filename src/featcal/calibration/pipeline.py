@@ -26,17 +26,16 @@ from featcal.calibration.inputs import check_variant_packages, resolve_device
 from featcal.calibration.result import CalibrationResult
 from featcal.calibration.resume import default_resume_dir, discard_on_error
 from featcal.calibration.tuning import load_heads, merge_scaling_from_report
-from featcal.config import FeatCalConfig, OutputOptions, check_expert_kinds, parse, run_options
-from featcal.data.batch import Batch
-from featcal.data.calibration import (
-    batches_record,
-    check_calibration_source,
-    check_task_names,
-    data_options,
-    load_calibration_batches,
-    naming_task,
-    template_dirs,
+from featcal.config import (
+    DEFAULT_MAX_LENGTH,
+    FeatCalConfig,
+    OutputOptions,
+    check_expert_kinds,
+    parse,
+    run_options,
 )
+from featcal.data.batch import Batch
+from featcal.data.calibration import check_task_names, check_task_sources, data_options, load_task_sources
 from featcal.data.preprocess import (
     IMAGE_PROCESSOR_FILES,
     TOKENIZER_FILES,
@@ -51,126 +50,15 @@ from featcal.io.atomic import (
     refuse_output_over_inputs,
 )
 from featcal.io.card import replaced_files, write_card
-from featcal.io.checkpoint import CheckpointReader, copy_side_files, read_json, resolve_checkpoint
-from featcal.io.gguf import gguf_config, gguf_file, open_gguf
-from featcal.io.layouts import harmonise
-from featcal.io.lora import kind_record, open_adapter, reads_as_adapter
-from featcal.io.models import check_loadable, hf_progress_bars, load_config, load_model
+from featcal.io.checkpoint import CheckpointReader, copy_side_files, read_json
+from featcal.io.family import BASE, MERGED, expert_label, is_gguf, open_family
+from featcal.io.models import hf_progress_bars, load_config, load_model
 from featcal.io.report import Timer, build_report, checkpoint_hashes, peak_rss_mb, write_report
-from featcal.io.sources import UnmappedReader
 from featcal.io.task_heads import HEADS_DIR
 from featcal.io.tokenizer import TokenizerPlan, input_folder, plan_tokenizer
-from featcal.io.validate import (
-    check_finite_state,
-    check_same_config,
-    check_same_fields,
-    check_same_tensors,
-    scan_finite,
-)
-from featcal.io.vocab import vocab_rows_view
+from featcal.io.validate import check_finite_state
 
 log = logging.getLogger(__name__)
-
-
-def _as_adapter(label: str, path: Any, kinds: Mapping[str, str | None]) -> bool:
-    """Whether input `label` is read as a LoRA adapter over the base (io/lora.py's rule, as merge applies it):
-    only experts may be; `kinds` (label -> full / adapter) settles a folder holding both."""
-    return reads_as_adapter(path, label, kinds.get(label), may_be_adapter=label.startswith("expert"))
-
-
-def _checkpoint(label: str, path_or_id: str | Path, allow_pickle: bool, kinds: Mapping[str, str | None]) -> Path:
-    """Resolve and validate one input checkpoint (headers only), naming it in any error."""
-    if _as_adapter(label, path_or_id, kinds):  # a LoRA adapter: checked against the base in _check_same_tensors
-        if not label.startswith("expert"):
-            raise CheckpointError(f"{label}: {path_or_id} is a LoRA/PEFT adapter, not a model; only experts may be adapters")
-        return Path(path_or_id).expanduser()
-    try:
-        gguf = gguf_file(path_or_id)
-    except CheckpointError as exc:
-        raise CheckpointError(f"{label}: {exc}") from None
-    if gguf is not None:  # dequantised when read (io/gguf.py); its header is checked now
-        if label == "merged model":
-            raise CheckpointError(f"{label}: {gguf} is a GGUF file; calibrate the safetensors checkpoint featcal merge wrote")
-        gguf_config(gguf, label)
-        return Path(path_or_id).expanduser()
-    try:
-        path = resolve_checkpoint(path_or_id, allow_pickle=allow_pickle)
-        CheckpointReader(path, allow_pickle=allow_pickle)
-        if label == "merged model":  # loaded whole by transformers, which reads only the standard file names
-            check_loadable(path, allow_pickle)
-    except CheckpointError as exc:
-        raise CheckpointError(f"{label}: {exc}") from None
-    return path
-
-
-def _model_type(label: str, path: Path) -> str | None:
-    gguf = gguf_file(path)
-    if gguf is not None:
-        return gguf_config(gguf, label).model_type
-    config = path / "config.json"
-    if not config.is_file():
-        raise CheckpointError(f"{label}: {path} has no config.json")
-    try:
-        model_type = read_json(config).get("model_type")
-    except CheckpointError as exc:
-        raise CheckpointError(f"{label}: {exc}") from None
-    if model_type is not None and not isinstance(model_type, str):
-        raise CheckpointError(f"{label}: {config} gives model_type {model_type!r}, which is no model type name")
-    return model_type
-
-
-def _check_same_architecture(inputs: Mapping[str, Path], reference: str = "merged",
-                             kinds: Mapping[str, str | None] | None = None) -> None:
-    types = {label: _model_type(label, p) for label, p in inputs.items()
-             if not _as_adapter(label, p, kinds or {})}  # adapters: the base's
-    if set(types.values()) == {"clip", "clip_vision_model"}:
-        return  # a CLIPModel base with vision-tower experts: read as vision towers (io/layouts.py)
-    ref_type = types[reference]
-    odd = [f"{label} ({t})" for label, t in types.items() if t != ref_type]
-    if odd:
-        raise CheckpointError(
-            f"all checkpoints must share the {reference} model's type ({ref_type}); these differ: {', '.join(odd)}"
-        )
-
-
-def _reader(label: str, path: Path, inputs: Mapping[str, Path], allow_pickle: bool, cls: type,
-            kinds: Mapping[str, str | None] | None = None):
-    """A reader of one input: a LoRA adapter folder applied to the base (io/lora.py), a GGUF file
-    dequantised (io/gguf.py), else `cls` (CheckpointReader, UnmappedReader) over the folder."""
-    if _as_adapter(label, path, kinds or {}):
-        base = _reader("base model", inputs["base"], inputs, allow_pickle, cls)
-        return open_adapter(path, base, label, allow_pickle=allow_pickle)
-    gguf = open_gguf(path, label, header_only=cls is CheckpointReader)  # the header checks need no values
-    return gguf if gguf is not None else cls(path, allow_pickle=allow_pickle)
-
-
-def _input_kind(label: str, path: Path, kinds: Mapping[str, str | None]) -> dict[str, Any]:
-    """What featcal.json says of an input that is no plain checkpoint (a GGUF file, a LoRA adapter, a folder
-    holding adapter files read as its full weights)."""
-    if _as_adapter(label, path, kinds):
-        return {"lora_adapter": True}
-    if gguf_file(path) is not None:
-        return {"dequantised_from_gguf": True}
-    return kind_record(path, False)
-
-
-def _check_same_tensors(inputs: Mapping[str, Path], reference: str, allow_pickle: bool,
-                        kinds: Mapping[str, str | None]) -> None:
-    """Headers only: every checkpoint has the reference's config class, tensor names, shapes, dtype classes.
-
-    One reader besides the reference is open at a time (an allowed pickle is held whole while open).
-    """
-    ref = _reader(reference, inputs[reference], inputs, allow_pickle, CheckpointReader, kinds)
-    for label, path in inputs.items():
-        if label != reference:
-            # under one naming first (transformers-4 layouts, a CLIPModel base's vision tower, tied copies)
-            reader = _reader(label, path, inputs, allow_pickle, CheckpointReader, kinds)
-            pair = harmonise({reference: ref, label: reader}, reference)
-            pair[label] = vocab_rows_view(pair[reference], reference, label, pair[label])  # grown vocabularies
-            check_same_config(pair[reference], label, pair[label], what=label, reference=f"the {reference} model")
-            check_same_tensors(pair[reference], label, pair[label], what=label, reference=f"the {reference} model")
-            check_same_fields(pair[reference], label, pair[label], what=label, reference=f"the {reference} model")
-            del pair
 
 
 def check_options(config: FeatCalConfig, max_length: int, check_device: bool = True) -> None:
@@ -205,10 +93,11 @@ class CheckedInputs:
     experts: dict[str, Path]
     data_dir: Path
     expert_kind: dict[str, str] = field(default_factory=dict)  # task -> full / adapter, where the user said
+    read_as: dict[str, dict[str, Any]] = field(default_factory=dict)  # input label -> how it was read (featcal.json)
 
     def kinds(self) -> dict[str, str]:
         """expert_kind by input label ("expert 'NAME'"), as the reader helpers take it."""
-        return {f"expert {t!r}": k for t, k in self.expert_kind.items()}
+        return {expert_label(t): k for t, k in self.expert_kind.items()}
 
 
 def check_calibration_inputs(
@@ -221,7 +110,7 @@ def check_calibration_inputs(
     out: str | Path,
     overwrite: bool = False,
     allow_pickle: bool = False,
-    max_length: int = 128,
+    max_length: int = DEFAULT_MAX_LENGTH,
     allow_fewer: bool = False,
     check_finite: bool = True,
     progress: bool = False,
@@ -242,67 +131,60 @@ def check_calibration_inputs(
     tasks = check_task_names(experts, calibration_sources)
     expert_kind = dict(run_options(expert_kind=expert_kind or {}).expert_kind)
     check_expert_kinds(expert_kind, experts)
-    kinds = {f"expert {t!r}": k for t, k in expert_kind.items()}
     check_options(config, max_length, check_device)
     out_path = check_output_dir(out, overwrite)
-    merged_dir = _checkpoint("merged model", merged, allow_pickle, kinds) if merged is not None else None
-    base_dir = _checkpoint("base model", base, allow_pickle, kinds)
-    expert_dirs = {t: _checkpoint(f"expert {t!r}", experts[t], allow_pickle, kinds) for t in tasks}
-    inputs = {"base": base_dir, **{f"expert {t!r}": d for t, d in expert_dirs.items()}}
-    if merged_dir is not None:
-        inputs = {"merged": merged_dir, **inputs}
-    reference = "merged" if merged_dir is not None else "base"
-    _check_same_architecture(inputs, reference, kinds)
+    # every input opened once, headers only (a GGUF file is dequantised for the finite scan alone)
+    family = open_family(base, {t: experts[t] for t in tasks}, merged, allow_pickle=allow_pickle,
+                         expert_kind=expert_kind, header_only=True, base_name="base model")
+    inputs = {label: family.path(label) for label in family.items}  # merged, base, experts: their folders
+    reference = MERGED if merged is not None else BASE
+    family.check_model_types(reference)
     refuse_output_over_inputs(out_path, {**inputs, **{f"calibration data {t!r}": calibration_sources[t] for t in tasks},
                                          **{f"head of task {t!r}": h for t, h in (heads or {}).items()}})
     check_resume_dir(config, out_path, inputs)
     check_spill_dir(config, out_path, inputs)
     check_replaceable(out_path, overwrite)
-    _check_same_tensors(inputs, reference, allow_pickle, kinds)
-    if reference == "base" and _input_kind("base", base_dir, kinds).get("dequantised_from_gguf"):  # no tokenizer files to check with
-        raise CheckpointError(f"base model: {base_dir} is a GGUF file; featcal run checks the calibration data against "
-                              "the base's tokenizer files: run featcal merge, then featcal calibrate on its output")
+    family.check_consistent(reference)
+    if reference == BASE and is_gguf(family.base):  # no tokenizer files to check with
+        raise CheckpointError(f"base model: {inputs[BASE]} is a GGUF file; featcal run checks the calibration data "
+                              "against the base's tokenizer files: run featcal merge, then featcal calibrate on its "
+                              "output")
     model_config = load_config(inputs[reference])
     check_config(model_config)  # an architecture featcal cannot calibrate: refused from its config, no weights read
-    data_dir = processor_dir(inputs[reference], base_dir, model_config)
-    options = data_options(config, max_length=max_length, allow_fewer=allow_fewer)
-    for t in tasks:
-        with naming_task(t):
-            check_calibration_source(calibration_sources[t], model_dir=data_dir, config=model_config,
-                                     template_dirs=template_dirs(expert_dirs, t), **options)
+    expert_dirs = {t: inputs[expert_label(t)] for t in tasks}
+    data_dir = processor_dir(inputs[reference], inputs[BASE], model_config)
+    check_task_sources({t: calibration_sources[t] for t in tasks}, model_dir=data_dir, config=model_config,
+                       options=data_options(config, max_length=max_length, allow_fewer=allow_fewer),
+                       experts=expert_dirs)
     if check_finite:  # the costliest check, last: reads every checkpoint once, one tensor at a time
-        for label, d in inputs.items():
-            name = label if label.startswith("expert") else f"{label} model"
-            scan_finite(name, _reader(label, d, inputs, allow_pickle, UnmappedReader, kinds), progress=progress)
-    return CheckedInputs(tasks, out_path, merged_dir, base_dir, expert_dirs, data_dir, expert_kind)
+        family.scan_finite(progress=progress)
+    read_as = {label: family.kind(label) for label in family.items if label != MERGED}
+    return CheckedInputs(tasks, out_path, inputs.get(MERGED), inputs[BASE], expert_dirs, data_dir, expert_kind, read_as)
 
 
 def check_resume_dir(config: FeatCalConfig, out: Path, inputs: Mapping[str, Path]) -> None:
     """A `--resume-dir` must not sit in (or be) a checkpoint featcal reads, nor the output it writes:
     its files would change the input's identity (and its content), or stop the output's final rename."""
-    if not config.resume or config.resume_dir is None:
-        return
-    state = Path(config.resume_dir).expanduser().resolve()
-    for label, d in {**inputs, "output": out}.items():
-        d = Path(d).expanduser().resolve()
-        if state == d or d in state.parents:
-            where = "is" if state == d else "lies inside"
-            raise ConfigError(f"the resume directory {config.resume_dir} {where} the {label} directory {d}; "
-                              "choose another --resume-dir")
+    if config.resume and config.resume_dir is not None:
+        _refuse_inside("resume", config.resume_dir, out, inputs)
 
 
 def check_spill_dir(config: FeatCalConfig, out: Path, inputs: Mapping[str, Path]) -> None:
     """A `--spill-dir` must not be (or lie inside) the output, which replacing would delete with the chains
     in it, nor a checkpoint featcal reads."""
-    if config.spill_dir is None:
-        return
-    spill = Path(config.spill_dir).expanduser().resolve()
+    if config.spill_dir is not None:
+        _refuse_inside("spill", config.spill_dir, out, inputs)
+
+
+def _refuse_inside(what: str, given: str | os.PathLike, out: Path, inputs: Mapping[str, Path]) -> None:
+    """ConfigError naming --{what}-dir when `given` is, or lies inside, an input's folder or the output."""
+    directory = Path(given).expanduser().resolve()
     for label, d in {**inputs, "output": out}.items():
         d = Path(d).expanduser().resolve()
-        if spill == d or d in spill.parents:
-            where = "is" if spill == d else "lies inside"
-            raise ConfigError(f"the spill directory {config.spill_dir} {where} the {label} directory {d}; "
-                              "choose another --spill-dir")
+        if directory == d or d in directory.parents:
+            where = "is" if directory == d else "lies inside"
+            raise ConfigError(f"the {what} directory {given} {where} the {label} directory {d}; "
+                              f"choose another --{what}-dir")
 
 
 def feature_width(config: Any) -> int | None:
@@ -374,7 +256,7 @@ def calibrate_to_dir(
     overwrite: bool = False,
     allow_pickle: bool = False,
     progress: bool = True,
-    max_length: int = 128,
+    max_length: int = DEFAULT_MAX_LENGTH,
     allow_fewer: bool = False,
     check_finite: bool = True,
     merge_scaling: float | None = None,
@@ -475,20 +357,14 @@ def _load_calibration(
     checked: CheckedInputs, calibration_sources: Mapping[str, str | Path], config: FeatCalConfig,
     max_length: int, allow_fewer: bool, progress: bool,
 ) -> tuple[dict[str, list[Batch]], dict[str, dict]]:
-    """Each task's calibration batches, and which column each task's data was read from (the model's config
+    """Each task's calibration batches, and what featcal.json records of each task's data (the model's config
     is read once for all the tasks)."""
-    calibration: dict[str, list[Batch]] = {}
-    read_as: dict[str, dict] = {t: {} for t in checked.tasks}
-    model_config = load_config(checked.data_dir, error=CalibrationDataError)
-    options = data_options(config, max_length=max_length, allow_fewer=allow_fewer)
-    for t in checked.tasks:
-        with naming_task(t):
-            calibration[t] = load_calibration_batches(
-                calibration_sources[t], model_dir=checked.data_dir, batch_size=config.calibration_batch_size,
-                progress=progress, record=read_as[t], config=model_config,
-                template_dirs=template_dirs(checked.experts, t), **options,
-            )
-    return calibration, read_as
+    return load_task_sources(
+        {t: calibration_sources[t] for t in checked.tasks}, model_dir=checked.data_dir,
+        config=load_config(checked.data_dir, error=CalibrationDataError), batch_size=config.calibration_batch_size,
+        options=data_options(config, max_length=max_length, allow_fewer=allow_fewer), experts=checked.experts,
+        progress=progress,
+    )
 
 
 def _tune_arguments(
@@ -536,11 +412,10 @@ def _inputs_report(
     base_dir = checked.base
     return {
         "merged": {"path": str(merged_dir), "sha256": checkpoint_hashes(merged_dir)},
-        "base": {"path": str(base_dir), "sha256": checkpoint_hashes(base_dir), **_input_kind("base", base_dir, {})},
-        "experts": {t: {"path": str(d), "sha256": checkpoint_hashes(d), **_input_kind(f"expert {t!r}", d, checked.kinds())}
+        "base": {"path": str(base_dir), "sha256": checkpoint_hashes(base_dir), **checked.read_as.get(BASE, {})},
+        "experts": {t: {"path": str(d), "sha256": checkpoint_hashes(d), **checked.read_as.get(expert_label(t), {})}
                     for t, d in checked.experts.items()},
-        "calibration": {t: {**read_as[t], "source": str(calibration_sources[t]), **batches_record(b)}
-                        for t, b in calibration.items()},
+        "calibration": {t: {**read_as[t], "source": str(calibration_sources[t])} for t in calibration},
         "processor_dir": str(checked.data_dir),
     }
 

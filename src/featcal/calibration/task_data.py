@@ -21,14 +21,8 @@ from typing import Any
 
 from torch import nn
 
-from featcal.config import FeatCalConfig, run_options
-from featcal.data.calibration import (
-    batches_record,
-    data_options,
-    load_calibration_batches,
-    naming_task,
-    template_dirs,
-)
+from featcal.config import DEFAULT_MAX_LENGTH, FeatCalConfig, run_options
+from featcal.data.calibration import data_options, load_task_sources
 from featcal.data.preprocess import has_processor_files, model_modality
 from featcal.data.sources import is_batch_data
 from featcal.errors import CalibrationDataError
@@ -37,7 +31,7 @@ from featcal.io.models import load_config
 
 def resolve_calibration(
     merged: Any, *, base: Any, experts: Mapping[str, Any], calibration: Any, config: FeatCalConfig,
-    tokenizer: Any = None, max_length: int = 128, allow_fewer: bool = False, progress: bool = False,
+    tokenizer: Any = None, max_length: int = DEFAULT_MAX_LENGTH, allow_fewer: bool = False, progress: bool = False,
 ) -> tuple[Any, dict[str, dict[str, Any]]]:
     """(`calibration` with every source read into batches, what featcal.json would record per source task).
 
@@ -53,21 +47,12 @@ def resolve_calibration(
     model_config = _config_of(merged)
     model_dir, tokenizer_object = _processor(merged, base, tokenizer, model_config, sources)
     expert_dirs = {t: _folder_of(e) for t, e in experts.items()}
-    options = data_options(config, max_length=max_length, allow_fewer=allow_fewer)
-    out: dict[str, Any] = dict(calibration)
-    records: dict[str, dict[str, Any]] = {}
-    for t in sources:
-        record: dict[str, Any] = {}
-        with naming_task(t):
-            out[t] = load_calibration_batches(
-                calibration[t], model_dir=model_dir, batch_size=config.calibration_batch_size, progress=progress,
-                record=record, config=model_config, tokenizer=tokenizer_object,
-                template_dirs=template_dirs({k: v for k, v in expert_dirs.items() if v is not None}, t), **options,
-            )
-        if isinstance(calibration[t], (str, os.PathLike)):
-            record["source"] = str(calibration[t])
-        records[t] = {**record, **batches_record(out[t])}
-    return out, records
+    loaded, records = load_task_sources(
+        {t: calibration[t] for t in sources}, model_dir=model_dir, config=model_config, tokenizer=tokenizer_object,
+        batch_size=config.calibration_batch_size, experts={k: v for k, v in expert_dirs.items() if v is not None},
+        options=data_options(config, max_length=max_length, allow_fewer=allow_fewer), progress=progress,
+    )
+    return {**calibration, **loaded}, records
 
 
 def _config_of(model: Any):

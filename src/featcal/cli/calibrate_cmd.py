@@ -15,6 +15,7 @@ from featcal.cli.calibrate_args import (  # noqa: F401  (add_config_flags, parse
     add_config_flags,
     add_output_flags,
     config_from_args,
+    output_options_from_args,
     parse_pairs,
     run_options_from_args,
 )
@@ -73,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         args.merged, base=args.base, experts=parse_pairs(args.expert, "--expert"),
         calibration_sources=parse_pairs(args.calib, "--calib"), config=config, out=args.out,
         progress=not args.no_progress, **options.model_dump(),
-        heads=parse_pairs(args.tune_head, "--tune-head"), dtype=args.dtype,
+        heads=parse_pairs(args.tune_head, "--tune-head"), dtype=output_options_from_args(args).dtype,
     )
     if not group.is_main:
         return 0  # rank 0 wrote the checkpoint and prints the summary

@@ -3,35 +3,9 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
-from featcal.cli.calibrate_args import parse_pairs
-from featcal.evaluation.options import DEFAULT_TEMPLATE, EvalOptions
-
-_OPTION_FLAGS = {  # EvalOptions field -> (flag, argparse keywords); help comes from the field
-    "batch_size": ("--batch-size", {"type": int, "metavar": "INT"}),
-    "max_length": ("--max-length", {"type": int, "metavar": "INT"}),
-    "max_examples": ("--max-examples", {"type": int, "metavar": "INT"}),
-    "seed": ("--seed", {"type": int, "metavar": "INT"}),
-    "split": ("--split", {"metavar": "NAME"}),
-    "text_column": ("--text-column", {"metavar": "NAME"}),
-    "label_column": ("--label-column", {"metavar": "NAME"}),
-    "target_column": ("--target-column", {"metavar": "NAME"}),
-    "templates": ("--template", {"action": "append", "metavar": "TEXT"}),
-    "processor": ("--processor", {"metavar": "DIR"}),
-    "allow_calibration_overlap": ("--allow-calibration-overlap", {"action": "store_true"}),
-    "allow_pickle": ("--allow-pickle", {"action": "store_true"}),
-    "device": ("--device", {"metavar": "DEVICE"}),
-}
-
-
-def _options(args: argparse.Namespace) -> dict[str, Any]:
-    """The EvalOptions fields given on the command line (the others keep the schema's defaults)."""
-    given = {name: getattr(args, name) for name in _OPTION_FLAGS
-             if getattr(args, name, None) is not None and getattr(args, name) is not False}
-    if "templates" in given:
-        given["templates"] = tuple(given["templates"])
-    return given
+from featcal.cli.flags import add_flags, given_values, parse_pairs
+from featcal.evaluation.options import EvalOptions
 
 
 def run(args: argparse.Namespace) -> int:
@@ -42,7 +16,7 @@ def run(args: argparse.Namespace) -> int:
         parse_pairs(args.task, "--task"), parse_pairs(args.model, "--model"),
         base=args.base, merged=args.merged, calibrated=args.calibrated, experts=parse_pairs(args.expert, "--expert"),
         out=args.out, overwrite=args.overwrite, lm_eval=args.lm_eval, progress=not args.no_progress,
-        **_options(args),
+        **given_values(args, EvalOptions, ""),
     )
     if report["results"]:
         print(eval_table(report), end="")
@@ -82,9 +56,5 @@ def register(subparsers) -> None:
                    help="also score every model with lm-evaluation-harness on these comma-separated tasks "
                    "(run when installed, else its command is printed)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    group = p.add_argument_group("evaluation options")
-    for name, (flag, kwargs) in _OPTION_FLAGS.items():
-        field = EvalOptions.model_fields[name]
-        default = DEFAULT_TEMPLATE if name == "templates" else field.default
-        group.add_argument(flag, dest=name, default=None, help=f"{field.description} (default: {default})", **kwargs)
+    add_flags(p, EvalOptions, prefix="")
     p.set_defaults(func=run)

@@ -31,7 +31,7 @@ import argparse
 import shutil
 from pathlib import Path
 
-from featcal.config import RunConfig, read_run_data, run_config
+from featcal.config import RunConfig, is_task_vector_merge, read_run_data, run_config
 from featcal.errors import ConfigError
 from featcal.io.atomic import (
     check_output_dir,
@@ -123,7 +123,7 @@ def execute(run: RunConfig, *, progress: bool = True) -> Path:
         return out
 
     from featcal.calibration.pipeline import calibrate_to_dir, check_calibration_inputs, feature_width
-    from featcal.calibration.tuning import TASK_VECTOR_METHODS, load_heads
+    from featcal.calibration.tuning import load_heads
 
     featcal_config = run.calibrate.featcal_config()
     # everything the calibration will check, against the base, BEFORE the merge (the merge scans for NaN)
@@ -145,7 +145,7 @@ def execute(run: RunConfig, *, progress: bool = True) -> Path:
             merged=merged_dir, base=run.merge.base, experts=run.merge.experts,
             calibration_sources=run.calibrate.calibration, config=featcal_config, out=out,
             **options, progress=progress, check_finite=False,
-            merge_scaling=merge_config.scaling if featcal_config.tune and merge_config.method in TASK_VECTOR_METHODS
+            merge_scaling=merge_config.scaling if featcal_config.tune and is_task_vector_merge(merge_config.method)
             else None,  # tune may rebuild a task-vector merge at other scalings
             heads=run.calibrate.heads, dtype=run.dtype,
         )

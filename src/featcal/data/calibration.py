@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from featcal.config import DEFAULT_MAX_LENGTH
 from featcal.data.batch import Batch, BatchLike, batch_size
 from featcal.data.fingerprint import example_sha256
 from featcal.data.packing import documents_in_order, pack
@@ -63,7 +64,7 @@ class SourcePlan:
     record: dict[str, Any] = field(default_factory=dict)
 
 
-def data_options(config: Any, *, max_length: int = 128, allow_fewer: bool = False) -> dict[str, Any]:
+def data_options(config: Any, *, max_length: int = DEFAULT_MAX_LENGTH, allow_fewer: bool = False) -> dict[str, Any]:
     """The keyword options of check_calibration_source / load_calibration_batches a FeatCalConfig or
     MergeConfig (and the run options) set: one place maps the config onto the data seam."""
     return {
@@ -82,7 +83,7 @@ def _model_label(model_dir: str | Path | None, config) -> str:
 def plan_source(
     source: Any, *, model_dir: str | Path | None, num_examples: int, allow_fewer: bool = False, config=None,
     text_column: str | None = None, allow_test_split: bool = False, text_unit: str | None = None,
-    data_format: str | None = None, pack_texts: bool | None = None, max_length: int = 128,
+    data_format: str | None = None, pack_texts: bool | None = None, max_length: int = DEFAULT_MAX_LENGTH,
     num_examples_explicit: bool = True, tokenizer=None, template_dirs: Mapping[str, Path] | None = None,
     seed: int = 0,
 ) -> SourcePlan:
@@ -213,7 +214,7 @@ def load_calibration_batches(
     num_examples: int,
     batch_size: int,
     seed: int = 0,
-    max_length: int = 128,
+    max_length: int = DEFAULT_MAX_LENGTH,
     allow_fewer: bool = False,
     progress: bool = False,
     record: dict | None = None,
@@ -329,3 +330,35 @@ def _tokens(batches: list[BatchLike]) -> int | None:
         count = int(mask.sum()) if isinstance(mask, torch.Tensor) else int(b["input_ids"].numel())
         total = (total or 0) + count
     return total
+
+
+def check_task_sources(sources: Mapping[str, Any], *, model_dir: str | Path | None, config: Any,
+                       options: Mapping[str, Any], experts: Mapping[str, Any] | None = None) -> None:
+    """`check_calibration_source` for each task's source, naming the task in any error; chat templates are
+    looked for with the task's own expert first (`template_dirs`). `options`: `data_options(...)`'s."""
+    for task, source in sources.items():
+        with naming_task(task):
+            check_calibration_source(source, model_dir=model_dir, config=config,
+                                     template_dirs=template_dirs(experts or {}, task), **options)
+
+
+def load_task_sources(
+    sources: Mapping[str, Any], *, model_dir: str | Path | None, config: Any, options: Mapping[str, Any],
+    batch_size: int, experts: Mapping[str, Any] | None = None, progress: bool = False, tokenizer: Any = None,
+) -> tuple[dict[str, list[Batch]], dict[str, dict[str, Any]]]:
+    """Each task's source read into batches (`load_calibration_batches`), and what featcal.json records of it:
+    how it was read, the source (a path), its batches (`batches_record`). The one loop behind featcal calibrate,
+    featcal.calibrate's sources and the RegMean merges' data."""
+    batches: dict[str, list[Batch]] = {}
+    records: dict[str, dict[str, Any]] = {}
+    for task, source in sources.items():
+        record: dict[str, Any] = {}
+        with naming_task(task):
+            batches[task] = load_calibration_batches(
+                source, model_dir=model_dir, batch_size=batch_size, progress=progress, record=record, config=config,
+                tokenizer=tokenizer, template_dirs=template_dirs(experts or {}, task), **options,
+            )
+        if isinstance(source, (str, Path)) or hasattr(source, "__fspath__"):
+            record["source"] = str(source)
+        records[task] = {**record, **batches_record(batches[task])}
+    return batches, records

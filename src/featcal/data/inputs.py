@@ -87,15 +87,13 @@ def validate_family_inputs(base: ModelLike, experts: Mapping[str, ModelLike]) ->
     Checkpoint paths are checked from their headers and streamed one tensor at a time, so a bad third
     expert is refused before the first one is even loaded.
     """
-    from featcal.io.inputs import open_source
+    from featcal.io.family import open_family
     from featcal.io.validate import validate_family
 
     if not isinstance(experts, Mapping) or not experts:
         raise CheckpointError("experts must be a non-empty mapping task -> model or checkpoint path")
-    validate_family(
-        open_source(base, label="base"),
-        {t: open_source(m, label=f"expert {t!r}") for t, m in experts.items()},
-    )
+    family = open_family(base, experts)
+    validate_family(family.base, family.experts)
 
 
 def load_family(base: ModelLike, experts: Mapping[str, ModelLike]) -> tuple[nn.Module, dict[str, nn.Module]]:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from featcal.config import DEFAULT_MAX_LENGTH
 from featcal.data.batch import Batch
 from featcal.data.types import Example, Modality
 from featcal.errors import CalibrationDataError
@@ -345,7 +346,7 @@ def teacher_forced_decoder_inputs(
     return ids, mask
 
 
-def make_preprocessor(model_dir: str | Path | None, config, max_length: int = 128, *, tokenizer=None) -> Preprocessor:
+def make_preprocessor(model_dir: str | Path | None, config, max_length: int = DEFAULT_MAX_LENGTH, *, tokenizer=None) -> Preprocessor:
     """The preprocessor for the model whose config (and processor files) live in `model_dir` (None: no folder,
     the API's in-memory model; then `tokenizer` tokenizes, and images get the fallback preprocessing)."""
     directory = None if model_dir is None else Path(model_dir)

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from typing import ClassVar
 
-from featcal.config import MAX_SEED
+from pydantic import Field, field_validator
+
+from featcal.config import MAX_SEED, FrozenStrictModel
 
 DEFAULT_TEMPLATE = "a photo of a {}."
 
 
-class EvalOptions(BaseModel):
+class EvalOptions(FrozenStrictModel):
     """How the tasks are read and the models run; none of it changes what a metric means."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    concern: ClassVar[str] = "evaluation options"
 
     batch_size: int = Field(16, ge=1, description="examples per forward (batches are length-sorted)")
     max_length: int = Field(512, ge=1, description="truncate texts to this many tokens")
@@ -23,7 +25,8 @@ class EvalOptions(BaseModel):
     label_column: str | None = Field(None, description="the column holding the labels (default: label)")
     target_column: str | None = Field(None, description="the column holding the target texts (default: target)")
     templates: tuple[str, ...] = Field((DEFAULT_TEMPLATE,), min_length=1,
-                                       description="zero-shot prompt templates, each with one {} for the class name")
+                                       description="zero-shot prompt templates, each with one {} for the class name",
+                                       json_schema_extra={"flag": "--template", "repeat": True, "metavar": "TEXT"})
     processor: str | None = Field(None, description="tokenizer / image processor folder for models saved without one")
     allow_calibration_overlap: bool = Field(
         False, description="score a calibrated model on examples it was calibrated on (flagged in the outputs)"

@@ -19,6 +19,7 @@ import torch
 from safetensors import safe_open
 
 from featcal.errors import CheckpointError
+from featcal.io.tensor_source import TensorSource
 
 SAFE_SINGLE = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
@@ -58,7 +59,7 @@ def resolve_checkpoint(path_or_id: str | os.PathLike, *, allow_pickle: bool = Fa
         ) from None
 
 
-class CheckpointReader:
+class CheckpointReader(TensorSource):
     """Read-only view of one checkpoint's tensors, by name, without loading them all."""
 
     def __init__(self, path_or_id: str | os.PathLike, *, allow_pickle: bool = False) -> None:

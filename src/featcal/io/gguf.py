@@ -28,6 +28,7 @@ import torch
 
 from featcal.errors import CheckpointError
 from featcal.io.sources import ModuleSource
+from featcal.io.tensor_source import DictSource
 from featcal.io.validate import config_differences, describe_differences
 
 log = logging.getLogger(__name__)
@@ -204,9 +205,10 @@ class GGUFHeader(ModuleSource):
         config = gguf_config(file, label)
         with torch.device("meta"):
             model = _model_class(config)(config)
-        self.module, self.path = model, Path(file)
         state = remove_tied_weights_from_state_dict(dict(model.state_dict()), model)
-        self._state = revert_weight_conversion(model, state)  # the names checkpoint_state_dict gives GGUFSource
+        # the names checkpoint_state_dict gives GGUFSource
+        DictSource.__init__(self, revert_weight_conversion(model, state), str(file))
+        self.module, self.path = model, Path(file)
         self._config = module_config(model)
 
     def get(self, name: str) -> torch.Tensor:

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from featcal.errors import CheckpointError
+from featcal.io.tensor_source import MappedSource
 
 log = logging.getLogger(__name__)
 
@@ -31,33 +32,8 @@ log = logging.getLogger(__name__)
 RECREATED_BUFFERS = ("position_ids",)
 
 
-class RenamedSource:
-    """CheckpointReader's read interface (`path`, `config`, `keys`, `meta`, `get`) under other names."""
-
-    def __init__(self, source: Any, key_map: Mapping[str, str], config: dict, view: str) -> None:
-        self.source = source
-        self.path = source.path
-        self._map = dict(key_map)  # name in the view -> name in the checkpoint
-        self._config = dict(config)
-        self.view = view  # what the renaming did, for messages and reports
-
-    @property
-    def config(self) -> dict:
-        return dict(self._config)
-
-    def keys(self) -> list[str]:
-        return sorted(self._map)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._map
-
-    def meta(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
-        return self.source.meta(self._map[name])
-
-    def get(self, name: str) -> torch.Tensor:
-        if name not in self._map:
-            raise CheckpointError(f"{self.path}: tensor {name!r} is missing")
-        return self.source.get(self._map[name])
+class RenamedSource(MappedSource):
+    """A checkpoint's read interface (`path`, `config`, `keys`, `meta`, `get`) under other names."""
 
     def write_config(self, directory: Path) -> None:
         """The view's config.json when it is not the checkpoint's own (a CLIPModel base's vision tower)."""

@@ -1,4 +1,4 @@
-"""Where expert and base parameters come from: an in-memory model, or a checkpoint read lazily.
+"""Expert and base parameters by the calibrated model's names: an in-memory model's, or an opened input's.
 
 The engine asks for parameters by the names of the model being calibrated (transformers-5 names).
 A checkpoint saved by transformers 4 may spell them differently (CLIPVisionModel's `vision_model.`
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from featcal.errors import CheckpointError
-from featcal.io.checkpoint import CheckpointReader
+from featcal.io.tensor_source import DictSource, MappedSource, TensorSource
 
 
 def parameter_aliases(model: nn.Module) -> dict[str, list[str]]:
@@ -54,65 +54,65 @@ def checkpoint_key_map(model: nn.Module, checkpoint_keys: list[str]) -> dict[str
     return out
 
 
-class ParamSource:
-    """Parameters of one model, by the calibrated model's parameter names."""
-
-    label: str
-
-    def get(self, name: str) -> torch.Tensor:
-        raise NotImplementedError
-
-    def shape(self, name: str) -> tuple[int, ...] | None:
-        """Shape of `name`, or None when the source does not hold it."""
-        raise NotImplementedError
+# A source read by the calibrated model's parameter names: the one TensorSource interface (keys, meta, get,
+# shape), named for what calibration reads (kept as the 0.1 name of this role).
+ParamSource = TensorSource
 
 
-class ModelSource(ParamSource):
-    """An in-memory model: parameters are read straight from it (never modified)."""
+class ModelSource(DictSource):
+    """An in-memory model's parameters, every alias of a tied one included (never modified)."""
 
     def __init__(self, model: nn.Module, label: str) -> None:
-        self.label = label
-        self._params = dict(model.named_parameters(remove_duplicate=False))
+        super().__init__(dict(model.named_parameters(remove_duplicate=False)), label)
+        self.module = model
 
-    def get(self, name: str) -> torch.Tensor:
-        return self._params[name].detach()
+    @property
+    def config(self) -> dict:
+        from featcal.io.sources import module_config
 
-    def shape(self, name: str) -> tuple[int, ...] | None:
-        p = self._params.get(name)
-        return None if p is None else tuple(p.shape)
+        return module_config(self.module)
 
 
-class CheckpointSource(ParamSource):
-    """A checkpoint directory or hub id, read one tensor at a time.
+class CheckpointSource(MappedSource):
+    """A checkpoint (any opened input: a folder, a LoRA adapter applied to its base, a dequantised GGUF file)
+    viewed by the parameter names of `template`, read one tensor at a time.
 
-    With plain file reads (UnmappedReader), not the memory map: pages read through a map stay in the
-    process's RSS while the reader is open, so T open experts would cost T checkpoints of RSS by the
+    Folders are read with plain file reads (UnmappedReader), not the memory map: pages read through a map stay
+    in the process's RSS while the reader is open, so T open experts would cost T checkpoints of RSS by the
     last block although only one block is ever needed.
     """
 
-    def __init__(self, path: str | os.PathLike, template: nn.Module, label: str, *, allow_pickle: bool = False,
-                 reader: object | None = None) -> None:
+    def __init__(self, path: str | os.PathLike | None, template: nn.Module, label: str, *,
+                 allow_pickle: bool = False, reader: TensorSource | None = None) -> None:
         from featcal.io.sources import UnmappedReader
 
         self.label = label
-        # `reader`: another CheckpointReader-like view (a LoRA adapter applied to the base, io/lora.py)
-        self.reader: CheckpointReader = reader or UnmappedReader(path, allow_pickle=allow_pickle)
-        self.key_map = checkpoint_key_map(template, self.reader.keys())
-        aliases = parameter_aliases(template)
-        for name, names in aliases.items():  # a tied parameter may be saved under one alias only
-            if name not in self.key_map:
-                found = next((self.key_map[a] for a in names if a in self.key_map), None)
+        # `reader`: the input as io/family.py opened it; else the folder `path`
+        reader = reader or UnmappedReader(path, allow_pickle=allow_pickle)
+        key_map = checkpoint_key_map(template, reader.keys())
+        for name, names in parameter_aliases(template).items():  # a tied parameter may be saved under one alias only
+            if name not in key_map:
+                found = next((key_map[a] for a in names if a in key_map), None)
                 if found is not None:
-                    self.key_map[name] = found
+                    key_map[name] = found
+        super().__init__(reader, key_map, {}, view=f"{label} by the parameter names of {type(template).__name__}")
+
+    @property
+    def reader(self) -> TensorSource:
+        return self.source
+
+    @property
+    def config(self) -> dict:
+        return self.source.config
 
     def get(self, name: str) -> torch.Tensor:
         if name not in self.key_map:
-            raise CheckpointError(f"{self.label} ({self.reader.path}): tensor {name!r} is missing")
-        return self.reader.get(self.key_map[name])
+            raise CheckpointError(f"{self.label} ({self.source.path}): tensor {name!r} is missing")
+        return self.source.get(self.key_map[name])
 
     def shape(self, name: str) -> tuple[int, ...] | None:
         key = self.key_map.get(name)
-        return None if key is None else self.reader.meta(key)[0]
+        return None if key is None else self.source.meta(key)[0]
 
 
 def validate_source(source: ParamSource, reference: nn.Module, names: list[str]) -> None:

@@ -19,6 +19,7 @@ from torch import nn
 
 from featcal.errors import CheckpointError
 from featcal.io.checkpoint import CheckpointReader
+from featcal.io.tensor_source import DictSource
 
 MergeInput = Union[str, os.PathLike, nn.Module, CheckpointReader]
 
@@ -99,34 +100,18 @@ def module_config(module: nn.Module) -> dict:
     return data
 
 
-class ModuleSource:
-    """CheckpointReader's read interface over an in-memory model (no copy of its weights)."""
+class ModuleSource(DictSource):
+    """CheckpointReader's read interface over an in-memory model (no copy of its weights), by the names its
+    checkpoint would have."""
 
     def __init__(self, module: nn.Module, label: str | None = None) -> None:
+        super().__init__(checkpoint_state_dict(module), label or f"<in-memory {type(module).__name__}>")
         self.module = module
-        self.path = label or f"<in-memory {type(module).__name__}>"
-        self._state = checkpoint_state_dict(module)
         self._config = module_config(module)
 
     @property
     def config(self) -> dict:
         return dict(self._config)
-
-    def keys(self) -> list[str]:
-        return sorted(self._state)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._state
-
-    def meta(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
-        t = self._state[name]
-        return tuple(t.shape), t.dtype
-
-    def get(self, name: str) -> torch.Tensor:
-        """The module's own tensor (callers must not modify it in place)."""
-        if name not in self._state:
-            raise CheckpointError(f"{self.path}: tensor {name!r} is missing")
-        return self._state[name]
 
     def check_can_save(self) -> None:
         """A checkpoint needs a transformers config: refuse plain torch modules as the base of `out`."""

@@ -5,8 +5,7 @@ the first offending tensor (in sorted name order), so that the user knows which 
 checks (config identity, names, shapes, dtypes) use only headers (`reader.meta`); the finite scan
 reads tensors one at a time, so it needs memory for a single tensor whatever the model size.
 
-The functions accept anything that looks like a `CheckpointReader` (see `TensorSource`): in-memory
-models are wrapped by `featcal.io.sources` with the same interface.
+The functions accept any input as io/family.py opens it (a `TensorSource`: io/tensor_source.py).
 """
 
 from __future__ import annotations
@@ -14,12 +13,13 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterable, Mapping
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
 from featcal.errors import CheckpointError, ConfigError
+from featcal.io.tensor_source import TensorSource  # noqa: F401  (the interface checked here; re-exported)
 
 # config.json fields that decide which class loads the weights; they must agree across the family.
 IDENTITY_FIELDS = ("model_type", "architectures")
@@ -38,21 +38,6 @@ MAY_DIFFER = frozenset({
     "tokenizer_class", "prefix", "vocab_size", "chunk_size_feed_forward",
 })
 _FLOAT_TOLERANCE = 1e-6  # GGUF headers store eps and RoPE bases as float32
-
-
-class TensorSource(Protocol):
-    """What validation needs from a checkpoint: names, headers, tensors and the config dict."""
-
-    path: Any
-
-    @property
-    def config(self) -> dict: ...
-
-    def keys(self) -> list[str]: ...
-
-    def meta(self, name: str) -> tuple[tuple[int, ...], torch.dtype]: ...
-
-    def get(self, name: str) -> torch.Tensor: ...
 
 
 MAX_NAME_LENGTH = 100

@@ -41,6 +41,7 @@ import torch
 
 from featcal.errors import CheckpointError
 from featcal.io.layouts import RenamedSource
+from featcal.io.tensor_source import TensorSource
 
 log = logging.getLogger(__name__)
 
@@ -430,13 +431,13 @@ def pad_rows_view(reference: Any, label: str, source: Any) -> Any:
     return RowsView(source, short, source.config, view=f"padded to the {ref_rows} vocabulary rows of {label}")
 
 
-class PaddedRows:
+class PaddedRows(TensorSource):
     """A calibration ParamSource whose vocabulary parameters with fewer rows than the merged model's
     are completed with the merged model's rows (tokens the expert never had are embedded as merged)."""
 
     def __init__(self, source: Any, model: torch.nn.Module) -> None:
         self.source = source
-        self.label = source.label
+        self.label, self.path = source.label, source.path
         self._params = dict(model.named_parameters(remove_duplicate=False))
         self.padded: list[str] = []
         embeddings = _embedding_names(model)  # not a square projection where vocab_size is a hidden size
@@ -449,6 +450,20 @@ class PaddedRows:
                 vocab = getattr(getattr(model, "config", None), "vocab_size", None)
                 if vocab == p.shape[0]:
                     self.padded.append(name)
+
+    @property
+    def config(self) -> dict:
+        return self.source.config
+
+    def keys(self) -> list[str]:
+        return self.source.keys()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.source
+
+    def meta(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
+        shape, dtype = self.source.meta(name)
+        return (tuple(self._params[name].shape) if name in self.padded else tuple(shape)), dtype
 
     def shape(self, name: str) -> tuple[int, ...] | None:
         if name in self.padded:

@@ -19,7 +19,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from featcal.config import MergeConfig, OutputOptions, check_expert_kinds, parse, run_options
+from featcal.config import (
+    DEFAULT_MAX_LENGTH,
+    MergeConfig,
+    OutputOptions,
+    check_expert_kinds,
+    parse,
+    run_options,
+)
 from featcal.errors import ConfigError
 from featcal.io.atomic import (
     atomic_output_dir,
@@ -29,15 +36,15 @@ from featcal.io.atomic import (
 )
 from featcal.io.card import replaced_files, write_card
 from featcal.io.checkpoint import CheckpointReader, copy_side_files
-from featcal.io.inputs import open_source
-from featcal.io.layouts import RenamedSource, harmonise
+from featcal.io.family import open_family
+from featcal.io.layouts import RenamedSource
 from featcal.io.lora import kind_record
 from featcal.io.report import Timer, build_report, checkpoint_hashes, peak_rss_mb, write_report
 from featcal.io.sources import MergeInput, ModuleSource
 from featcal.io.task_heads import HeadPlan, plan_heads
 from featcal.io.tokenizer import TokenizerPlan, input_folder, plan_tokenizer
 from featcal.io.validate import check_finite_state, validate_expert_names, validate_family
-from featcal.io.vocab import VocabPlan, grown_vocabulary
+from featcal.io.vocab import VocabPlan
 from featcal.merging.calibration_data import (
     CalibrationInput,
     check_calibration_data,
@@ -205,7 +212,7 @@ def merge(
     config: MergeConfig | None = None,
     progress: bool = True,
     calibration: Mapping[str, CalibrationInput] | None = None,
-    max_length: int = 128,
+    max_length: int = DEFAULT_MAX_LENGTH,
     allow_fewer: bool = False,
     expert_kind: Mapping[str, str] | None = None,
     dtype: str | None = None,
@@ -252,12 +259,9 @@ def merge(
                                         **{f"calibration data {t!r}": c for t, c in (calibration or {}).items()}})
         check_replaceable(out, overwrite)
 
-    base_src = open_source(base, label="base", allow_pickle=allow_pickle)
-    expert_srcs = {n: open_source(e, label=f"expert {n!r}", allow_pickle=allow_pickle, base=base_src, kind=kinds.get(n))
-                   for n, e in experts.items()}  # base=: a LoRA adapter folder is applied to the base
-    viewed = harmonise({"base": base_src, **{f"expert {n!r}": s for n, s in expert_srcs.items()}}, "base")
-    base_src, expert_srcs = viewed["base"], {n: viewed[f"expert {n!r}"] for n in expert_srcs}  # one naming
-    expert_srcs, vocab = grown_vocabulary(base_src, expert_srcs)  # more rows than the base: base rows merged
+    # every input opened once (a LoRA adapter folder applied to the base), under the base's naming, experts with
+    # more vocabulary rows than the base cut to its rows (merged as the base's, then grown back: `vocab`)
+    base_src, expert_srcs, vocab = open_family(base, experts, allow_pickle=allow_pickle, expert_kind=kinds).merge_view()
     if out is not None and isinstance(base_src, ModuleSource):
         base_src.check_can_save()
     model_dir = None if isinstance(base_src, ModuleSource) else Path(base_src.path)

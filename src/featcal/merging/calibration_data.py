@@ -17,16 +17,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
 
-from featcal.config import MergeConfig, method_names, method_spec
+from featcal.config import DEFAULT_MAX_LENGTH, DataOptions, MergeConfig, method_names, method_spec
 from featcal.data.batch import BatchLike, as_batches
 from featcal.data.calibration import (
     batches_record,
-    check_calibration_source,
     check_task_names,
+    check_task_sources,
     data_options,
-    load_calibration_batches,
-    naming_task,
-    template_dirs,
+    load_task_sources,
 )
 from featcal.data.sources import is_batch_data
 from featcal.errors import CalibrationDataError, ConfigError
@@ -67,7 +65,7 @@ def check_calibration_data(
     *,
     model_dir: Path | None,
     config: MergeConfig,
-    max_length: int = 128,
+    max_length: int = DEFAULT_MAX_LENGTH,
     allow_fewer: bool = False,
     experts: Mapping[str, Any] | None = None,
 ) -> None:
@@ -85,14 +83,11 @@ def check_calibration_data(
             "instead, or the base's path"
         )
     model_config = load_config(model_dir, error=CalibrationDataError) if sources else None
-    options = data_options(config, max_length=max_length, allow_fewer=allow_fewer)
+    check_task_sources({t: calibration[t] for t in sources}, model_dir=model_dir, config=model_config,
+                       options=data_options(config, max_length=max_length, allow_fewer=allow_fewer), experts=experts)
     for task, data in calibration.items():
-        with naming_task(task):
-            if _is_source(data):
-                check_calibration_source(data, model_dir=model_dir, config=model_config,
-                                         template_dirs=template_dirs(experts or {}, task), **options)
-            else:
-                as_batches(data, task)
+        if not _is_source(data):
+            as_batches(data, task)
 
 
 @dataclass
@@ -109,35 +104,29 @@ def load_calibration(
     *,
     model_dir: Path | None,
     config: MergeConfig,
-    max_length: int = 128,
+    max_length: int = DEFAULT_MAX_LENGTH,
     allow_fewer: bool = False,
     progress: bool = False,
     experts: Mapping[str, Any] | None = None,
 ) -> LoadedCalibration:
     """The batches of every task (checked by `check_calibration_data` first); the model's config is read
     once for all the tasks given as sources."""
+    sources = {t: d for t, d in calibration.items() if _is_source(d)}
+    model_config = load_config(model_dir, error=CalibrationDataError) if sources else None
+    loaded, records = load_task_sources(
+        sources, model_dir=model_dir, config=model_config, batch_size=config.calibration_batch_size, experts=experts,
+        options=data_options(config, max_length=max_length, allow_fewer=allow_fewer), progress=progress,
+    )
     batches: dict[str, list[BatchLike]] = {}
     report: dict[str, dict[str, Any]] = {}
-    any_source = any(_is_source(d) for d in calibration.values())
-    model_config = load_config(model_dir, error=CalibrationDataError) if any_source else None
-    options = data_options(config, max_length=max_length, allow_fewer=allow_fewer)
     for task, data in calibration.items():
-        read_as: dict[str, Any] = {"source": "<in-memory batches>"}  # else: the source, its format, unit, ...
-        if _is_source(data):
-            with naming_task(task):
-                batches[task] = load_calibration_batches(
-                    data, model_dir=model_dir, batch_size=config.calibration_batch_size, progress=progress,
-                    record=read_as, config=model_config, template_dirs=template_dirs(experts or {}, task), **options,
-                )
-            read_as["source"] = str(data) if isinstance(data, (str, os.PathLike)) else read_as["source"]
+        if task in sources:  # the source, its format, unit, ...
+            batches[task], report[task] = loaded[task], {"source": "<in-memory batches>", **records[task]}
         else:
             batches[task] = as_batches(data, task)
-        report[task] = {**read_as, **batches_record(batches[task])}
+            report[task] = {"source": "<in-memory batches>", **batches_record(batches[task])}
     params: dict[str, Any] = {}
-    if any_source:  # how the sources were sampled and read
-        params = {"num_calibration_examples": config.num_calibration_examples,
-                  "calibration_batch_size": config.calibration_batch_size, "seed": config.seed,
-                  "max_length": max_length, "allow_fewer": allow_fewer, "text_column": config.text_column,
-                  "allow_test_split": config.allow_test_split, "text_unit": config.text_unit,
-                  "data_format": config.data_format, "pack_texts": config.pack_texts}
+    if sources:  # how the sources were sampled and read: the data options (one model: config/data.py)
+        params = {**{k: getattr(config, k) for k in DataOptions.model_fields}, "max_length": max_length,
+                  "allow_fewer": allow_fewer}
     return LoadedCalibration(batches, report, params)

@@ -13,14 +13,14 @@ whole-model methods (RegMean, WUDI: model_mergers.py) compute the whole merge th
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
-from typing import ClassVar
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, ClassVar
 
 from pydantic import BaseModel
 from torch import Tensor
 
 from featcal.config import (
-    RECIPE_OPTIONS,
+    REPORTED_WHEN_SET,
     MergeConfig,
     MethodKind,
     MethodSpec,
@@ -60,8 +60,8 @@ class Merger(ABC):
     def params(self) -> dict:
         """The hyperparameters this method actually uses (what a report should show)."""
         params = self.method_params
-        # the per-expert and mergekit options appear only when used: other recipes are reported as before
-        unused = {k for k in RECIPE_OPTIONS if k in type(params).model_fields
+        # the per-expert, mergekit and method-own options appear only when used: other recipes are reported as before
+        unused = {k for k in REPORTED_WHEN_SET if k in type(params).model_fields
                   and getattr(params, k) == type(params).model_fields[k].get_default(call_default_factory=True)}
         return {"method": self.name, **params.model_dump(exclude=unused)}
 
@@ -78,21 +78,31 @@ class Merger(ABC):
         """The merged value of tensor `name` in the compute dtype of `base` (do not modify inputs)."""
 
 
-def register(name: str, *, params: type[BaseModel] | None = None) -> Callable[[type[Merger]], type[Merger]]:
-    """Class decorator adding a merger under `name` to the registry (a name may be registered once).
+def register(name: str, *, params: type[BaseModel] | None = None, task_vector: bool | None = None,
+             defaults: Mapping[str, Any] | None = None, reference: str | None = None,
+             ) -> Callable[[type[Merger]], type[Merger]]:
+    """Class decorator adding a merger under `name` to the registry (a name may be registered once): the one
+    registration a new method needs (docs/extending.md).
 
-    `params`: the method's parameter model (pydantic); its fields that MergeConfig has take MergeConfig's values,
-    the others are given as keywords (`featcal.merge(..., method=name, k=3)`, a run file's merge.params) and are
-    validated by it. Default: the class's own `params_model`, else the model of the name's declaration in
-    featcal.config (the built-in methods), else one made of the MergeConfig fields listed in the class's `uses`.
-    Once registered, the method is accepted wherever a method is (MergeConfig, featcal.merge, `featcal merge
-    --method` for parsers built afterwards, run files)."""
+    `params`: the method's parameter model (pydantic, a featcal.config.MethodParams); its fields that MergeConfig
+    has take MergeConfig's values, the others are given as keywords (`featcal.merge(..., method=name, k=3)`, a
+    run file's merge.params) and are validated by it. Default: the class's own `params_model`, else the model of
+    the name's declaration in featcal.config (the built-in methods), else one made of the MergeConfig fields
+    listed in the class's `uses`. `task_vector`: the merge is θ0 + s·v with s its `scaling` (`--tune` then
+    searches s); `defaults`: the parameters of its paper, which `featcal bench` merges with (None: not benched);
+    `reference`: the paper. A method declared in featcal.config keeps the facts declared there where these are
+    not given. Once registered, the method is accepted wherever a method is (MergeConfig, featcal.merge,
+    `featcal merge --method` for parsers built afterwards, run files, bench)."""
 
     def add(cls: type[Merger]) -> type[Merger]:
         declared = find_method(name)
         model = (params or cls.__dict__.get("params_model") or (declared.params if declared is not None else None)
                  or params_model(f"{cls.__name__}Params", *cls.uses))
-        add_method(MethodSpec(name, cls.kind, model, cls.needs_calibration, cls))
+        facts = {"task_vector": task_vector, "defaults": defaults, "reference": reference}
+        if declared is not None:  # the declaration's facts, where this registration does not restate them
+            facts = {k: getattr(declared, k) if v is None else v for k, v in facts.items()}
+        add_method(MethodSpec(name, cls.kind, model, cls.needs_calibration, bool(facts["task_vector"]),
+                              facts["defaults"], facts["reference"] or "", cls))
         cls.name, cls.params_model, cls.uses = name, model, tuple(model.model_fields)
         return cls
 

@@ -17,33 +17,17 @@ from functools import partial
 from typing import ClassVar
 
 import torch
+from pydantic import BaseModel
 from torch import Tensor, nn
 
-from featcal.config import MergeConfig, MethodKind
+from featcal.config import MergeConfig, MethodKind, method_spec
+from featcal.data.inputs import ModelLike, load, validate_family_inputs
 from featcal.errors import CheckpointError, ConfigError
-from featcal.io.sources import ModuleSource, checkpoint_state_dict
+from featcal.io.family import load_source_model
+from featcal.io.sources import checkpoint_state_dict
 from featcal.merging.calibration_data import LoadedCalibration
 from featcal.merging.family import Family
 from featcal.merging.method import Merger, register
-
-
-def _model(source, label: str, allow_pickle: bool) -> nn.Module:
-    """An input as a model: an in-memory one as given, a checkpoint through featcal's safe loader."""
-    if isinstance(source, ModuleSource):
-        return source.module
-    from featcal.io.layouts import RenamedSource, load_view
-    from featcal.io.models import load_model
-
-    if isinstance(source, RenamedSource):  # read under other names (a CLIPModel base's vision tower, ...)
-        try:
-            return load_view(source)
-        except CheckpointError as exc:
-            raise CheckpointError(f"{label}: {exc}") from None
-
-    try:
-        return load_model(source.path, allow_pickle=allow_pickle)
-    except CheckpointError as exc:
-        raise CheckpointError(f"{label}: {exc}") from None
 
 
 class ModelMerger(Merger):
@@ -67,6 +51,12 @@ class ModelMerger(Merger):
             raise ConfigError(f"merge method {cls.name!r} is data-free and takes no calibration data")
         return cls(config, calibration=calibration, allow_pickle=allow_pickle)
 
+    params_override: BaseModel | None = None  # the parameters, when given as such (merge_models) not by a config
+
+    @property
+    def method_params(self) -> BaseModel:
+        return self.params_override if self.params_override is not None else super().method_params
+
     def params(self) -> dict:
         extra = self.calibration.params if self.calibration is not None else {}
         return {**super().params(), **extra}
@@ -81,8 +71,9 @@ class ModelMerger(Merger):
 
     @torch.no_grad()
     def prepare(self, family: Family, *, progress: bool = False) -> None:
-        base = _model(family.base, "base", self.allow_pickle)
-        experts = {t: partial(_model, s, f"expert {t!r}", self.allow_pickle) for t, s in family.experts.items()}
+        base = load_source_model(family.base, "base", self.allow_pickle)
+        experts = {t: partial(load_source_model, s, f"expert {t!r}", self.allow_pickle)
+                   for t, s in family.experts.items()}
         merged = self.merge_models(base, experts, progress)
         self.state = checkpoint_state_dict(merged)
         missing = [n for n in family.floating_names if n not in self.state]
@@ -98,14 +89,13 @@ class ModelMerger(Merger):
 
 class _RegMean(ModelMerger):
     needs_calibration = True
-    plus_plus: ClassVar[bool] = False
+    plus_plus: ClassVar[bool] = False  # RegMean++ is its own method, not a parameter
 
     def merge_models(self, base, experts, progress):
-        from featcal.merging.method_params import RegMeanParams
         from featcal.merging.regmean import regmean_models
 
-        params = RegMeanParams(alpha=self.config.alpha, plus_plus=self.plus_plus)
-        return regmean_models(base, experts, self.calibration.batches, params, progress=progress)
+        return regmean_models(base, experts, self.calibration.batches, self.method_params, plus_plus=self.plus_plus,
+                              progress=progress)
 
 
 @register("regmean")
@@ -125,11 +115,27 @@ class Wudi(ModelMerger):
     """WUDI (Cheng et al., 2025): data-free, per-Linear Adam on the task vectors' interference."""
 
     def merge_models(self, base, experts, progress):
-        from featcal.merging.method_params import WudiParams
         from featcal.merging.wudi import wudi_models
 
-        params = WudiParams(steps=self.config.steps, lr=self.config.lr, seed=self.config.seed)
-        state = wudi_models(base, {t: load() for t, load in experts.items()}, params, progress=progress)
+        state = wudi_models(base, {t: load() for t, load in experts.items()}, self.method_params, progress=progress)
         merged = copy.deepcopy(base)
         merged.load_state_dict(state)
         return merged
+
+
+@torch.no_grad()
+def merge_models(method: str, base: ModelLike, experts: Mapping[str, ModelLike], *, params: BaseModel,
+                 batches: Mapping[str, list] | None = None, progress: bool = True) -> nn.Module:
+    """A whole-model method of the registry (RegMean, RegMean++, WUDI, or one registered later) on models in memory
+    or checkpoint paths, validated as one family first, with its parameters `params` (its parameter model) and,
+    for a method that reads data, each task's `batches`: what the comparison baselines run
+    (featcal.experiments.baselines.run_baseline). Returns the merged model, of the base's class."""
+    spec = method_spec(method)
+    if spec.kind != "whole_model" or spec.implementation is None:
+        raise ConfigError(f"merge method {method!r} is not a whole-model merge with an implementation")
+    calibration = LoadedCalibration(dict(batches), {}) if batches is not None else None
+    merger = spec.implementation.create(MergeConfig(method=method), calibration=calibration)
+    merger.params_override = params
+    validate_family_inputs(base, experts)
+    loaders = {t: partial(load, m, f"expert {t!r}") for t, m in experts.items()}
+    return merger.merge_models(load(base, "base"), loaders, progress)

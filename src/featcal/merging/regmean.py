@@ -100,11 +100,11 @@ def regmean(
     `calibration`: task -> batches (tensor or dict of model kwargs), one entry per expert.
     `exclude`: regexes of Linear module names to average instead of solving.
     """
-    params = parse(RegMeanParams, dict(alpha=alpha, plus_plus=plus_plus, exclude=as_patterns(exclude)))
+    params = parse(RegMeanParams, dict(alpha=alpha, exclude=as_patterns(exclude)))
     batches = calibration_batches(calibration, experts)
     validate_family_inputs(base, experts)
     loaders = {t: (lambda m=m, t=t: load(m, f"expert {t!r}")) for t, m in experts.items()}
-    return regmean_models(load(base, "base"), loaders, batches, params, progress=progress)
+    return regmean_models(load(base, "base"), loaders, batches, params, plus_plus=plus_plus, progress=progress)
 
 
 @torch.no_grad()
@@ -113,14 +113,16 @@ def regmean_models(
     experts: Mapping[str, ExpertLoader],
     batches: Mapping[str, list[BatchLike]],
     params: RegMeanParams,
+    plus_plus: bool = False,
     progress: bool = True,
 ) -> nn.Module:
-    """RegMean(++) on inputs already validated as one family: `experts` are loaded when their turn comes
-    (plain RegMean holds one at a time; RegMean++ needs them all). The base is not modified."""
+    """RegMean (`plus_plus` False) or RegMean++ on inputs already validated as one family: `experts` are loaded
+    when their turn comes (plain RegMean holds one at a time; RegMean++ needs them all). The base is not
+    modified."""
     names = list(linear_modules(base, params.exclude))
     merged = copy.deepcopy(base).eval()
     weights = TokenWeights(merged)
-    if params.plus_plus:
+    if plus_plus:
         experts_m = {t: load_expert().eval() for t, load_expert in experts.items()}
         merged.load_state_dict(average_state(experts_m.values()))
         _regmean_plus_plus(merged, experts_m, batches, names, params.alpha, weights, progress)

@@ -16,12 +16,13 @@ from torch import nn
 
 from featcal.calibration.inputs import adapter_reader
 from featcal.calibration.tuning.search import MAX_MERGE_SCALING
+from featcal.config import (
+    TASK_VECTOR_METHODS as TASK_VECTOR_METHODS,  # the method table's, importable here as before
+)
+from featcal.config import is_task_vector_merge
 from featcal.io.checkpoint import read_json
 from featcal.io.param_sources import CheckpointSource, ModelSource, ParamSource
 from featcal.io.report import REPORT_NAME, checkpoint_hashes
-
-# merges of the form θ0 + s·v(experts), v independent of s: rescaling the merged task vector rebuilds them
-TASK_VECTOR_METHODS: tuple[str, ...] = ("task_arithmetic", "ties", "dare_ta", "dare_ties")
 
 
 @torch.no_grad()
@@ -62,7 +63,7 @@ def merge_scaling_from_report(merged_dir: str | os.PathLike, base_dir: str | os.
         return None, f"{path}: {exc}"
     params = report.get("params") or {}
     method, scaling = params.get("method"), params.get("scaling")
-    if report.get("command") != "merge" or method not in TASK_VECTOR_METHODS:
+    if report.get("command") != "merge" or not is_task_vector_merge(method):
         return None, f"the merged checkpoint is not a featcal task-vector merge ({report.get('command')}, {method})"
     if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not 0 < scaling <= MAX_MERGE_SCALING:
         return None, f"{path}: no usable scaling ({scaling!r})"

@@ -13,7 +13,6 @@ solving), measured with time.perf_counter, for benchmark rows.
 
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -22,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from featcal.config import parse
+from featcal.config import parse, registered_methods
 from featcal.data.batch import BatchLike
 from featcal.data.inputs import (
     FeatureFn,
@@ -36,16 +35,24 @@ from featcal.data.inputs import (
 from featcal.errors import ConfigError
 from featcal.experiments.baselines.params import ProbSurgeryParams, SurgeryParams
 from featcal.experiments.baselines.surgery import SurgeryModules
-from featcal.merging.method_params import RegMeanParams, WudiParams
 
-# name -> (parameter schema, inputs it needs besides experts)
-BASELINES: dict[str, tuple[type, tuple[str, ...]]] = {
+# the baselines that train modules on top of a merge: name -> (parameter schema, inputs it needs besides experts)
+SURGERY_BASELINES: dict[str, tuple[type, tuple[str, ...]]] = {
     "surgery": (SurgeryParams, ("merged", "calibration")),
     "probsurgery": (ProbSurgeryParams, ("merged", "calibration")),
-    "regmean": (RegMeanParams, ("base", "calibration")),
-    "regmean++": (RegMeanParams, ("base", "calibration")),
-    "wudi": (WudiParams, ("base",)),
 }
+
+
+def baselines() -> dict[str, tuple[type, tuple[str, ...]]]:
+    """Every baseline: name -> (parameter schema, inputs it needs besides experts). Besides Surgery and
+    ProbSurgery, each whole-model merge of the method table (RegMean, RegMean++, WUDI, any registered later),
+    with its one parameter model."""
+    merges = {s.name: (s.params, ("base", "calibration") if s.needs_calibration else ("base",))
+              for s in registered_methods() if s.kind == "whole_model"}
+    return {**SURGERY_BASELINES, **merges}
+
+
+BASELINES = baselines()  # the built-in ones (methods registered later: baselines())
 
 
 @dataclass
@@ -98,15 +105,14 @@ def run_baseline(
     training batch, as the authors' code does, instead of caching their features once. The modules
     are the same (up to float rounding); the cost is the published procedure's.
     """
-    if name not in BASELINES:
-        raise ConfigError(f"unknown baseline {name!r}; choose one of {', '.join(BASELINES)}")
-    if recompute_features and name not in ("surgery", "probsurgery"):
+    known = baselines()
+    if name not in known:
+        raise ConfigError(f"unknown baseline {name!r}; choose one of {', '.join(known)}")
+    if recompute_features and name not in SURGERY_BASELINES:
         raise ConfigError(f"recompute_features applies to surgery and probsurgery, not {name!r}")
-    schema, needs = BASELINES[name]
+    schema, needs = known[name]
     if "plus_plus" in params:
         raise ConfigError("choose the baseline 'regmean' or 'regmean++' instead of passing plus_plus")
-    if schema is RegMeanParams:
-        params = {**params, "plus_plus": name == "regmean++"}
     cfg = parse(schema, params)
     given = {"merged": merged, "base": base, "calibration": calibration}
     missing = [k for k in needs if given[k] is None]
@@ -122,7 +128,7 @@ def run_baseline(
     start = time.perf_counter()
     timings: dict[str, float] = {}
     surgery = None
-    if name in ("surgery", "probsurgery"):
+    if name in SURGERY_BASELINES:
         from featcal.experiments.baselines.probsurgery import train_probsurgery
         from featcal.experiments.baselines.surgery import train_surgery
         from featcal.experiments.baselines.training import cached_task_data, collect_features, live_task_data
@@ -138,18 +144,11 @@ def run_baseline(
         train = train_surgery if name == "surgery" else train_probsurgery
         surgery = train(data, cfg, progress=progress)
         timings["train_s"] = time.perf_counter() - start - timings[prep]
-    elif name in ("regmean", "regmean++"):
-        from featcal.merging.regmean import regmean
+    else:  # a whole-model merge, dispatched through the method table to its implementation
+        from featcal.merging.model_mergers import merge_models
 
-        model = regmean(base, experts, calibration, progress=progress, **kwargs)
-    else:
-        from featcal.merging.wudi import wudi
-
-        base_m = load(base, "base")
-        state = wudi(base_m, experts, progress=progress, **kwargs)
-        model = copy.deepcopy(base_m)
-        model.load_state_dict(state)
-        model.eval()
+        model = merge_models(name, base, experts, params=cfg, batches=calibration if "calibration" in needs else None,
+                             progress=progress).eval()
     elapsed = time.perf_counter() - start
     if recompute_features:
         kwargs["recompute_features"] = True

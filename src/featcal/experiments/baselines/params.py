@@ -6,16 +6,12 @@ whether it came from Python, the CLI or a YAML file, before any model is loaded.
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-from featcal.config import seed_field
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+from featcal.config import FrozenStrictModel, seed_field
 
 
-class SurgeryParams(_Strict):
+class SurgeryParams(FrozenStrictModel):
     """Representation Surgery (Yang et al., ICML 2024): defaults of the authors' code."""
 
     rank: int = Field(16, ge=1, description="bottleneck width of down/up projections")
@@ -25,7 +21,7 @@ class SurgeryParams(_Strict):
     seed: int = seed_field("initialisation, batch order")
 
 
-class ProbSurgeryParams(_Strict):
+class ProbSurgeryParams(FrozenStrictModel):
     """ProbSurgery (Wei et al., ICML 2025): defaults of the authors' code."""
 
     rank: int = Field(128, ge=1, description="hidden width shared by the mean and log-variance heads")

@@ -215,12 +215,12 @@ def collect_features(
     progress: bool = True,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Features of the merged model and of expert t on task t's calibration inputs, [N_t, d] each."""
-    from featcal.io.inputs import open_source
+    from featcal.io.family import open_input
 
     fn = feature_fn or pooled_features
     batches = calibration_batches(calibration, experts)
     for task, model in experts.items():  # a missing or pickle-only checkpoint fails before any forward
-        open_source(model, label=f"expert {task!r}")
+        open_input(model, label=f"expert {task!r}")
     merged_m = load(merged, "merged model").eval()
     merged_out: dict[str, torch.Tensor] = {}
     expert_out: dict[str, torch.Tensor] = {}

@@ -11,13 +11,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from featcal.config import WHOLE_MODEL_MERGE_METHODS, method_spec
 from featcal.errors import ConfigError
 from featcal.evaluation.features import batch_of, feature_fn, num_examples
 from featcal.experiments.bench.memory import PeakRSS
 from featcal.experiments.bench.metrics import gap_closed, mean, normalised_accuracy
 
 SURGERY_BASELINES = ("surgery", "probsurgery")
-MERGE_BASELINES = ("regmean", "regmean++", "wudi")
+MERGE_BASELINES = WHOLE_MODEL_MERGE_METHODS  # the method table's whole-model merges
 ALL_BASELINES = SURGERY_BASELINES + MERGE_BASELINES
 RECOMPUTE_NOTE = "recompute_features=True: frozen merged model and expert re-run every step (the authors' procedure)"
 CACHED_NOTE = ("recompute_features=False: features of the frozen merged model and expert computed once (same "
@@ -156,7 +157,7 @@ def merge_baseline_rows(
     rows = []
     n = _examples_per_task(calibration)
     for name in (n_ for n_ in names if n_ in MERGE_BASELINES):
-        data = None if name == "wudi" else calibration
+        data = calibration if method_spec(name).needs_calibration else None
         with PeakRSS() as rss:
             res = run_baseline(name, base=base, experts=experts, calibration=data, progress=progress,
                                feature_fn=feature_fn(pooling), **params.get(name, {}))

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from featcal.config import MERGE_METHODS, FeatCalConfig
+from featcal.config import FeatCalConfig, is_task_vector_merge, method_names, method_spec, registered_methods
 from featcal.data.batch import Batch
 from featcal.errors import ConfigError, OutputExistsError
 from featcal.evaluation.classification import accuracy
@@ -45,18 +45,15 @@ from featcal.io.report import Timer, build_report
 log = logging.getLogger(__name__)
 
 DEFAULT_METHODS = ("average", "task_arithmetic", "ties")  # vision presets; a text preset names its own
-MERGE_PARAMS: dict[str, dict[str, Any]] = {  # the paper's / demo's settings
-    "average": {},
-    "task_arithmetic": {"scaling": 0.3},
-    "ties": {"density": 0.2, "scaling": 1.0},
-    "dare_ta": {"drop_rate": 0.5, "scaling": 0.3, "seed": 0},
-    "dare_ties": {"drop_rate": 0.5, "density": 0.2, "scaling": 1.0, "seed": 0},
-    # data-assisted (the calibration batches at the largest size) and subspace merges, + FeatCal like any
-    "regmean": {"alpha": 0.9},
-    "regmean++": {"alpha": 0.9},
-    "wudi": {},  # steps: the preset's wudi_steps (300 = the authors' default)
-}
-DATA_MERGES = ("regmean", "regmean++")
+
+
+def bench_methods() -> dict[str, dict[str, Any]]:
+    """The merges `featcal bench` can run, each with its paper's settings: every method of the method table that
+    declares them (`MethodSpec.defaults`; WUDI's steps come from the preset, 300 the authors')."""
+    return {s.name: dict(s.defaults) for s in registered_methods() if s.defaults is not None}
+
+
+MERGE_PARAMS: dict[str, dict[str, Any]] = bench_methods()  # the built-in ones (registered later: bench_methods())
 REGIME_METHODS = ("task_arithmetic", "regmean", "wudi")  # merged for the regime line when not benched
 # --featcal-variants: what each changes in the bench's FeatCalConfig (docs/variants.md). "tuned" also gets
 # what the bench knows and `featcal calibrate` would be told: the zoo's heads and a task-vector merge's scaling.
@@ -107,7 +104,7 @@ class BenchSettings:
         if method == "wudi":
             default = getattr(get_preset(self.preset), "wudi_steps", 300)
             return {"steps": default if self.wudi_steps is None else self.wudi_steps}
-        return dict(MERGE_PARAMS[method])
+        return bench_methods()[method]
 
 
 def validate(settings: BenchSettings) -> None:
@@ -122,10 +119,11 @@ def validate(settings: BenchSettings) -> None:
                 "calibration examples per task (test data is never used for calibration)"
             )
     methods = settings.resolved_methods()
-    bad = [m for m in methods if m not in MERGE_PARAMS]
+    benched = bench_methods()
+    bad = [m for m in methods if m not in benched]
     if bad or not methods:
-        others = [m for m in MERGE_METHODS if m not in MERGE_PARAMS]
-        raise ConfigError(f"unknown merge methods {bad}; choose from {', '.join(MERGE_PARAMS)}"
+        others = [m for m in method_names() if m not in benched]
+        raise ConfigError(f"unknown merge methods {bad}; choose from {', '.join(benched)}"
                           + (f" ({', '.join(others)}: --baselines)" if others else ""))
     parse_baselines(settings.baselines)
     check_surgery_features(settings.surgery_features)
@@ -191,14 +189,12 @@ def check_variants(variants: Sequence[str]) -> None:
 def _validate_baseline_params(settings: BenchSettings) -> None:
     """Parameters of a baseline that is not run, or that its schema refuses, fail before any work."""
     from featcal.config import parse
-    from featcal.experiments.baselines.api import BASELINES
+    from featcal.experiments.baselines.api import baselines
 
     for name, params in settings.baseline_params.items():
         if name not in settings.baselines:
             raise ConfigError(f"parameters given for baseline {name!r}, which is not in --baselines")
-        schema = BASELINES[name][0]
-        extra = {"plus_plus": name == "regmean++"} if name.startswith("regmean") else {}
-        parse(schema, {**params, **extra})
+        parse(baselines()[name][0], params)
 
 
 def _evaluate(model, heads: Mapping[str, Any], tests: Mapping[str, tuple], batch: int,
@@ -285,7 +281,7 @@ def _merge(zoo, method: str, params: dict[str, Any], calibration: Mapping[str, l
     """featcal's own merge of the zoo's experts; RegMean(++) read the given calibration batches."""
     from featcal.merging.api import merge
 
-    if method in DATA_MERGES:
+    if method_spec(method).needs_calibration:
         return merge(zoo.base_dir, zoo.expert_dirs, method, progress=progress, calibration=calibration,
                      num_calibration_examples=_examples_per_task(calibration), **params)
     return merge(zoo.base_dir, zoo.expert_dirs, method, progress=progress, **params)
@@ -464,7 +460,7 @@ def _method_rows(run: _Run, method: str, pools: Mapping[str, Inputs], sets: _Cal
         per_task = run.evaluate(merged)
     merge_avg = mean(per_task)
     merged_drift = feature_drift(merged, run.experts, sets.drift_probe)
-    extra = {"calibration_examples_of_merge": max(settings.calib_sizes)} if method in DATA_MERGES else {}
+    extra = {"calibration_examples_of_merge": max(settings.calib_sizes)} if method_spec(method).needs_calibration else {}
     rows = [_row(method, False, per_task, merge_seconds, rss.mb, params=params, feature_drift=merged_drift,
                  normalised_accuracy=normalised_accuracy(per_task, run.expert_acc), gap_closed=0.0, **extra)]
     log.info("%s: %.4f (%.1fs)", method, merge_avg, merge_seconds)
@@ -487,11 +483,10 @@ def _method_rows(run: _Run, method: str, pools: Mapping[str, Inputs], sets: _Cal
 def _tune_arguments(run: _Run, method: str, params: Mapping[str, Any]) -> dict[str, Any]:
     """What the "tuned" variant's search is told: each task's frozen head, read on the pooled features the
     bench evaluates, and the merge's scaling where the merge is a task-vector merge (so it can be searched)."""
-    from featcal.calibration.tuning import TASK_VECTOR_METHODS
     from featcal.evaluation.features import features
 
     heads = {t: (lambda model, batch, h=run.heads[t]: h(features(model, batch, run.pooling))) for t in run.tasks}
-    return {"heads": heads, "merge_scaling": params.get("scaling") if method in TASK_VECTOR_METHODS else None}
+    return {"heads": heads, "merge_scaling": params.get("scaling") if is_task_vector_merge(method) else None}
 
 
 def _variant_record(variant: str, result) -> dict[str, Any]:

@@ -3,35 +3,36 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field
 
-from featcal.config import FeatCalConfig
+from featcal.config import Device, FeatCalConfig, StrictModel, data_field
 
 
-class ReproduceOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ReproduceOptions(StrictModel):
+    """`featcal reproduce`'s options; the calibration data options are FeatCal's own (config/data.py)."""
+
+    concern: ClassVar[str] = "reproduce options"
 
     setting: str
     out: Path
     tasks: list[str] | None = Field(None, description="run only these tasks of the setting")
-    num_calibration_examples: int = Field(256, ge=1, description="calibration examples per task")
-    calibration_batch_size: int = Field(16, ge=1)
+    num_calibration_examples: int = data_field("num_calibration_examples", description="calibration examples per task")
+    calibration_batch_size: int = data_field("calibration_batch_size")
     seed: int = Field(42, ge=0, description="draws the calibration examples and any eval subset")
-    max_eval_samples: int | None = Field(None, ge=1, description="evaluate on a seeded subset of this size")
-    device: str = "auto"
+    max_eval_samples: int | None = Field(None, ge=1, description="evaluate each task on a seeded subset of this "
+                                         "many examples (default: the whole split)")
+    device: Device = Field("auto", description="auto, cpu, cuda or cuda:N")
     batch_size: int = Field(64, ge=1, description="evaluation batch size")
-    model_dir: Path | None = None
-    data_dir: Path | None = None
+    model_dir: Path | None = Field(None, description="local models: one folder per hub id, e.g. "
+                                   "D/openai/clip-vit-base-patch32/")
+    data_dir: Path | None = Field(None, description="local datasets saved with save_to_disk, one folder per id, "
+                                  "e.g. D/tanganke/eurosat/ (a config in a subfolder: D/nyu-mll/glue/cola/)")
     scaling: float | None = Field(None, gt=0.0, le=10.0, description="TA scaling; default: the setting's (0.3)")
-    max_length: int = Field(512, ge=8, description="token limit of text calibration / evaluation inputs")
+    max_length: int = Field(512, ge=8, description="token limit of text calibration / evaluation inputs (the "
+                            "paper's settings: 512)")
 
-    @field_validator("device")
-    @classmethod
-    def _device(cls, v: str) -> str:
-        if v not in ("auto", "cpu", "cuda") and not v.startswith("cuda:"):
-            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, not {v!r}")
-        return v
 
     def torch_device(self) -> str:
         """The concrete device; asking for CUDA where there is none is refused before any work."""
