@@ -113,7 +113,8 @@ def _time(merged, tasks: int, config: FeatCalConfig, args: argparse.Namespace, m
     from featcal.calibration.time_estimate import time_report
 
     stated = cost.with_rates(cost.throughput_for(config.device), args.flops, args.flops64)
-    return time_report(merged, tasks=tasks, config=config, max_length=args.max_length, measure=measure,
+    return time_report(merged, tasks=tasks, config=config, max_length=run_options_from_args(args).max_length,
+                       measure=measure,
                        throughput=stated)
 
 
@@ -126,12 +127,13 @@ def run(args: argparse.Namespace) -> int:
 
     limit = parse_size(args.max_memory) if args.max_memory is not None else None
     measure = _time_source(args, config)
+    max_length = run_options_from_args(args).max_length
     if args.config is None:
         plan, options, merged = _plan(args, config, check_device=False)
         print(render(plan, options, limit))
         print(_time(merged, len(args.expert), config, args, measure))
         if args.target:
-            print(fit.plan_report(merged, tasks=len(args.expert), config=config, max_length=args.max_length,
+            print(fit.plan_report(merged, tasks=len(args.expert), config=config, max_length=max_length,
                                   targets=_targets(args, ()), with_plan=False))
         return 0
     import featcal.calibration.pipeline  # noqa: F401  (what calibrate imports: the measured baseline sees it too)
@@ -145,10 +147,10 @@ def run(args: argparse.Namespace) -> int:
         from featcal.calibration.planner import model_shape
         from featcal.io.models import load_config
 
-        shape = model_shape(load_config(args.config), args.max_length)
+        shape = model_shape(load_config(args.config), max_length)
         found = time_estimate.probe(shape, config, device=time_estimate.probe_device(config.device))
         tp = time_estimate.measured_throughput(found, tp)
-    print(fit.plan_report(args.config, tasks=args.tasks, config=config, max_length=args.max_length,
+    print(fit.plan_report(args.config, tasks=args.tasks, config=config, max_length=max_length,
                           targets=_targets(args, tuple(fit.TARGETS)), throughput=tp, max_memory=limit,
                           world=int(os.environ.get("WORLD_SIZE", "1"))))
     return 0
