@@ -9,7 +9,7 @@ import yaml
 
 from featcal.cli.main import main
 from featcal.io.checkpoint import CheckpointReader
-from tiny import make_family
+from tiny import make_family, without_log_lines
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -27,7 +27,7 @@ def _argv(base, experts, out, *extra):
 
 
 def _error(capsys) -> str:
-    err = capsys.readouterr().err.strip()
+    err = without_log_lines(capsys.readouterr().err)
     assert err.count("\n") == 0 and "Traceback" not in err
     assert err.startswith("featcal: error: ")
     return err

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from featcal.cli.main import main
+from tiny import without_log_lines
 
 CALIB_FLAGS = ("--num-calibration-examples", "4", "--calibration-batch-size", "2")
 
@@ -45,7 +46,7 @@ def cli(argv: list[str], capsys) -> tuple[int, str, str]:
 
 def one_line_error(err: str) -> str:
     """The CLI's error contract: exactly one line, `featcal: error: ...`, no traceback."""
-    text = err.strip()
+    text = without_log_lines(err)
     assert "Traceback" not in text, text
     assert text.count("\n") == 0, text
     assert text.startswith("featcal: error: "), text

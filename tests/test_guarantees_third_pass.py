@@ -14,7 +14,7 @@ from featcal import merge
 from featcal.cli.main import main
 from featcal.errors import CheckpointError, ConfigError
 from fixtures_hub import word_tokenizer
-from tiny import perturbed, tiny_model
+from tiny import perturbed, tiny_model, without_log_lines
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -33,7 +33,7 @@ def _write_adapter(directory, tensors: dict, **config):
 
 
 def _one_line_error(capsys) -> str:
-    err = capsys.readouterr().err.strip()
+    err = without_log_lines(capsys.readouterr().err)
     assert err.startswith("featcal: error: ") and err.count("\n") == 0, err
     return err
 

@@ -108,3 +108,9 @@ def family_of(model, n: int = 2, scale: float = 0.2):
         for name, p in merged.named_parameters():
             p.add_(0.3 * sum(dict(e.named_parameters())[name] - p for e in experts.values()))
     return model.eval(), experts, merged.eval()
+
+
+def without_log_lines(err: str) -> str:
+    """stderr less the INFO / DEBUG log lines the CLI writes as it works (featcal's manners: logs go to stderr),
+    so that tests can hold its error contract, one `featcal: error: ...` line, to what remains."""
+    return "\n".join(line for line in err.strip().splitlines() if not line.startswith(("INFO ", "DEBUG ")))

@@ -9,13 +9,13 @@ from __future__ import annotations
 import threading
 from types import TracebackType
 
-import psutil
-
 
 class PeakRSS:
     """`with PeakRSS() as m: ...; m.mb` -> largest RSS in MiB observed during the block."""
 
     def __init__(self, interval_s: float = 0.01) -> None:
+        import psutil  # the bench extra's; imported here so that `featcal --help` and the CLI parser need none
+
         self.interval_s = interval_s
         self._proc = psutil.Process()
         self._peak = 0
