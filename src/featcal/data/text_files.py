@@ -91,5 +91,11 @@ class TextSource:
     def __len__(self) -> int:
         return len(self._units)
 
+    def field_names(self, modality: Modality) -> list[str]:
+        return ["file"]
+
+    def field_values(self, name: str, indices: Sequence[int]) -> list[Any]:
+        return [self._units[i][1] if name == "file" else None for i in indices]
+
     def examples(self, indices: Sequence[int], modality: Modality) -> list[Example]:
         return [Example(text=self._units[i][0], fields={"file": self._units[i][1]}) for i in indices]

@@ -68,4 +68,4 @@ class ClassifierRunner(Runner):
         preprocess = ImagePreprocessor(self.processor_dir, self.entry.config)
         for start in range(0, len(data), self.options.batch_size):
             positions = list(range(start, min(start + self.options.batch_size, len(data))))
-            yield positions, preprocess([e.image for e in data.examples(positions)])
+            yield positions, preprocess([e.image for e in data.examples(positions, "image")])

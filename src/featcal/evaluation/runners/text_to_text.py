@@ -24,11 +24,11 @@ class TextToTextRunner(Runner):
         what = f"text-to-text model {self.entry.name!r}"
         self.require_text(data, what)
         data.require(["target"], what, "name the column of target texts with --target-column")
+        data.targets()  # a missing or blank target is refused now, before any model runs
 
     @torch.no_grad()
     def score(self, model: nn.Module, data: EvalSet, *, progress: bool) -> Scored:
-        examples = data.examples()
-        texts, targets = data.texts(), [e.target or "" for e in examples]
+        texts, targets = data.texts(), data.targets()
         lengths = [len(ids) for ids in self.tokenizer(texts, truncation=True, max_length=self.max_length())["input_ids"]]
         longest = max(len(ids) for ids in self.tokenizer(text_target=targets)["input_ids"])
         generated = [""] * len(texts)
