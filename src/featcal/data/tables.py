@@ -437,6 +437,10 @@ def csv_file(path: Path, *, text_column: str | None = None) -> TableSource:
         return records_source([], path, kind)
     delimiter = "\t" if tsv else ","
     names = next(csv_module.reader(io.StringIO(text), delimiter=delimiter), [])
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:  # which of the two is the text (or the label) cannot be told
+        raise CalibrationDataError(f"{path}: the header names the column(s) {', '.join(map(repr, twice))} more than "
+                                   "once; give every column its own name")
     textual = set(TEXT_COLUMNS) | set(TARGET_COLUMNS) | {c for cols in CHAT_LAYOUTS.values() for c in cols}
     textual |= {"input"} | ({text_column} if text_column else set())
     try:
