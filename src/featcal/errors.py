@@ -19,6 +19,10 @@ class CalibrationDataError(FeatCalError):
     """A calibration set is empty, too small, or does not fit the model."""
 
 
+class SplitChoiceError(CalibrationDataError, ConfigError):
+    """The split of a dataset cannot be chosen (several fit, none does, or the one named is not there)."""
+
+
 class OutputExistsError(FeatCalError):
     """The output directory exists and is not empty, and overwriting was not requested."""
 

@@ -42,8 +42,9 @@ def register(subparsers) -> None:
         "--calibrated, the share of the merge -> experts gap closed. Writes eval.json, table.md and eval.png.",
     )
     p.add_argument("--task", action="append", metavar="NAME=DATA",
-                   help="a task's evaluation data (repeat per task): .jsonl / .json, .parquet, a saved dataset, or an "
-                   "image folder (class sub-folders are labels)")
+                   help="a task's evaluation data (repeat per task): any source calibration reads (a text file or "
+                   "folder, .jsonl / .json / .csv / .tsv / .parquet, a saved dataset, a hub dataset id, an image folder "
+                   "whose class sub-folders are labels; docs/data.md)")
     p.add_argument("--model", action="append", metavar="NAME=PATH", help="a model to score, by name (repeat)")
     p.add_argument("--base", help="the pretrained base the experts were fine-tuned from (a role of the table)")
     p.add_argument("--merged", help="the merged model (the gap's start)")

@@ -165,7 +165,7 @@ def _pack(src: ExampleSource, preprocessor: TextPreprocessor, count: int,
 
     def token_ids(example: Example) -> list[int]:
         fingerprints.append(example_sha256(example))
-        return preprocessor.token_ids(example)
+        return preprocessor.token_ids(example, limit=count * preprocessor.max_length)  # never more is read of one
 
     docs = documents_in_order(lambda idx: src.examples(idx, "text"), order, token_ids)
     return pack(docs, preprocessor.max_length, count), fingerprints

@@ -18,11 +18,13 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from featcal.config import DEFAULT_MAX_LENGTH
 from featcal.data.batch import Batch
+from featcal.data.bounds import bounded_text, render_chat
 from featcal.data.types import Example, Modality
 from featcal.errors import CalibrationDataError
 from featcal.io.checkpoint import TOKENIZER_FILES
@@ -245,27 +247,36 @@ class TextPreprocessor:
         )
 
     def __call__(self, examples: Sequence[Example]) -> Batch:
+        """A padded batch, truncated at max_length: texts as `tokenizer(texts)` gives them, conversations as
+        `apply_chat_template(conversations, tokenize=True)` does (rendered, then tokenised without special
+        tokens), each rendering bounded (data/bounds.py) and a huge text tokenised only as far as it is kept."""
         if examples and examples[0].messages is not None:
-            enc = self.tokenizer.apply_chat_template(
-                [list(e.messages) for e in examples], chat_template=self._template(), tokenize=True,
-                return_dict=True, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt",
-            )
+            texts = [bounded_text(self.tokenizer, self.render(e.messages), self.max_length) for e in examples]
+            enc = self.tokenizer(texts, add_special_tokens=False, padding=True, truncation=True,
+                                 max_length=self.max_length, return_tensors="pt")
         else:
             enc = self.tokenizer(
-                [e.text for e in examples], padding=True, truncation=True, max_length=self.max_length,
-                return_tensors="pt",
+                [bounded_text(self.tokenizer, e.text, self.max_length) for e in examples], padding=True,
+                truncation=True, max_length=self.max_length, return_tensors="pt",
             )
         return self._finish(dict(enc), examples)
 
-    def token_ids(self, example: Example) -> list[int]:
+    def render(self, messages: Sequence[Mapping[str, Any]]) -> str:
+        """A conversation rendered with the chat template in use (bounded in time and size; one-line errors)."""
+        template = self.chat_template or self.use_chat_template()
+        return render_chat(self.tokenizer, messages, template.text, origin=template.origin)
+
+    def token_ids(self, example: Example, limit: int | None = None) -> list[int]:
         """One document's ids, untruncated, ending with eos (what packing concatenates): a text as
-        `tokenizer(text)` gives it, a conversation as `apply_chat_template` does."""
+        `tokenizer(text)` gives it, a conversation as `apply_chat_template` does. `limit`: the most tokens the
+        caller reads of it; a huge document is then tokenised only as far (data/bounds.py)."""
         if example.messages is not None:
-            ids = list(self.tokenizer.apply_chat_template(
-                list(example.messages), chat_template=self._template(), tokenize=True, return_dict=True,
-            )["input_ids"])
+            text = self.render(example.messages)
+            ids = list(self.tokenizer(text if limit is None else bounded_text(self.tokenizer, text, limit),
+                                      add_special_tokens=False)["input_ids"])
         else:
-            ids = list(self.tokenizer(example.text)["input_ids"])
+            text = example.text if limit is None else bounded_text(self.tokenizer, example.text, limit)
+            ids = list(self.tokenizer(text)["input_ids"])
         eos = self.tokenizer.eos_token_id
         if eos is not None and (not ids or ids[-1] != eos):
             ids.append(eos)
@@ -282,9 +293,6 @@ class TextPreprocessor:
             ids[i, cut] = torch.tensor(list(row), dtype=torch.long)
             mask[i, cut] = 1
         return self._finish({"input_ids": ids, "attention_mask": mask}, [Example(text="") for _ in rows])
-
-    def _template(self) -> str:
-        return (self.chat_template or self.use_chat_template()).text
 
     def _finish(self, enc: dict, examples: Sequence[Example]) -> Batch:
         batch = {k: v for k, v in enc.items() if self.accepted is None or k in self.accepted}

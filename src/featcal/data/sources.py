@@ -21,7 +21,7 @@ from typing import Any
 
 from featcal.data.chat import is_conversation, turns
 from featcal.data.folders import IMAGE_SUFFIXES, FolderContents, scan_folder
-from featcal.data.hub import load_hub_dataset, parse_hub_id
+from featcal.data.hub import HubId, load_hub_dataset, parse_hub_id
 from featcal.data.tables import (
     IMAGE_COLUMNS,
     NON_TEXT_COLUMNS,
@@ -29,6 +29,7 @@ from featcal.data.tables import (
     TARGET_COLUMNS,
     TEST_SPLITS,
     TEXT_COLUMNS,
+    TRAIN_SPLITS,
     TableSource,
     dataset_source,
     records_source,
@@ -37,7 +38,7 @@ from featcal.data.tables import (
 )
 from featcal.data.text_files import TEXT_SUFFIXES, TextSource
 from featcal.data.types import Content, Example, ExampleSource, Modality, TextExample
-from featcal.errors import CalibrationDataError
+from featcal.errors import CalibrationDataError, SplitChoiceError
 
 # re-exported: the names callers used when everything lived here
 __all__ = [
@@ -80,6 +81,28 @@ class ImageFolderSource:
             fields = {"file": rel.as_posix(), **({"label": rel.parts[0]} if len(rel.parts) > 1 else {})}
             out.append(Example(image=_open_image(self.files[i]), fields=fields))
         return out
+
+    def field_names(self, modality: Modality) -> list[str]:
+        """`file`, and `label` when every image sits in a class sub-folder."""
+        return ["file", "label"] if self._all_in_classes() else ["file"]
+
+    def field_values(self, name: str, indices: Sequence[int]) -> list[Any]:
+        """A field read from the file names alone (no image opened)."""
+        out = []
+        for i in indices:
+            rel = self.files[i].relative_to(self.path)
+            out.append(rel.as_posix() if name == "file" else rel.parts[0] if name == "label" and len(rel.parts) > 1
+                       else None)
+        return out
+
+    def class_names(self, name: str) -> tuple[str, ...] | None:
+        """The class sub-folders in sorted order (torchvision's ImageFolder numbering), when every image sits in one."""
+        if name != "label" or not self._all_in_classes():
+            return None
+        return tuple(sorted({f.relative_to(self.path).parts[0] for f in self.files}))
+
+    def _all_in_classes(self) -> bool:
+        return bool(self.files) and all(len(f.relative_to(self.path).parts) > 1 for f in self.files)
 
     def empty_hint(self) -> str:
         """What the folder holds instead of images (said when it holds none)."""
@@ -161,7 +184,8 @@ def is_batch_data(data: Any) -> bool:
 
 def open_source(
     source: Any, *, text_column: str | None = None, allow_test_split: bool = False, text_unit: str | None = None,
-    data_format: str | None = None, modality: Modality | None = None,
+    data_format: str | None = None, modality: Modality | None = None, split: str | None = None,
+    prefer_splits: Sequence[str] = TRAIN_SPLITS,
 ) -> ExampleSource:
     """Recognise `source` and open it (reads no image data yet).
 
@@ -170,26 +194,38 @@ def open_source(
     `text_unit` is what one example of a text file is (line / paragraph / file); `data_format` ("image",
     "text") says how to read a folder holding several kinds of files, or a file of any suffix as text;
     `modality` is what the model takes, when known: a folder is then read for it (an image model reads a
-    folder's images and nothing else).
+    folder's images and nothing else). `split` names the split of a DatasetDict (saved, hub or in memory)
+    to read; unset, its only split, else the one of `prefer_splits` it holds (calibration: train). A
+    `split` for a source without splits (a file, a folder of files) is refused, never ignored.
     """
     if data_format is not None and data_format not in DATA_FORMATS:
         raise CalibrationDataError(f"unknown data format {data_format!r}; choose one of {', '.join(DATA_FORMATS)}")
+    splits = {"split": split, "prefer_splits": prefer_splits}
     if not isinstance(source, (str, os.PathLike)):
-        return _in_memory(source, text_column=text_column, allow_test_split=allow_test_split)
+        return _in_memory(source, text_column=text_column, allow_test_split=allow_test_split, **splits)
     path = Path(source).expanduser()
+    if path.is_dir() and ((path / "dataset_dict.json").exists() or (path / "state.json").exists()):
+        return saved_dataset(path, text_column=text_column, allow_test_split=allow_test_split, **splits)
+    if split is not None and path.exists():
+        raise SplitChoiceError(
+            f"{path} is a {'folder' if path.is_dir() else 'file'} of examples with no splits: --split names a split "
+            "of a DatasetDict (a folder written by save_to_disk, or a hub dataset id); drop --split for this source"
+        )
     if path.is_dir():
-        if (path / "dataset_dict.json").exists() or (path / "state.json").exists():
-            return saved_dataset(path, text_column=text_column, allow_test_split=allow_test_split)
         return _folder(path, data_format, modality, text_unit)
     if path.is_file():
         return _file(path, data_format, text_column, text_unit)
     hub_id = parse_hub_id(os.fspath(source), TABLE_SUFFIXES + TEXT_SUFFIXES + IMAGE_SUFFIXES)
     if hub_id is None or path.exists():
         raise CalibrationDataError(f"calibration data {path} does not exist")
-    source_ = dataset_source(load_hub_dataset(hub_id), str(hub_id), "hub dataset", text_column=text_column,
-                             allow_test_split=allow_test_split)
-    if hub_id.split is not None:
-        source_.split = hub_id.split
+    if split is not None and hub_id.split is not None and split != hub_id.split:
+        raise SplitChoiceError(f"{hub_id} names the split {hub_id.split!r} and --split names {split!r}; keep one")
+    named = hub_id.split or split
+    loaded = load_hub_dataset(HubId(hub_id.name, hub_id.config, named))
+    source_ = dataset_source(loaded, str(hub_id), "hub dataset", text_column=text_column,
+                             allow_test_split=allow_test_split, prefer_splits=prefer_splits)
+    if named is not None:
+        source_.split = named
     return source_
 
 
@@ -231,13 +267,17 @@ def _folder(path: Path, data_format: str | None, modality: Modality | None, text
     return ImageFolderSource(path, contents)  # images, or nothing: "holds no examples"
 
 
-def _in_memory(data: Any, *, text_column: str | None, allow_test_split: bool) -> ExampleSource:
+def _in_memory(data: Any, *, text_column: str | None, allow_test_split: bool, split: str | None,
+               prefer_splits: Sequence[str]) -> ExampleSource:
     """A `datasets` object, or a list of strings / conversations / records / PIL images."""
     import datasets
 
     if isinstance(data, (datasets.Dataset, datasets.DatasetDict)):
         return dataset_source(data, "dataset (in memory)", "dataset (in memory)", text_column=text_column,
-                              allow_test_split=allow_test_split)
+                              allow_test_split=allow_test_split, split=split, prefer_splits=prefer_splits)
+    if split is not None:
+        raise SplitChoiceError(f"split {split!r} is named, but the calibration data in memory is a list, which has no "
+                               "splits")
     if not isinstance(data, (list, tuple)):
         raise CalibrationDataError(
             f"calibration data must be a path, a hub dataset id, a datasets.Dataset, a list of texts, chat "

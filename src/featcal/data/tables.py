@@ -21,7 +21,7 @@ from typing import Any
 from featcal.data.chat import CHAT_LAYOUTS, chat_layout, conversation
 from featcal.data.text_files import read_utf8
 from featcal.data.types import Content, Example, Modality
-from featcal.errors import CalibrationDataError
+from featcal.errors import CalibrationDataError, SplitChoiceError
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,7 @@ class TableSource:
         self.path = path
         self.kind = kind
         self.split: str | None = None  # a saved or hub dataset's split, when known
+        self._without_images = None  # the table less its image column, made when a text example is read
         self._locate = locate or (lambda i: f"{path}, row {i + 1}")
         self.dataset, self.image_column = _resolve_image_column(dataset, path, image_root)
         columns = self.dataset.column_names
@@ -107,14 +108,49 @@ class TableSource:
     def examples(self, indices: Sequence[int], modality: Modality) -> list[Example]:
         return [self._example(int(i), modality) for i in indices]
 
+    def field_names(self, modality: Modality) -> list[str]:
+        """The columns an example of `modality` carries as `fields` (all but those its content is read from)."""
+        used = set(self.content_columns(modality))
+        table = self._text_rows if modality == "text" else self.dataset
+        return [c for c in table.column_names if c not in used]
+
+    def field_values(self, name: str, indices: Sequence[int]) -> list[Any]:
+        """Column `name` at `indices`, read alone (an image column beside it is never decoded)."""
+        if name not in self.dataset.column_names:
+            return [None] * len(indices)
+        column = self.dataset.select_columns([name])
+        return list(column[list(indices)][name]) if indices else []
+
+    def class_names(self, name: str) -> tuple[str, ...] | None:
+        """Class names in id order of a ClassLabel column (None for any other column)."""
+        names = getattr(self.dataset.features.get(name), "names", None)
+        return tuple(str(n) for n in names) if names else None
+
+    def content_columns(self, modality: Modality) -> tuple[str, ...]:
+        """The columns an example of `modality` is read from (the image; the chat layout's; the text)."""
+        if modality == "image":
+            return (self.image_column,) if self.image_column else ()
+        if self.chat_layout is not None:
+            return CHAT_LAYOUTS[self.chat_layout] + (("input",) if self.chat_layout.startswith("instruction") else ())
+        return (self.text_column,) if self.text_column else ()
+
+    @property
+    def _text_rows(self):
+        """The table less its image column: reading a text or chat example decodes no image (a missing or
+        broken image file cannot stop a text model from reading the captions beside it)."""
+        if self.image_column is None:
+            return self.dataset
+        if self._without_images is None:
+            self._without_images = self.dataset.remove_columns([self.image_column])
+        return self._without_images
+
     def _example(self, i: int, modality: Modality) -> Example:
         if modality == "image":
             return self._image(i)
-        row = self.dataset[i]
+        row = self._text_rows[i]
         if self.chat_layout is not None:
-            used = CHAT_LAYOUTS[self.chat_layout] + (("input",) if self.chat_layout.startswith("instruction") else ())
             return Example(messages=conversation(row, self.chat_layout, self._locate(i)),
-                           fields=_other_fields(row, used))
+                           fields=_other_fields(row, self.content_columns("text")))
         column = self.text_column
         text = row[column]
         if not isinstance(text, str) or not text.strip():
@@ -276,40 +312,70 @@ def refuse_test_split(path: Path | str, split: object, allowed: bool) -> None:
     log.warning("%s: calibrating on its %r split, as allowed by allow_test_split", path, str(split))
 
 
+TRAIN_SPLITS = ("train",)  # calibration reads training data
+
+
+def choose_split(loaded, path: Path | str, *, split: str | None = None, prefer: Sequence[str] = TRAIN_SPLITS,
+                 allow_test_split: bool = False):
+    """(the Dataset, its split name) of a DatasetDict: `split` when named; else its only split; else the one
+    of `prefer` it holds (calibration: train; evaluation: test or validation). Several or none is refused
+    naming the splits, never picked; a test split needs `allow_test_split`."""
+    names = list(loaded)
+    if split is not None:
+        if split not in loaded:
+            raise SplitChoiceError(f"{path} has no split {split!r} (splits: {', '.join(names)}); fix --split")
+        chosen = split
+    elif len(names) == 1:
+        chosen = names[0]
+        if tuple(prefer) == TRAIN_SPLITS and chosen != "train":
+            log.info("%s has no 'train' split; using its only split %r", path, chosen)
+    else:
+        held = [s for s in prefer if s in loaded]
+        if len(held) != 1:
+            if tuple(prefer) == TRAIN_SPLITS:
+                raise CalibrationDataError(
+                    f"{path} is a DatasetDict without a 'train' split (splits: {', '.join(names)}); "
+                    "calibration data must come from training data"
+                )
+            why = f"both {' and '.join(held)} are there" if held else f"none is {' or '.join(prefer)}"
+            raise SplitChoiceError(f"{path} holds the splits {', '.join(names)}: name the one to read with --split ({why})")
+        chosen = held[0]
+    refuse_test_split(path, chosen, allow_test_split)
+    return loaded[chosen], chosen
+
+
 def train_split(loaded, path: Path | str, allow_test_split: bool):
     """(the Dataset, its split name) of a DatasetDict: its 'train' split, else its only split; else refused."""
-    if "train" in loaded:
-        return loaded["train"], "train"
-    if len(loaded) == 1:
-        (split,) = loaded.keys()
-        refuse_test_split(path, split, allow_test_split)
-        log.info("%s has no 'train' split; using its only split %r", path, split)
-        return loaded[split], split
-    raise CalibrationDataError(
-        f"{path} is a DatasetDict without a 'train' split (splits: {', '.join(loaded)}); "
-        "calibration data must come from training data"
-    )
+    return choose_split(loaded, path, allow_test_split=allow_test_split)
 
 
-def saved_dataset(path: Path, *, text_column: str | None = None, allow_test_split: bool = False) -> TableSource:
+def saved_dataset(path: Path, *, text_column: str | None = None, allow_test_split: bool = False,
+                  split: str | None = None, prefer_splits: Sequence[str] = TRAIN_SPLITS) -> TableSource:
     import datasets
 
     try:
         loaded = datasets.load_from_disk(str(path))
     except Exception as exc:
         raise CalibrationDataError(f"cannot load the saved dataset {path}: {type(exc).__name__}: {exc}") from None
-    return dataset_source(loaded, path, "saved dataset", text_column=text_column, allow_test_split=allow_test_split)
+    return dataset_source(loaded, path, "saved dataset", text_column=text_column, allow_test_split=allow_test_split,
+                          split=split, prefer_splits=prefer_splits)
 
 
 def dataset_source(loaded, name: Path | str, kind: str, *, text_column: str | None = None,
-                   allow_test_split: bool = False) -> TableSource:
-    """A Dataset or DatasetDict (saved, from the hub, or in memory) as a source; a dict's train split."""
+                   allow_test_split: bool = False, split: str | None = None,
+                   prefer_splits: Sequence[str] = TRAIN_SPLITS) -> TableSource:
+    """A Dataset or DatasetDict (saved, from the hub, or in memory) as a source; a dict's split chosen by
+    `choose_split`. A Dataset named with another `split` than the one it was loaded from is refused."""
     import datasets
 
     if isinstance(loaded, datasets.DatasetDict):
-        loaded, split = train_split(loaded, name, allow_test_split)
+        loaded, split = choose_split(loaded, name, split=split, prefer=prefer_splits, allow_test_split=allow_test_split)
     else:  # a Dataset loaded from a split remembers which one
-        split = getattr(loaded, "split", None)
+        own = getattr(loaded, "split", None)
+        if split is not None and (own is None or str(own) != split):
+            held = f"the {str(own)!r} split" if own is not None else "one dataset, not a DatasetDict"
+            raise SplitChoiceError(f"{name} holds {held}, so --split {split!r} names nothing there; drop --split")
+        split = own
         refuse_test_split(name, split, allow_test_split)
     source = TableSource(loaded, name, kind, text_column=text_column)
     source.split = None if split is None else str(split)  # featcal.json records which split was read
@@ -371,6 +437,10 @@ def csv_file(path: Path, *, text_column: str | None = None) -> TableSource:
         return records_source([], path, kind)
     delimiter = "\t" if tsv else ","
     names = next(csv_module.reader(io.StringIO(text), delimiter=delimiter), [])
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:  # which of the two is the text (or the label) cannot be told
+        raise CalibrationDataError(f"{path}: the header names the column(s) {', '.join(map(repr, twice))} more than "
+                                   "once; give every column its own name")
     textual = set(TEXT_COLUMNS) | set(TARGET_COLUMNS) | {c for cols in CHAT_LAYOUTS.values() for c in cols}
     textual |= {"input"} | ({text_column} if text_column else set())
     try:

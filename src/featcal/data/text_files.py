@@ -1,7 +1,7 @@
 """Plain text as examples: a .txt / .md file, or a folder of text files, cut into units.
 
 The unit is what one example is (`text_unit`, TEXT_UNITS):
-- "line": each line without its line ending; blank lines are skipped;
+- "line": each line without its line ending (\n, \r\n or \r); blank lines are skipped;
 - "paragraph": each block of lines between blank lines (a blank line holds only whitespace), without the
   line breaks around it;
 - "file": each file's whole text.
@@ -22,14 +22,25 @@ from featcal.errors import CalibrationDataError
 
 TEXT_SUFFIXES = (".txt", ".md", ".markdown", ".rst", ".text")
 TEXT_UNITS = ("line", "paragraph", "file")
+_HEAD_BYTES = 1 << 16
 
 
 def read_utf8(path: Path) -> str:
-    """The file's text; a file that is not UTF-8 is named with the line and byte at fault."""
+    """The file's text; a file that is not UTF-8, or holds a NUL byte (a binary file under a text name), is
+    named with the line and byte at fault."""
     try:
-        raw = path.read_bytes()
+        with path.open("rb") as f:
+            raw = f.read(_HEAD_BYTES)
+            if b"\0" not in raw:  # a binary (or sparse) file is refused from its head, before it is all read
+                raw += f.read()
     except OSError as exc:
         raise CalibrationDataError(f"cannot read {path}: {exc.strerror or exc}") from None
+    nul = raw.find(b"\0")
+    if nul >= 0:  # valid UTF-8, but no text: a binary file (or a sparse one) under a text name
+        line = raw.count(b"\n", 0, nul) + 1
+        raise CalibrationDataError(
+            f"{path}, line {line}: holds a NUL byte (offset {nul}), so it is a binary file, not text; give a text file"
+        )
     try:
         return raw.decode("utf-8-sig")  # a leading byte-order mark is harmless
     except UnicodeDecodeError as exc:
@@ -42,7 +53,7 @@ def read_utf8(path: Path) -> str:
 
 def split_units(text: str, unit: str) -> list[str]:
     """`text` cut into its units (see the module docstring); units holding only whitespace are dropped."""
-    text = text.replace("\r\n", "\n")
+    text = text.replace("\r\n", "\n").replace("\r", "\n")  # Windows' and old Macs' line ends, as Python reads text
     if unit == "line":
         pieces = text.split("\n")
     elif unit == "paragraph":
@@ -90,6 +101,12 @@ class TextSource:
 
     def __len__(self) -> int:
         return len(self._units)
+
+    def field_names(self, modality: Modality) -> list[str]:
+        return ["file"]
+
+    def field_values(self, name: str, indices: Sequence[int]) -> list[Any]:
+        return [self._units[i][1] if name == "file" else None for i in indices]
 
     def examples(self, indices: Sequence[int], modality: Modality) -> list[Example]:
         return [Example(text=self._units[i][0], fields={"file": self._units[i][1]}) for i in indices]

@@ -1,36 +1,34 @@
 """The one place `featcal eval` reads its data: a task's examples with their inputs, labels and targets.
 
-Reads what calibration reads (featcal.data.sources: JSONL / JSON, parquet, folders written by
-datasets' `save_to_disk`, image folders), and also the columns evaluation needs:
-- the input: a text column (resolved as calibration resolves it, --text-column when ambiguous), chat
-  turns (a `messages` column of {role, content} lists), or an image column / image file;
-- `label` (or --label-column): class ids or class names; the class names in id order come from a
-  `ClassLabel` feature, or from an image folder's class sub-folders;
-- `target` (or --target-column): the text a text-to-text model should produce.
-A saved DatasetDict is read at its evaluation split: the one split there is, else `test` or
-`validation` (the one of the two present); --split names it when both are, or any other.
+Reads through the data seam (`featcal.data.read_examples_by_modality`), so a task takes every source
+calibration takes (docs/data.md): text files and folders cut by --text-unit, chat JSONL / CSV in its three
+layouts, JSONL / JSON, CSV / TSV, parquet, saved datasets, hub dataset ids, image folders. On top of the
+examples, evaluation reads:
+- the label: the `label` (or `labels`) field, or --label-column; class ids or class names. Class names in id
+  order come from a `ClassLabel` feature, or from an image folder's class sub-folders;
+- the target: a `target` / `label_text` column (what calibration teacher-forces), or --target-column: the
+  text a text-to-text model should produce.
+A DatasetDict (saved or from the hub) is read at its evaluation split: the one split there is, else `test`
+or `validation` (the one of the two present); --split names it when both are, or any other. Each example's
+fingerprint is `example_sha256` over the very `Example` calibration would read from the same source, so
+the leakage guard matches whatever file, format or order the examples come in.
 
 Everything else (which metric, whether a label map fits the model) is the runners' business.
-When featcal.data gains `read_examples` (issue #37), this module is where evaluation switches to it.
 """
 
 from __future__ import annotations
 
-import logging
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from featcal.data.examples import Examples, read_examples_by_modality
 from featcal.data.fingerprint import example_sha256
-from featcal.data.sources import ImageFolderSource, TableSource, open_source
 from featcal.errors import CalibrationDataError, ConfigError, EvaluationDataError
 
-log = logging.getLogger(__name__)
-
-LABEL_COLUMNS = ("label", "labels")
-MESSAGES_COLUMN = "messages"
+LABEL_FIELDS = ("label", "labels")
 EVAL_SPLITS = ("test", "validation")
 
 
@@ -39,7 +37,7 @@ class EvalExample:
     """One example: its input (a text, chat turns or an image) and what it is scored against."""
 
     text: str | None = None
-    messages: tuple[Mapping[str, str], ...] | None = None
+    messages: tuple[Mapping[str, Any], ...] | None = None
     image: Any = None
     label: int | str | None = None
     target: str | None = None
@@ -47,58 +45,94 @@ class EvalExample:
 
 @dataclass
 class EvalSet:
-    """A task's evaluation examples, read on demand (images are decoded only when fetched)."""
+    """A task's evaluation examples, read on demand through the data seam (images decoded only when fetched)."""
 
     task: str
-    path: Path
-    kind: str  # the source kind ("jsonl", "saved dataset", "image folder", ...)
-    rows: list[int]  # the source rows evaluated, in order
+    path: Path | str  # the source as featcal.data names it (a path, or a hub id)
+    kind: str  # the source's format ("jsonl", "csv", "text file", "saved dataset", "image folder", ...)
+    rows: list[int]  # the source's examples evaluated, in order
     fields: frozenset[str]  # which of text / messages / image / label / target the examples carry
     label_names: tuple[str, ...] | None = None  # class names in label-id order, when the data says
-    read_as: dict[str, Any] = field(default_factory=dict)  # split and columns read (for eval.json)
-    _source: Any = None
-    _columns: dict[str, Any] = field(default_factory=dict)
-    _fingerprints: dict[str, list[str]] = field(default_factory=dict)
-    _plain: Any = None
+    read_as: dict[str, Any] = field(default_factory=dict)  # split, unit and columns read (for eval.json)
+    _read: dict[str, Examples] = field(default_factory=dict)  # modality -> the source's examples
+    _label: str | None = None  # the field labels are read from
+    _target: str | None = None  # the field targets are read from
+    _cache: dict[str, list] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.rows)
 
-    def examples(self, positions: Sequence[int] | None = None) -> list[EvalExample]:
-        """The examples at `positions` (indices into `rows`), all of them by default."""
-        chosen = [self.rows[p] for p in (range(len(self.rows)) if positions is None else positions)]
-        return [self._example(r) for r in chosen]
+    @property
+    def primary(self) -> str:
+        """The modality examples are read for by default: text (or chat) when the source serves it, else image."""
+        return "text" if "text" in self._read else "image"
+
+    def examples(self, positions: Sequence[int] | None = None, modality: str | None = None) -> list[EvalExample]:
+        """The examples at `positions` (indices into `rows`, all by default), read for `modality`."""
+        positions = range(len(self.rows)) if positions is None else positions
+        read = self._read[modality or self.primary]
+        labels = self.labels() if self._label else None
+        targets = self._raw_targets()
+        out = []
+        for p, e in zip(positions, read.take([self.rows[p] for p in positions]), strict=True):
+            target = targets[p] if targets is not None else None
+            out.append(EvalExample(text=e.text, messages=e.messages, image=e.image,
+                                   label=labels[p] if labels is not None else None,
+                                   target=None if target is None else str(target)))
+        return out
 
     def labels(self) -> list:
-        """Every example's label, reading nothing else (no image is decoded)."""
-        if "label" not in self.fields:
+        """Every example's label, read alone (no image decoded); a missing label is refused naming the row."""
+        if self._label is None:
             return []
-        if isinstance(self._source, ImageFolderSource):
-            return [self._columns["folder_labels"][r] for r in self.rows]
-        return list(self._source.dataset.select(self.rows)[self._columns["label"]])
+        if "labels" not in self._cache:
+            values = self._read[self.primary].field_values(self._label, self.rows)
+            missing = next((r for r, v in zip(self.rows, values, strict=True) if v is None), None)
+            if missing is not None:
+                raise EvaluationDataError(f"task {self.task!r}: {self.path}: example {missing + 1} has no label "
+                                          f"({self._label!r} is empty)")
+            self._cache["labels"] = values
+        return self._cache["labels"]
+
+    def targets(self) -> list[str]:
+        """Every example's target text; a missing or blank one is refused naming the row (scoring a generation
+        against an empty target would give a number, and a wrong one)."""
+        if self._target is None:
+            return []
+        if "targets" not in self._cache:
+            values = self._raw_targets() or []
+            for row, value in zip(self.rows, values, strict=True):
+                if isinstance(value, bool) or not isinstance(value, (str, int)) or not str(value).strip():
+                    raise EvaluationDataError(
+                        f"task {self.task!r}: {self.path}: example {row + 1} has no target text in {self._target!r} "
+                        f"(got {value!r}); every example needs the answer it is scored against"
+                    )
+            self._cache["targets"] = [str(v) for v in values]
+        return self._cache["targets"]
+
+    def _raw_targets(self) -> list | None:
+        if self._target is None:
+            return None
+        if "raw_targets" not in self._cache:
+            self._cache["raw_targets"] = self._read[self.primary].field_values(self._target, self.rows)
+        return self._cache["raw_targets"]
 
     def texts(self) -> list[str]:
-        """Every example's input text, read as one column (no row-by-row reads, no image decoded)."""
+        """Every example's input text (read once; the data seam refuses an empty one naming the row)."""
         if "text" not in self.fields:
             return []
-        column = self._columns["text"]
-        texts = list(self._without_images().select(self.rows)[column])
-        for row, text in zip(self.rows, texts, strict=True):
-            if not isinstance(text, str) or not text.strip():
-                raise EvaluationDataError(f"task {self.task!r}: {self.path}: row {row} has no text in column {column!r}")
-        return texts
+        if "texts" not in self._cache:
+            self._cache["texts"] = [e.text for e in self._read["text"].take(self.rows)]
+        return self._cache["texts"]
 
     def fingerprints(self, modality: str = "text") -> list[str]:
         """Each example's content fingerprint (data.fingerprint) of what a model of `modality` ("text": the
-        chat turns or the text; "image": the image) reads, as calibration fingerprints it; computed once."""
-        if modality not in self._fingerprints:
-            if modality == "image":
-                self._fingerprints[modality] = [example_sha256(e.image) for e in self.examples()]
-            else:
-                self._fingerprints[modality] = [
-                    example_sha256(e.messages if e.messages is not None else e.text) for e in self.examples()
-                ]
-        return self._fingerprints[modality]
+        chat turns or the text; "image": the image) reads, over the Example calibration reads; computed once."""
+        key = f"sha256:{modality}"
+        if key not in self._cache:
+            read = self._read.get(modality)
+            self._cache[key] = [example_sha256(e) for e in read.take(self.rows)] if read is not None else []
+        return self._cache[key]
 
     def require(self, needed: Sequence[str], what: str, hint: str) -> None:
         """Refuse a set that lacks one of `needed` (e.g. "label"), naming what the model is and the fix."""
@@ -108,44 +142,6 @@ class EvalSet:
                 f"task {self.task!r}: {self.path} ({self.kind}) has no {' or '.join(missing)}, which {what} needs; "
                 f"{hint}"
             )
-
-    def _example(self, row: int) -> EvalExample:
-        if isinstance(self._source, ImageFolderSource):
-            label = self._columns.get("folder_labels")
-            return EvalExample(image=self._source.examples([row], "image")[0].image,
-                               label=label[row] if label is not None else None)  # type: ignore[index]
-        src: TableSource = self._source
-        record = self._without_images()[row]
-        cols = self._columns
-        text = record[cols["text"]] if cols.get("text") else None
-        if cols.get("text") and (not isinstance(text, str) or not text.strip()):
-            raise EvaluationDataError(f"task {self.task!r}: {self.path}: row {row} has no text in column {cols['text']!r}")
-        messages = _messages(record[cols["messages"]], self, row) if cols.get("messages") else None
-        image = src.examples([row], "image")[0].image if cols.get("image") else None
-        label = record[cols["label"]] if cols.get("label") else None
-        if cols.get("label") and label is None:
-            raise EvaluationDataError(f"task {self.task!r}: {self.path}: row {row} has no label (column {cols['label']!r})")
-        target = record[cols["target"]] if cols.get("target") else None
-        return EvalExample(text=text, messages=messages, image=image, label=label,
-                           target=None if target is None else str(target))
-
-    def _without_images(self):
-        """The table less its image column, so reading a row's text or label decodes no image."""
-        if self._plain is None:
-            image = self._columns.get("image")
-            self._plain = self._source.dataset.remove_columns([image]) if image else self._source.dataset
-        return self._plain
-
-
-def _messages(turns: Any, data: EvalSet, row: int) -> tuple[Mapping[str, str], ...]:
-    if not isinstance(turns, list) or not turns or not all(
-        isinstance(t, Mapping) and isinstance(t.get("role"), str) and isinstance(t.get("content"), str) for t in turns
-    ):
-        raise EvaluationDataError(
-            f"task {data.task!r}: {data.path}: row {row}: `messages` must be a non-empty list of "
-            "{role, content} objects with string values"
-        )
-    return tuple({"role": t["role"], "content": t["content"]} for t in turns)
 
 
 def read_eval_set(
@@ -158,133 +154,111 @@ def read_eval_set(
     split: str | None = None,
     max_examples: int | None = None,
     seed: int = 0,
+    text_unit: str | None = None,
+    data_format: str | None = None,
 ) -> EvalSet:
-    """Open `source` for task `task` and resolve its columns, reading no image yet.
+    """Open `source` for task `task` and resolve its label and target fields, reading no image yet.
 
-    `max_examples`: a seeded subset of that many rows (sorted, the same for every model compared), since
-    evaluation files are often sorted by label; all rows otherwise.
+    `max_examples`: a seeded subset of that many examples (sorted, the same for every model compared), since
+    evaluation files are often sorted by label; all examples otherwise. `text_unit`, `data_format`: as
+    calibration reads them (--text-unit, --data-format).
     """
     if max_examples is not None and max_examples < 1:
         raise ConfigError(f"max_examples must be at least 1, got {max_examples}")
-    path = Path(source).expanduser()
-    if not path.exists():
-        raise EvaluationDataError(f"task {task!r}: evaluation data {path} does not exist")
+    if isinstance(source, Path) and not source.expanduser().exists():
+        raise EvaluationDataError(f"task {task!r}: evaluation data {source} does not exist")
     try:
-        src = _open(path, text_column=text_column, split=split)
-        if len(src) == 0:
-            raise EvaluationDataError(f"task {task!r}: evaluation data {path} ({src.kind}) holds no examples")
-        rows = _rows(len(src), max_examples, seed)
-        if isinstance(src, ImageFolderSource):
-            return _image_folder_set(task, src, rows, label_column, target_column, text_column)
-        return _table_set(task, src, rows, label_column=label_column, target_column=target_column)
-    except CalibrationDataError as exc:  # featcal.data's messages speak of calibration data
-        raise EvaluationDataError(f"task {task!r}: " + str(exc).replace("calibration data", "evaluation data")) from None
+        read = read_examples_by_modality(source, text_column=text_column, text_unit=text_unit, data_format=data_format,
+                                         allow_test_split=True, split=split, prefer_splits=EVAL_SPLITS)
+        data = _eval_set(task, read, source, label_column, target_column, max_examples, seed)
+        data.texts()  # every text checked now, before any model is loaded
+        return data
+    except ConfigError as exc:  # a split that cannot be chosen, a column that is not there
+        raise ConfigError(f"task {task!r}: {_for_evaluation(exc)}") from None
+    except (CalibrationDataError, EvaluationDataError) as exc:
+        raise EvaluationDataError(f"task {task!r}: {_for_evaluation(exc)}") from None
+
+
+def _for_evaluation(exc: Exception) -> str:
+    """featcal.data's messages speak of calibration data; here it is evaluation data."""
+    return str(exc).replace("calibration data", "evaluation data")
+
+
+def _eval_set(task: str, read: dict[str, Examples], source: str | Path, label_column: str | None,
+              target_column: str | None, max_examples: int | None, seed: int) -> EvalSet:
+    any_read = next(iter(read.values()), None)
+    if any_read is None or len(any_read) == 0:
+        src = any_read.source if any_read is not None else None
+        hint = src.empty_hint() if src is not None and hasattr(src, "empty_hint") else ""
+        raise EvaluationDataError(f"evaluation data {source} holds no examples{hint}")
+    primary = read["text"] if "text" in read else read["image"]
+    src = primary.source
+    label = _field(task, read, label_column, LABEL_FIELDS, "--label-column", "label")
+    default_target = read["text"].describe().get("target_column") if "text" in read else None
+    target = _field(task, read, target_column, (default_target,) if default_target else (), "--target-column",
+                    "target")
+    fields = set(read)
+    if "text" in read and read["text"].content == "chat":
+        fields = (fields - {"text"}) | {"messages"}
+    fields |= {name for name, value in (("label", label), ("target", target)) if value is not None}
+    return EvalSet(task, src.path, src.kind, _rows(len(primary), max_examples, seed), frozenset(fields),
+                   primary.class_names(label) if label else None, _read_as(read, label, target), dict(read),
+                   label, target)
+
+
+def _field(task: str, read: dict[str, Examples], chosen: str | None, conventional: Sequence[str], flag: str,
+           role: str) -> str | None:
+    """The field `role` (label, target) is read from: `chosen`, else the one conventional name present.
+
+    It must be a field of the examples of every modality read (a column a model reads as its input cannot
+    be what it is scored against)."""
+    carried = {m: set(e.field_names()) for m, e in read.items()}
+    everywhere = set.intersection(*carried.values())
+    primary = read["text"] if "text" in read else read["image"]
+    where = f"{primary.source.path} ({primary.source.kind})"
+    if chosen is not None:
+        if chosen not in everywhere:
+            inputs = [m for m, names in carried.items() if chosen not in names]
+            if any(chosen in names for names in carried.values()) or _is_input(read, chosen):
+                raise ConfigError(f"{where}: {chosen!r} ({flag}) is the {' and '.join(inputs)} the models read, so it "
+                                  f"cannot be the {role} too")
+            held = ", ".join(map(repr, sorted(everywhere))) or "none"
+            raise ConfigError(f"{where} has no column or field {chosen!r} ({flag}); its examples carry: {held}")
+        return chosen
+    present = [c for c in conventional if c in everywhere]
+    if len(present) > 1:
+        raise ConfigError(f"{where} has columns {', '.join(map(repr, present))}; name the one to read with {flag}")
+    return present[0] if present else None
+
+
+def _is_input(read: dict[str, Examples], name: str) -> bool:
+    """Whether column `name` is what the models read (the text, image or chat columns)."""
+    for modality, examples in read.items():
+        columns = getattr(examples.source, "content_columns", None)
+        if columns is not None and name in columns(modality):
+            return True
+    return False
+
+
+def _read_as(read: dict[str, Examples], label: str | None, target: str | None) -> dict[str, Any]:
+    """How the set is read, for eval.json: content, unit, split, the columns or chat layout read."""
+    out: dict[str, Any] = {}
+    contents = []
+    for examples in read.values():
+        described = examples.describe()
+        contents.append(described.pop("content"))
+        for key in ("source", "format", "target_column"):
+            described.pop(key, None)
+        out.update(described)
+    out["content"] = contents[0] if len(contents) == 1 else contents
+    if label is not None:
+        out["label_column"] = label
+    if target is not None:
+        out["target_column"] = target
+    return out
 
 
 def _rows(n: int, max_examples: int | None, seed: int) -> list[int]:
     if max_examples is None or max_examples >= n:
         return list(range(n))
     return sorted(random.Random(seed).sample(range(n), max_examples))
-
-
-def _open(path: Path, *, text_column: str | None, split: str | None):
-    if path.is_dir() and (path / "dataset_dict.json").exists():
-        return _dataset_dict_split(path, text_column, split)
-    if split is not None and not (path.is_dir() and (path / "state.json").exists()):
-        raise ConfigError(f"--split {split!r} applies to a saved DatasetDict, and {path} is not one")
-    return open_source(path, text_column=text_column, allow_test_split=True)  # evaluating on test data is the point
-
-
-def _dataset_dict_split(path: Path, text_column: str | None, split: str | None) -> TableSource:
-    """The evaluation split of a saved DatasetDict: the named one, the only one, or the one of test/validation."""
-    import datasets
-
-    try:
-        loaded = datasets.load_from_disk(str(path))
-    except Exception as exc:
-        raise EvaluationDataError(f"cannot load the saved dataset {path}: {type(exc).__name__}: {exc}") from None
-    names = list(loaded)
-    if split is not None:
-        if split not in loaded:
-            raise ConfigError(f"{path} has no split {split!r} (splits: {', '.join(names)}); fix --split")
-        chosen = split
-    elif len(names) == 1:
-        chosen = names[0]
-    else:
-        candidates = [s for s in EVAL_SPLITS if s in loaded]
-        if len(candidates) != 1:
-            raise ConfigError(
-                f"{path} holds the splits {', '.join(names)}: name the one to evaluate on with --split "
-                f"({'both test and validation are there' if candidates else 'none is test or validation'})"
-            )
-        chosen = candidates[0]
-    source = TableSource(loaded[chosen], path, "saved dataset", text_column=text_column)
-    source.split = chosen
-    return source
-
-
-def _image_folder_set(task: str, src: ImageFolderSource, rows: list[int], label_column: str | None,
-                      target_column: str | None, text_column: str | None) -> EvalSet:
-    for flag, value in (("--label-column", label_column), ("--target-column", target_column),
-                        ("--text-column", text_column)):
-        if value is not None:
-            raise ConfigError(f"task {task!r}: {flag} names a table column, and {src.path} is an image folder")
-    parts = [f.relative_to(src.path).parts for f in src.files]
-    nested = all(len(p) > 1 for p in parts)
-    fields = {"image"}
-    names: tuple[str, ...] | None = None
-    columns: dict[str, Any] = {}
-    if nested:  # class sub-folders: the folder is the label, as in torchvision's ImageFolder
-        names = tuple(sorted({p[0] for p in parts}))
-        columns["folder_labels"] = [p[0] for p in parts]
-        fields.add("label")
-    elif any(len(p) > 1 for p in parts):
-        log.warning("%s: some images sit in sub-folders and some do not; reading no labels from the folders", src.path)
-    return EvalSet(task, src.path, src.kind, rows, frozenset(fields), names,
-                   {"labels": "class sub-folders"} if nested else {}, src, columns)
-
-
-def _table_set(task: str, src: TableSource, rows: list[int], *, label_column: str | None,
-               target_column: str | None) -> EvalSet:
-    dataset = src.dataset
-    names_held = ", ".join(repr(c) for c in dataset.column_names)
-    columns: dict[str, Any] = {}
-    if MESSAGES_COLUMN in dataset.column_names:
-        columns["messages"] = MESSAGES_COLUMN
-    if "text" in src.modalities and not columns.get("messages"):
-        columns["text"] = src.text_column  # refuses an ambiguous text column, naming --text-column
-    if src.image_column is not None:
-        columns["image"] = src.image_column
-    columns["label"] = _chosen_column(task, src, label_column, LABEL_COLUMNS, "--label-column", names_held)
-    columns["target"] = _chosen_column(task, src, target_column, (src.target_column,) if src.target_column else (),
-                                       "--target-column", names_held)
-    if columns["label"] is not None and columns["label"] == columns.get("text"):
-        raise ConfigError(f"task {task!r}: {src.path}: column {columns['label']!r} cannot be both the text and the label")
-    names = _class_names(dataset, columns["label"])
-    fields = frozenset(k for k, v in columns.items() if v is not None)
-    read_as = {k + "_column": v for k, v in columns.items() if v is not None}
-    if getattr(src, "split", None) is not None:
-        read_as["split"] = src.split
-    return EvalSet(task, src.path, src.kind, rows, fields, names, read_as, src, columns)
-
-
-def _chosen_column(task: str, src: TableSource, chosen: str | None, conventional: Sequence[str], flag: str,
-                   held: str) -> str | None:
-    if chosen is not None:
-        if chosen not in src.dataset.column_names:
-            raise ConfigError(f"task {task!r}: {src.path} has no column {chosen!r} ({flag}); columns: {held}")
-        return chosen
-    present = [c for c in conventional if c in src.dataset.column_names]
-    if len(present) > 1:
-        raise ConfigError(f"task {task!r}: {src.path} has columns {', '.join(map(repr, present))}; name the one to "
-                          f"read with {flag}")
-    return present[0] if present else None
-
-
-def _class_names(dataset, column: str | None) -> tuple[str, ...] | None:
-    """Class names in id order, from a ClassLabel feature (None for any other column)."""
-    if column is None:
-        return None
-    feature = dataset.features.get(column)
-    names = getattr(feature, "names", None)
-    return tuple(str(n) for n in names) if names else None

@@ -34,6 +34,8 @@ def class_ids(labels: Sequence, label_names: Sequence[str] | None, config, *, ta
     """Each label as the model's class id (see the module docstring); a refusal names both maps."""
     n_classes = int(getattr(config, "num_labels", 0) or len(getattr(config, "id2label", {}) or {}))
     named = model_classes(config)
+    if named is not None and (all(isinstance(v, str) for v in labels) or label_names is not None):
+        _refuse_repeated_names(named, task=task, model=model)  # names cannot then say which class is meant
     if all(isinstance(v, str) for v in labels):
         return _ids_of_names(labels, named, task=task, model=model)
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in labels):
@@ -47,6 +49,20 @@ def class_ids(labels: Sequence, label_names: Sequence[str] | None, config, *, ta
     if label_names is None or named is None:
         return list(labels)
     return _translated(list(labels), list(label_names), named, task=task, model=model)
+
+
+def _refuse_repeated_names(named: dict[int, str], *, task: str, model: str) -> None:
+    by_name: dict[str, list[int]] = {}
+    for i, name in sorted(named.items()):
+        by_name.setdefault(name.casefold(), []).append(i)
+    repeated = {n: ids for n, ids in by_name.items() if len(ids) > 1}
+    if repeated:
+        name, ids = next(iter(repeated.items()))
+        raise EvaluationDataError(
+            f"task {task!r}: model {model!r}'s id2label names the class {name!r} {len(ids)} times (ids "
+            f"{', '.join(map(str, ids))}), so labels read by name cannot say which is meant: fix id2label in its "
+            "config.json, or give the labels as class ids"
+        )
 
 
 def _ids_of_names(labels: Sequence[str], named: dict[int, str] | None, *, task: str, model: str) -> list[int]:

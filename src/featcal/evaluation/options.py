@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator
 
@@ -22,6 +22,18 @@ class EvalOptions(FrozenStrictModel):
     seed: int = Field(0, ge=0, le=MAX_SEED, description="seed of the --max-examples subset")
     split: str | None = Field(None, description="the split of a saved DatasetDict to evaluate on")
     text_column: str | None = Field(None, description="the column holding the input texts")
+    text_unit: Literal["line", "paragraph", "file"] | None = Field(
+        None, description="one example per line, paragraph or file of a text file or folder (as calibration reads "
+        "it; default: paragraph for a file, file for a folder)")
+    data_format: Literal["image", "text"] | None = Field(
+        None, description="read a folder holding several kinds of files for its images or its text, or any file "
+        "as plain text")
+    text_unit: Literal["line", "paragraph", "file"] | None = Field(
+        None, description="one example per line, paragraph or file of a text file or folder (as calibration reads "
+        "it; default: paragraph for a file, file for a folder)")
+    data_format: Literal["image", "text"] | None = Field(
+        None, description="read a folder holding several kinds of files for its images or its text, or any file "
+        "as plain text")
     label_column: str | None = Field(None, description="the column holding the labels (default: label)")
     target_column: str | None = Field(None, description="the column holding the target texts (default: target)")
     templates: tuple[str, ...] = Field((DEFAULT_TEMPLATE,), min_length=1,

@@ -104,7 +104,8 @@ def build_plan(tasks: Mapping[str, str | Path], models: Mapping[str, str | Path]
         entries.append(ModelEntry(name, role, path, config, kind, str(source), task))
     sets = {t: read_eval_set(t, d, text_column=options.text_column, label_column=options.label_column,
                              target_column=options.target_column, split=options.split,
-                             max_examples=options.max_examples, seed=options.seed) for t, d in tasks.items()}
+                             max_examples=options.max_examples, seed=options.seed, text_unit=options.text_unit,
+                             data_format=options.data_format) for t, d in tasks.items()}
     runners = {e.name: runner_for(e, options, text_model=base_entry) for e in entries}
     pairs = [(e, t) for e in entries for t in sets if e.role != "expert" or e.task == t]
     for entry, task in pairs:

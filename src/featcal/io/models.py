@@ -40,13 +40,25 @@ def hf_progress_bars(enabled: bool) -> Iterator[None]:
 
 
 def model_class_for(config) -> type:
-    """The transformers class named in config.architectures (falls back to AutoModel)."""
+    """The transformers class named in config.architectures; AutoModel for a config that names none.
+
+    A config naming only classes transformers does not have (custom code behind `auto_map`, a renamed or
+    newer class) is refused: read as the bare AutoModel its heads would be dropped from the output without a
+    word (a causal LM saved without its lm_head)."""
     import transformers
 
-    for arch in getattr(config, "architectures", None) or []:
-        cls = getattr(transformers, arch, None)
-        if cls is not None:
+    named = list(getattr(config, "architectures", None) or [])
+    for arch in named:
+        cls = getattr(transformers, arch, None) if isinstance(arch, str) else None
+        if isinstance(cls, type):
             return cls
+    if named:
+        custom = " (custom code, config.auto_map, which featcal never runs)" if getattr(config, "auto_map", None) else ""
+        raise CheckpointError(
+            f"config.architectures names {', '.join(map(repr, named))}, which transformers {transformers.__version__} "
+            f"does not have{custom}; read as the bare {getattr(config, 'model_type', '?')} model, its head would be "
+            "lost: set architectures to the transformers class the weights are for"
+        )
     return transformers.AutoModel
 
 
@@ -115,10 +127,45 @@ def load_model(
     config = load_config(path)
     cls = model_class or model_class_for(config)
     try:
-        model = cls.from_pretrained(
-            path, config=config, use_safetensors=not allow_pickle or None, trust_remote_code=False, dtype=dtype
-        )
+        with _load_report_silenced():  # its missing / unexpected keys are refused below, in one line
+            model, info = cls.from_pretrained(
+                path, config=config, use_safetensors=not allow_pickle or None, trust_remote_code=False, dtype=dtype,
+                output_loading_info=True,
+            )
     except Exception as exc:
         raise CheckpointError(f"cannot load {Path(path)} as {cls.__name__}: {exc}") from None
+    _refuse_partial_load(Path(path), cls.__name__, info)
     model.eval()
     return model
+
+
+@contextlib.contextmanager
+def _load_report_silenced() -> Iterator[None]:
+    import logging
+
+    logger = logging.getLogger("transformers")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _refuse_partial_load(path: Path, name: str, info: dict) -> None:
+    """A class that leaves checkpoint tensors unread (they would be missing from what featcal writes) or
+    initialises weights the checkpoint lacks (random values scored or calibrated as if trained) is refused."""
+    unread = sorted(info.get("unexpected_keys") or ())
+    if unread:
+        raise CheckpointError(
+            f"{path} read as {name} leaves {len(unread)} of its tensors unread ({', '.join(unread[:3])}"
+            f"{', ...' if len(unread) > 3 else ''}), which would be lost: its config.architectures does not "
+            "name the class these weights are for"
+        )
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        raise CheckpointError(
+            f"{path} read as {name} lacks {len(missing)} of the model's weights ({', '.join(missing[:3])}"
+            f"{', ...' if len(missing) > 3 else ''}), which would be random: the checkpoint is incomplete or its "
+            "config.architectures names another class"
+        )

@@ -114,6 +114,20 @@ class Runner(ABC):
         positions = getattr(self.entry.config, "max_position_embeddings", None)
         return min(self.options.max_length, positions) if positions else self.options.max_length
 
+    def check_token_ids(self, data: EvalSet, rows: Sequence[Sequence[int]]) -> None:
+        """Refuse token ids the model has no embedding for (a tokenizer that does not match the checkpoint):
+        the forward would fail with an IndexError, or read another row's memory on some devices."""
+        config = self.entry.config
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        vocab = getattr(text, "vocab_size", None)
+        largest = max((max(r) for r in rows if len(r)), default=None)
+        if isinstance(vocab, int) and largest is not None and largest >= vocab:
+            raise EvaluationDataError(
+                f"task {data.task!r}: the tokenizer of model {self.entry.name!r} ({self.processor_dir}) produces token "
+                f"id {largest}, but the model's vocabulary has {vocab} entries: tokenizer and checkpoint do not match "
+                "(--processor names another tokenizer)"
+            )
+
     def require_text(self, data: EvalSet, what: str) -> None:
         if "text" not in data.fields:
             raise EvaluationDataError(

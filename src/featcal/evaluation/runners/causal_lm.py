@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from featcal.errors import EvaluationDataError
+from featcal.data.bounds import bounded_text, render_chat
+from featcal.errors import CalibrationDataError, EvaluationDataError
 from featcal.evaluation.data import EvalSet
 from featcal.evaluation.metrics import perplexity
 from featcal.evaluation.runners.base import Runner, Scored, length_sorted_batches
@@ -41,10 +42,19 @@ class CausalLMRunner(Runner):
                     f"task {data.task!r} holds chat turns, and finding the assistant tokens needs a fast tokenizer "
                     f"(tokenizer.json), which {self.processor_dir} lacks"
                 )
-            return
-        self.require_text(data, f"causal LM {self.entry.name!r}")
+            for row, example in zip(data.rows, data.examples(), strict=True):
+                if not any(t.get("role") == "assistant" for t in example.messages):
+                    raise EvaluationDataError(
+                        f"task {data.task!r}: {data.path}: example {row + 1} has no assistant turn, so nothing of it "
+                        "would be scored (a causal LM is scored on the assistant turns of a chat); drop it"
+                    )
+        else:
+            self.require_text(data, f"causal LM {self.entry.name!r}")
+        # rendered and tokenised now (then again when scored): a chat template that fails or a tokenizer that
+        # does not fit the model is refused before any model is loaded
+        self.check_token_ids(data, [ids for ids, _ in self.encode(data, warn=False)])
 
-    def encode(self, data: EvalSet) -> list[tuple[list[int], list[int]]]:
+    def encode(self, data: EvalSet, *, warn: bool = True) -> list[tuple[list[int], list[int]]]:
         """(input ids, labels: the id where the token is scored, IGNORE elsewhere) of every example."""
         encoded, truncated = [], 0
         limit = self.max_length()
@@ -54,10 +64,11 @@ class CausalLMRunner(Runner):
                 truncated += cut
                 encoded.append((ids, labels))
         else:
-            for ids in self.tokenizer(data.texts(), truncation=False)["input_ids"]:  # one call: the fast path
+            texts = [bounded_text(self.tokenizer, t, limit) for t in data.texts()]
+            for ids in self.tokenizer(texts, truncation=False)["input_ids"]:  # one call: the fast path
                 truncated += len(ids) > limit
                 encoded.append((ids[:limit], list(ids[:limit])))
-        if truncated:
+        if truncated and warn:
             log.warning("task %r: %d of %d examples are longer than %d tokens and were truncated (--max-length)",
                         data.task, truncated, len(encoded), limit)
         return encoded
@@ -108,16 +119,17 @@ def assistant_spans(tokenizer, messages: Sequence[Mapping[str, str]]) -> tuple[s
 
     A turn's span runs from the end of the prompt that asks for it (the conversation before it, rendered
     with add_generation_prompt) to the end of the conversation up to it. A template whose renderings are
-    not prefixes of one another cannot be split this way, and is refused.
+    not prefixes of one another cannot be split this way, and is refused. Every rendering is bounded in
+    time and size (data/bounds.py), a template that fails refused in one line.
     """
     turns = [dict(m) for m in messages]
-    full = tokenizer.apply_chat_template(turns, tokenize=False)
+    full = _render(tokenizer, turns)
     spans = []
     for i, turn in enumerate(turns):
         if turn["role"] != "assistant":
             continue
         before = _prompt(tokenizer, turns[:i])
-        upto = tokenizer.apply_chat_template(turns[: i + 1], tokenize=False)
+        upto = _render(tokenizer, turns[: i + 1])
         if not (upto.startswith(before) and full.startswith(upto)):
             raise EvaluationDataError(
                 "the chat template does not render a conversation as the prefix of its continuation, so the "
@@ -127,21 +139,28 @@ def assistant_spans(tokenizer, messages: Sequence[Mapping[str, str]]) -> tuple[s
     return full, spans
 
 
+def _render(tokenizer, turns: list[dict], generation_prompt: bool = False) -> str:
+    try:
+        return render_chat(tokenizer, turns, None, origin="the tokenizer's", add_generation_prompt=generation_prompt)
+    except CalibrationDataError as exc:  # the data seam's error class; here it is evaluation data
+        raise EvaluationDataError(str(exc)) from None
+
+
 def _prompt(tokenizer, turns: list[dict]) -> str:
     """The rendering that asks for the next assistant turn (a template may not render an empty conversation:
     then nothing comes before a first turn)."""
-    try:
-        return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
-    except Exception:
-        if turns:
-            raise
-        return ""
+    if not turns:
+        try:
+            return _render(tokenizer, turns, generation_prompt=True)
+        except EvaluationDataError:
+            return ""
+    return _render(tokenizer, turns, generation_prompt=True)
 
 
 def chat_labels(tokenizer, messages: Sequence[Mapping[str, str]], limit: int) -> tuple[list[int], list[int], bool]:
     """(input ids, labels scoring only the assistant tokens, whether the conversation was truncated)."""
     text, spans = assistant_spans(tokenizer, messages)
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    enc = tokenizer(bounded_text(tokenizer, text, limit), add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = enc["input_ids"], enc["offset_mapping"]
     labels = [tok if any(s <= start < e for s, e in spans) and end > start else IGNORE
               for tok, (start, end) in zip(ids, offsets, strict=True)]

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from featcal.data.bounds import bounded_text
 from featcal.evaluation.data import EvalSet
 from featcal.evaluation.labels import class_ids
 from featcal.evaluation.metrics import accuracy, macro_f1
@@ -37,6 +38,8 @@ class ClassifierRunner(Runner):
             self.require_text(data, what)
         self._ids[data.task] = class_ids(data.labels(), data.label_names, self.entry.config, task=data.task,
                                          model=self.entry.name)
+        if not self.takes_images:
+            self.check_token_ids(data, self._encoded(data)["input_ids"])
 
     @torch.no_grad()
     def score(self, model: nn.Module, data: EvalSet, *, progress: bool) -> Scored:
@@ -57,10 +60,15 @@ class ClassifierRunner(Runner):
         from featcal.data.preprocess import accepted_inputs
 
         accepted = accepted_inputs(self.entry.config)
-        encoded = self.tokenizer(data.texts(), truncation=True, max_length=self.max_length())
+        encoded = self._encoded(data)
         rows = [{k: encoded[k][i] for k in encoded.keys() if accepted is None or k in accepted} for i in range(len(data))]
         for positions in length_sorted_batches([len(r["input_ids"]) for r in rows], self.options.batch_size):
             yield positions, self.tokenizer.pad([rows[p] for p in positions], return_tensors="pt")
+
+    def _encoded(self, data: EvalSet):
+        limit = self.max_length()
+        return self.tokenizer([bounded_text(self.tokenizer, t, limit) for t in data.texts()], truncation=True,
+                              max_length=limit)
 
     def _image_batches(self, data: EvalSet):
         from featcal.data.preprocess import ImagePreprocessor
@@ -68,4 +76,4 @@ class ClassifierRunner(Runner):
         preprocess = ImagePreprocessor(self.processor_dir, self.entry.config)
         for start in range(0, len(data), self.options.batch_size):
             positions = list(range(start, min(start + self.options.batch_size, len(data))))
-            yield positions, preprocess([e.image for e in data.examples(positions)])
+            yield positions, preprocess([e.image for e in data.examples(positions, "image")])

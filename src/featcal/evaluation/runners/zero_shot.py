@@ -116,7 +116,7 @@ class ZeroShotRunner(Runner):
         starts = range(0, len(data), self.options.batch_size)
         for start in tqdm(starts, desc=f"{self.entry.name}/{data.task}", disable=not progress, leave=False):
             positions = list(range(start, min(start + self.options.batch_size, len(data))))
-            pixels = preprocess([e.image for e in data.examples(positions)])["pixel_values"].to(self.options.device)
+            pixels = preprocess([e.image for e in data.examples(positions, "image")])["pixel_values"].to(self.options.device)
             pred.extend(classify(pixels).argmax(-1).tolist())
         return Scored({"accuracy": 100.0 * accuracy(pred, gold)}, len(data))
 
