@@ -176,8 +176,9 @@ def _hub_cache(models: Path, cache: Path) -> Path:
 
 
 def _readme_commands() -> list[list[str]]:
-    """The README's `featcal ...` command lines (continuations joined), placeholders (`...`) left out."""
-    text = (REPO / "README.md").read_text()
+    """The hub commands of docs/quickstart.md ("Command line": once the README's), continuations joined, placeholders
+    (`...`) left out."""
+    text = (REPO / "docs" / "quickstart.md").read_text()
     block = text.split("## Command line", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
     joined = re.sub(r"\\\n\s*", " ", block)
     commands = [shlex.split(line, comments=True) for line in joined.splitlines() if line.startswith("featcal ")]
