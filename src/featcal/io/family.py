@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Union
 
+import torch
 from torch import nn
 
 from featcal.errors import CheckpointError
@@ -299,12 +300,13 @@ class InputFamily:
 
     def calibration_sources(
         self, model: nn.Module, template: nn.Module, expert_names: list[str], base_names: list[str],
-        check_finite: bool = True,
+        check_finite: bool = True, streamed_as_read: bool = False,
     ) -> tuple[dict[str, TensorSource], TensorSource | None]:
         """`param_sources`, completed to a grown vocabulary (experts with fewer rows than `model` read its rows
         for the rest), every parameter the calibration reads (`expert_names` of each expert, `base_names` of
         the base) checked against `model`'s shape and, with `check_finite`, for NaN / Inf (the merged model's
-        own parameters too), before any forward."""
+        own parameters too), before any forward. `streamed_as_read`: the experts read from files are not scanned
+        here; the calibration checks each of their tensors as it reads it (`refuse_non_finite_tensor`)."""
         experts, base = self.param_sources(template)
         experts = pad_param_sources(experts, model)
         for src in experts.values():
@@ -312,8 +314,13 @@ class InputFamily:
         if base is not None:
             validate_source(base, model, base_names)
         if check_finite:
-            refuse_non_finite(model, experts, base, expert_names, base_names)
+            scanned = {t: s for t, s in experts.items() if not (streamed_as_read and self.streamed(t))}
+            refuse_non_finite(model, scanned, base, expert_names, base_names)
         return experts, base
+
+    def streamed(self, task: str) -> bool:
+        """Whether expert `task` is read from its files (not a model in memory)."""
+        return not isinstance(self.items[expert_label(task)], nn.Module)
 
 
 def refuse_non_finite(model: nn.Module, experts: Mapping[str, TensorSource], base: TensorSource | None,
@@ -329,7 +336,18 @@ def refuse_non_finite(model: nn.Module, experts: Mapping[str, TensorSource], bas
     for label, tensors in owners:
         bad = first_non_finite(tensors)
         if bad is not None:
-            raise CheckpointError(f"{label}: parameter {bad[0]!r} contains NaN or Inf ({bad[1]} value(s))")
+            raise non_finite_error(label, *bad)
+
+
+def refuse_non_finite_tensor(label: str, name: str, value: torch.Tensor) -> None:
+    """The same refusal as `refuse_non_finite`, for one tensor as the calibration reads it."""
+    bad = first_non_finite([(name, value)])
+    if bad is not None:
+        raise non_finite_error(label, *bad)
+
+
+def non_finite_error(label: str, name: str, count: int) -> CheckpointError:
+    return CheckpointError(f"{label}: parameter {name!r} contains NaN or Inf ({count} value(s))")
 
 
 def open_family(
