@@ -37,7 +37,7 @@ def checked_reads(source: ParamSource, names: Iterable[str], check: bool) -> Ite
     for name in names:
         value = source.get(name)
         if check:
-            refuse_non_finite_tensor(source.label, name, value)
+            refuse_non_finite_tensor(source, name, value)
         yield name, value
 
 

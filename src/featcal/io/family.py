@@ -262,10 +262,14 @@ class InputFamily:
             for check in (check_same_config, check_same_tensors, check_same_fields):
                 check(pair[reference], label, pair[label], what=label, reference=f"the {reference} model")
 
-    def scan_finite(self, progress: bool = False) -> None:
-        """Refuse NaN / Inf in any tensor of any input, reading one tensor at a time (GGUF inputs opened for
-        their headers are dequantised for this, one at a time; the base once, if adapters need it)."""
+    def scan_finite(self, progress: bool = False, skip: Iterable[str] = ()) -> None:
+        """Refuse NaN / Inf in any tensor of any input (but those labelled in `skip`), reading one tensor at a
+        time (GGUF inputs opened for their headers are dequantised for this, one at a time; the base once, if
+        adapters need it)."""
+        skip = set(skip)
         for label in self.items:
+            if label in skip:
+                continue
             scan_finite(self.names[label] if label in self.task_of else f"{label} model", self._values(label),
                         progress=progress)
             if label != BASE:
@@ -329,25 +333,28 @@ def refuse_non_finite(model: nn.Module, experts: Mapping[str, TensorSource], bas
     def read(src: TensorSource, names: Iterable[str]):  # lazily: one tensor in memory at a time
         return ((n, src.get(n)) for n in names)
 
-    owners = [("merged model", model.named_parameters())]
-    owners += [(src.label, read(src, expert_names)) for src in experts.values()]
+    owners: list[tuple[str, Any, Iterable]] = [("merged model", None, model.named_parameters())]
+    owners += [(src.label, src, read(src, expert_names)) for src in experts.values()]
     if base is not None:
-        owners.append((base.label, read(base, base_names)))
-    for label, tensors in owners:
+        owners.append((base.label, base, read(base, base_names)))
+    for label, src, tensors in owners:
         bad = first_non_finite(tensors)
         if bad is not None:
-            raise non_finite_error(label, *bad)
+            raise non_finite_error(label, src, *bad)
 
 
-def refuse_non_finite_tensor(label: str, name: str, value: torch.Tensor) -> None:
-    """The same refusal as `refuse_non_finite`, for one tensor as the calibration reads it."""
+def refuse_non_finite_tensor(source: TensorSource, name: str, value: torch.Tensor) -> None:
+    """The same refusal as `refuse_non_finite`, for one tensor of `source` as the calibration reads it."""
     bad = first_non_finite([(name, value)])
     if bad is not None:
-        raise non_finite_error(label, *bad)
+        raise non_finite_error(source.label, source, *bad)
 
 
-def non_finite_error(label: str, name: str, count: int) -> CheckpointError:
-    return CheckpointError(f"{label}: parameter {name!r} contains NaN or Inf ({count} value(s))")
+def non_finite_error(label: str, source: TensorSource | None, name: str, count: int) -> CheckpointError:
+    """The one-line refusal of a parameter holding NaN / Inf, naming its owner and, read from files, their path."""
+    path = getattr(source, "path", None)
+    where = f" ({path})" if isinstance(path, (str, os.PathLike)) and str(path) != label else ""
+    return CheckpointError(f"{label}{where}: parameter {name!r} contains NaN or Inf ({count} value(s))")
 
 
 def open_family(
