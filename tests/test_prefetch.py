@@ -128,7 +128,7 @@ def test_nan_in_block_1_is_refused_as_read_with_the_pre_scan_message(tmp_path, m
     with pytest.raises(CheckpointError) as ahead:
         _run(fam, True)
     assert str(ahead.value) == str(before.value)
-    assert "task1" in str(ahead.value) and "1 value(s)" in str(ahead.value) and "NaN or Inf" in str(ahead.value)
+    assert f"expert 'task1' ({fam[2]['task1']}): parameter {name!r} contains NaN or Inf (1 value(s))" == str(ahead.value)
     assert solved == [0]  # found while block 0 computed; block 1 never solved
     assert _no_reader_left()
 

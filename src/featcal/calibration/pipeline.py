@@ -158,14 +158,21 @@ def check_calibration_inputs(
     check_task_sources({t: calibration_sources[t] for t in tasks}, model_dir=data_dir, config=model_config,
                        options=data_options(config, max_length=max_length, allow_fewer=allow_fewer),
                        experts=expert_dirs)
-    # the experts, streamed block by block, are checked as the calibration reads them (not when a merge
-    # follows, nor with --tune, whose merges at other scalings read every tensor of every input)
-    as_read = check_finite and merged is not None and not config.tune
-    if check_finite:  # the costliest check, last: reads every checkpoint once, one tensor at a time
-        family.scan_finite(progress=progress, skip=[expert_label(t) for t in tasks] if as_read else ())
+    as_read = _scan_finite(family, tasks, config, check_finite, merged is not None, progress)  # the costliest, last
     read_as = {label: family.kind(label) for label in family.items if label != MERGED}
     return CheckedInputs(tasks, out_path, inputs.get(MERGED), inputs[BASE], expert_dirs, data_dir, expert_kind, read_as,
                          finite_as_read=as_read)
+
+
+def _scan_finite(family: Any, tasks: list[str], config: FeatCalConfig, check_finite: bool, calibrating: bool,
+                 progress: bool) -> bool:
+    """With `check_finite`, refuse NaN / Inf in the inputs, one tensor at a time. The experts, streamed block by
+    block, are left to the calibration, which checks each tensor as it reads it (prefetch.py; not when a merge
+    comes first, nor with --tune, whose merges at other scalings read every tensor): returns whether it must."""
+    as_read = check_finite and calibrating and not config.tune
+    if check_finite:
+        family.scan_finite(progress=progress, skip=[expert_label(t) for t in tasks] if as_read else ())
+    return as_read
 
 
 def check_resume_dir(config: FeatCalConfig, out: Path, inputs: Mapping[str, Path]) -> None:
