@@ -25,6 +25,7 @@ from featcal.blocks.linear import features, weight_of
 from featcal.calibration import solves
 from featcal.calibration.chains import ChainStore
 from featcal.calibration.distributed import RankGroup
+from featcal.calibration.expert_placement import point_into
 from featcal.calibration.drift import DriftSums
 from featcal.calibration.param_names import block_param_names
 from featcal.calibration.placement import Placement
@@ -73,6 +74,7 @@ class RunContext:
         self.reference = {t: self.shares[t][0][0] for t in self.tasks if self.shares[t]}
         self.reader: BlockReader | None = None  # the engine's background reads of the next blocks (prefetch.py)
         self.check_as_read: set[str] = set()  # tasks whose tensors are checked for NaN / Inf as they are read
+        self.resident = False  # expert_placement.py: the template's parameters point at the experts' own tensors
 
     def batches(self, task: str) -> list[tuple[int, Batch]]:
         """(global batch index, batch) of this rank's share of `task`."""
@@ -90,7 +92,8 @@ class RunContext:
         values = self.reader.take(task, names) if self.reader is not None else None
         if values is None:
             values = checked_reads(self.experts[task], names, task in self.check_as_read)
-        copy_into(self.template, values.items() if isinstance(values, dict) else values)
+        load = point_into if self.resident else copy_into
+        load(self.template, values.items() if isinstance(values, dict) else values)
 
     def base_param(self, name: str) -> torch.Tensor | None:
         """The base's value of parameter `name` on the device (the anchor's θ0), None without a base."""

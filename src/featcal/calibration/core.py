@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from featcal.blocks.adapters import Adapter, Stack, adapter_for
+from featcal.calibration import expert_placement
 from featcal.calibration import resume as resume_mod
 from featcal.calibration.distributed import RankGroup, current_group
 from featcal.calibration.engine import FeatCalEngine
@@ -126,7 +127,7 @@ def _run_engine(
     model: nn.Module, template: nn.Module, adapter: Adapter, sources: dict[str, ParamSource],
     base_src: ParamSource | None, data: dict[str, list[Batch]], config: FeatCalConfig, device: torch.device,
     progress: bool, group: RankGroup, store: resume_mod.ResumeStore | None, keep_resume_state: bool,
-    prefetch: bool = True, check_as_read: set[str] | None = None,
+    prefetch: bool = True, check_as_read: set[str] | None = None, resident: bool = False,
 ) -> tuple[list[dict[str, Any]], dict[str, Any] | None, dict[str, Any] | None, dict[str, Any] | None, dict]:
     """Calibrate block by block on `device`; the model goes back where it was. (drift, end-to-end drift, final
     norm record, stem norm record, what the blocks keep merged)."""
@@ -137,7 +138,7 @@ def _run_engine(
     template.eval()
     engine = FeatCalEngine(model, template, adapter, sources, base_src, data, config, device, progress,
                            group=group, resume=store, placement=placement, prefetch=prefetch,
-                           check_as_read=check_as_read)
+                           check_as_read=check_as_read, resident=resident)
     log.info(
         "featcal: %s (%s adapter), %d task(s), %d batch(es), device %s",
         type(model).__name__, adapter.name, len(data), sum(len(v) for v in data.values()), device,
@@ -164,12 +165,14 @@ def calibrate_setting(
     check_finite: bool = True,
     expert_kind: Mapping[str, str] | None = None,
     prefetch: bool = True,
+    resident: bool = True,
 ) -> CalibrationResult:
     """Calibrate `merged` toward its experts at `config`'s setting (its `tune` is not looked at); see
     `featcal.calibrate` for the arguments. Every input is checked before any work, except that with `prefetch`
     (the default) the experts read from files are checked for NaN / Inf as their blocks are read, ahead of
     the block that needs them (prefetch.py). `prefetch=False`: every read on the main thread when needed, every
-    input scanned first (the same result bit for bit; tests compare the two)."""
+    input scanned first (the same result bit for bit; tests compare the two). `resident=False`: experts in
+    memory on the device are copied into the template block by block too (expert_placement.py; the same result)."""
     device = _check_request(config, base, experts, calibration)
     model = _model_to_calibrate(merged, inplace, allow_pickle)
     adapter = adapter_for(model)  # unsupported architectures fail here, before any work
@@ -184,11 +187,14 @@ def calibrate_setting(
     solved_norms = [n for norm in (stem, final) if norm is not None for n in norm.param_names()]
     sources, base_src, as_read = _checked_sources(model, template, stacks, base, experts, allow_pickle,
                                                   check_finite, expert_kind, solved_norms, as_read=prefetch)
+    where = expert_placement.choose(experts, template, device, config, allowed=resident)
+    log.info("featcal: experts %s (%s)", where.experts, where.why)
     drift, end_to_end, final_norm, stem_norm, kept = _run_engine(model, template, adapter, sources, base_src, data,
                                                                  config, device, progress, group, store,
-                                                                 keep_resume_state, prefetch, as_read)
+                                                                 keep_resume_state, prefetch, as_read, where.resident)
     del template
     return CalibrationResult(model=model, drift=[DriftRow.from_dict(r) for r in drift], end_to_end=end_to_end,
                              final_norm=final_norm,
                              stem_norm=stem_norm, kept_merged=kept,
-                             resume_store=store if keep_resume_state else None)  # the caller deletes it after writing
+                             resume_store=store if keep_resume_state else None,
+                             placement=where.record())  # the caller deletes it after writing

@@ -113,12 +113,15 @@ class FeatCalEngine:
         placement: Placement | None = None,
         prefetch: bool = True,
         check_as_read: set[str] | None = None,
+        resident: bool = False,
     ) -> None:
         """`prefetch`: read the experts' next block on a background thread (prefetch.py); off, every read is made
         on the main thread when the block needs it (the same values, later). `check_as_read`: the tasks whose
-        tensors are checked for NaN / Inf as they are read (streamed experts not scanned before the run)."""
+        tensors are checked for NaN / Inf as they are read (streamed experts not scanned before the run).
+        `resident` (expert_placement.py): the experts are models on the device, used in place (nothing to read
+        ahead)."""
         self.merged, self.template, self.adapter, self.cfg = merged, template, adapter, config
-        self.prefetch = prefetch
+        self.prefetch = prefetch and not resident
         self.group = group if group is not None else current_group()
         self.resume = resume
         # where the models live; the caller has already placed them (Placement.setup)
@@ -126,6 +129,7 @@ class FeatCalEngine:
         self.ctx = RunContext(merged, template, adapter, experts, base, calibration, config, device, self.group,
                               self.place)
         self.ctx.check_as_read = set(check_as_read or ())
+        self.ctx.resident = resident
         self.chains = self.ctx.chains
         self.progress = progress and self.group.is_main
         self.stacks = adapter.stacks(merged)

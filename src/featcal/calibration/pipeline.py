@@ -501,6 +501,8 @@ def _write_calibrated(
             report["stem_norm"] = result.stem_norm
         if result.kept_merged:  # block parameters left as merged (a mixture of experts' experts, LayerScale, ...)
             report["kept_merged"] = result.kept_merged
+        if result.placement is not None:  # where the experts' weights lived (expert_placement.py)
+            report["placement"] = result.placement
         merged_report = _merged_report(merged_dir)
         if merged_report is not None and merged_report.get("task_heads"):
             report["task_heads"] = merged_report["task_heads"]
