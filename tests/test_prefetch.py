@@ -34,11 +34,11 @@ def _family(kind: str, root: Path | None):
     return merged, base, experts, data
 
 
-def _run(fam, prefetch_on: bool, **options):
+def _run(fam, prefetch_on: bool, resident: bool = True, **options):
     merged, base, experts, data = fam
     cfg = FeatCalConfig(**options)
     return calibrate_setting(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False,
-                             prefetch=prefetch_on)
+                             prefetch=prefetch_on, resident=resident)
 
 
 def _taken(monkeypatch) -> list[int]:
@@ -80,13 +80,31 @@ def test_prefetch_equals_reading_when_needed_from_folders(kind, offload, tmp_pat
     assert _no_reader_left()
 
 
-@pytest.mark.parametrize("kind", ["clip", "llama"])
-def test_prefetch_equals_reading_when_needed_in_memory(kind, monkeypatch):
+@pytest.mark.parametrize("kind", ["clip", "t5", "llama"])
+def test_in_memory_experts_resident_streamed_and_read_when_needed_agree(kind, monkeypatch):
     fam = _family(kind, None)
+    before = {t: {k: v.clone() for k, v in e.state_dict().items()} for t, e in fam[2].items()}
     served = _taken(monkeypatch)
-    ahead = _run(fam, True)
-    assert served[0] > 0
-    _assert_same(ahead, _run(fam, False))
+    resident = _run(fam, True)
+    assert served[0] == 0 and resident.placement["experts"] == "resident"  # nothing to read ahead
+    streamed = _run(fam, True, resident=False)
+    assert served[0] > 0 and streamed.placement["experts"] == "streamed"
+    assert "switched off" in streamed.placement["why"]
+    _assert_same(resident, streamed)
+    _assert_same(resident, _run(fam, False, resident=False))
+    for t, e in fam[2].items():  # the template pointed at the experts' tensors never wrote into them
+        assert all(torch.equal(v, before[t][k]) for k, v in e.state_dict().items()), t
+
+
+def test_placement_says_why_the_experts_are_streamed(tmp_path):
+    files = _run(_family("bert", tmp_path), True)
+    assert files.placement == {"experts": "streamed", "why": "expert(s) task0, task1 read from files, the next "
+                                                             "block read ahead on a background thread"}
+    memory = _family("bert", None)
+    assert "offload_blocks" in _run(memory, True, offload_blocks=True).placement["why"]
+    half = (memory[0], memory[1], {t: e.to(torch.bfloat16) for t, e in memory[2].items()}, memory[3])
+    assert _run(half, True).placement["why"] == ("expert 'task0' holds torch.bfloat16, the model being calibrated "
+                                                 "torch.float32")
 
 
 @pytest.mark.parametrize("statistics", ["sequential", "sequential_one_pass"])
@@ -159,3 +177,16 @@ def test_interrupted_and_resumed_with_the_reader(tmp_path, monkeypatch):
         _run(fam, True, **options)
     assert _no_reader_left()
     _assert_same(_run(fam, True, **options), straight)  # the reader's schedule starts at the resumed block
+
+
+def test_featcal_json_records_the_placement(tmp_path):
+    import json
+
+    from featcal.cli.main import main
+    from test_guarantees_support import calibrate_argv
+    from test_pipeline_support import clip_family
+
+    fam = clip_family(tmp_path / "fam")
+    assert main(calibrate_argv(fam, tmp_path / "out")) == 0
+    report = json.loads((tmp_path / "out" / "featcal.json").read_text())
+    assert report["placement"]["experts"] == "streamed" and "read from files" in report["placement"]["why"]

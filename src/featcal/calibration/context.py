@@ -25,8 +25,8 @@ from featcal.blocks.linear import features, weight_of
 from featcal.calibration import solves
 from featcal.calibration.chains import ChainStore
 from featcal.calibration.distributed import RankGroup
-from featcal.calibration.expert_placement import point_into
 from featcal.calibration.drift import DriftSums
+from featcal.calibration.expert_placement import point_into
 from featcal.calibration.param_names import block_param_names
 from featcal.calibration.placement import Placement
 from featcal.calibration.prefetch import BlockReader, checked_reads
