@@ -240,9 +240,11 @@ def measure_calibrate(spec: dict, data: dict) -> dict:
     merged = load_model(spec["merged"])
     base: object = spec["base"]
     experts: dict = dict(spec["experts"])
-    if spec["expert_source"] == "memory":
+    if spec["expert_source"] in ("memory", "device"):
         base = load_model(spec["base"])
         experts = {t: load_model(p) for t, p in experts.items()}
+    if spec["expert_source"] == "device":  # on the calibration device, float32: the resident path (expert_placement.py)
+        experts = {t: e.to(spec["device"]) for t, e in experts.items()}
     config = FeatCalConfig(**spec["config"])
     warm_up(merged, data, "cpu")  # calibrate() moves the model to config.device itself
     warm_device(spec["device"])
@@ -490,8 +492,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block-statistics", default="as_merged", choices=("as_merged", "sequential", "sequential_one_pass"),
                    help="featcal's variant (FeatCalConfig.block_statistics); the straightforward implementation runs "
                         "the paper's method only, so it is skipped for the others")
-    p.add_argument("--expert-source", choices=("path", "memory"), default="path",
-                   help="give calibrate() the experts as paths (streamed, as the CLI does) or loaded models")
+    p.add_argument("--expert-source", choices=("path", "memory", "device"), default="path",
+                   help="give calibrate() the experts as paths (streamed, as the CLI does), loaded models, or loaded "
+                        "models on --device (the resident path)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", help="where the family and data are written (default: a temporary directory)")
     p.add_argument("--out", help="write the result JSON here")

@@ -391,27 +391,31 @@ def api_run(spec: dict) -> dict:
         torch.set_num_threads(spec["threads"])
     merged = T.AutoModelForCausalLM.from_pretrained(spec["merged"], dtype=torch.float32).eval()
     experts = dict(spec["experts"])
-    if spec["mode"] == "memory":  # as stored: bfloat16
+    if spec["mode"] == "memory":  # as stored: bfloat16 (streamed: copied into the template block by block)
         experts = {t: T.AutoModelForCausalLM.from_pretrained(p, dtype=torch.bfloat16).eval() for t, p in experts.items()}
+    if spec["mode"] == "resident":  # float32, the merged model's dtype: used in place (calibration/expert_placement.py)
+        experts = {t: T.AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval() for t, p in experts.items()}
     cfg = FeatCalConfig(num_calibration_examples=spec["examples"], chain_dtype=spec["chain"], resume=False)
     t = time.perf_counter()
-    model = featcal.calibrate(merged, base=spec["base"], experts=experts, calibration=spec["data"], config=cfg,
-                              progress=False, inplace=True, tokenizer=spec["base"], max_length=spec["tokens"]).model
+    result = featcal.calibrate(merged, base=spec["base"], experts=experts, calibration=spec["data"], config=cfg,
+                               progress=False, inplace=True, tokenizer=spec["base"], max_length=spec["tokens"])
     seconds = time.perf_counter() - t
+    model = result.model
     h = hashlib.sha256()
     for name, p in sorted(model.state_dict().items()):
         h.update(name.encode() + p.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    return {"mode": spec["mode"], "seconds": seconds, "sha256": h.hexdigest()}
+    return {"mode": spec["mode"], "seconds": seconds, "sha256": h.hexdigest(), "placement": result.placement}
 
 
 def compare(args, dirs: dict, data: dict) -> dict:
-    """Experts streamed from files vs loaded in memory: fresh processes, interleaved, median of --repeats."""
+    """Experts streamed from files vs loaded in memory (bfloat16 as stored: streamed from memory; float32: resident,
+    used in place): fresh processes, interleaved, median of --repeats."""
     spec = {"merged": dirs["merged"], "base": dirs["base"], "experts": {t: dirs[t] for t in args.task_names},
             "data": {t: str(data[t]) for t in args.task_names}, "examples": args.examples, "tokens": args.tokens,
             "chain": "float32", "threads": args.threads}
-    runs: dict[str, list] = {"files": [], "memory": []}
+    runs: dict[str, list] = {"files": [], "memory": [], "resident": []}
     for i in range(args.repeats):
-        for mode in ("files", "memory"):
+        for mode in runs:
             r = run([sys.executable, __file__, "--api-run", json.dumps({**spec, "mode": mode})], args.threads,
                     f"calibrate() experts in {mode}, repeat {i + 1}")
             result = json.loads(r["stdout"].strip().splitlines()[-1])
@@ -419,7 +423,8 @@ def compare(args, dirs: dict, data: dict) -> dict:
     med = {m: statistics.median(r["seconds"] for r in v) for m, v in runs.items()}
     hashes = {r["sha256"] for v in runs.values() for r in v}
     return {"runs": runs, "median_seconds": {m: round(s, 2) for m, s in med.items()},
-            "files_over_memory": round(med["files"] / med["memory"], 3), "identical_weights": len(hashes) == 1}
+            "files_over_memory": round(med["files"] / med["memory"], 3),
+            "files_over_resident": round(med["files"] / med["resident"], 3), "identical_weights": len(hashes) == 1}
 
 
 # ---------------------------------------------------------------------------------------------- report
@@ -449,7 +454,9 @@ def markdown(res: dict) -> str:
         c = res["compare"]
         lines += ["", f"Experts streamed from files vs in memory (featcal.calibrate(), median of {res['repeats']}): "
                   f"files {c['median_seconds']['files']} s, memory {c['median_seconds']['memory']} s, "
-                  f"ratio {c['files_over_memory']}; identical weights: {c['identical_weights']}"]
+                  f"resident (float32 in memory) {c['median_seconds']['resident']} s; files / memory "
+                  f"{c['files_over_memory']}, files / resident {c['files_over_resident']}; identical weights: "
+                  f"{c['identical_weights']}"]
     a = res["accounting"]
     lines += ["", f"Accounting: block {a['planned_block_bytes']:,} B planned vs {a['file_block_bytes']:,} B in the "
               f"file (float32); model {a['planned_model_bytes']:,} B planned vs {a['file_model_bytes']:,} B "

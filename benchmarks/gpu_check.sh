@@ -7,6 +7,8 @@
 #   3. speed: benchmarks/calibration_speed.py on a full-size random CLIP ViT-B/32 (768 wide, 12 blocks),
 #      8 experts x 256 examples per task, --device cuda --offload-blocks --process-group nccl: the forward
 #      floor and a full calibrate(), each in a fresh process (wall time, peak device memory, peak RSS);
+#   3b. resident: the same calibrate() with the experts loaded on the device, no offloading (issue #40's
+#      resident path: used in place, no per-block copy), into $GPU_CHECK_OUT/resident.json;
 #   4. report: a table, and the figures as JSON in $GPU_CHECK_OUT/gpu_check.json. A calibrate / floor
 #      ratio below 1 is reported as a measurement error (exit 1), never as a result.
 #
@@ -40,7 +42,7 @@ case "$DEVICE" in
 esac
 export OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS TQDM_DISABLE=1 PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
-rm -f "$OUT"/{preflight,equal,speed,gpu_check}.json
+rm -f "$OUT"/{preflight,equal,speed,resident,gpu_check}.json
 START=$SECONDS
 
 echo "gpu_check: device $DEVICE, size $SIZE, $TASKS experts x $EXAMPLES examples, batch $BATCH, $REPEATS repeat(s),"
@@ -72,6 +74,11 @@ step equality "$T_EQ" "$PYTHON" benchmarks/gpu_check.py equal --device "$DEVICE"
 step speed "$T_SPEED" "$PYTHON" benchmarks/calibration_speed.py --preset "$SIZE" --tasks "$TASKS" \
   --examples "$EXAMPLES" --batch-size "$BATCH" --repeats "$REPEATS" --threads "$THREADS" --device "$DEVICE" \
   --offload-blocks --process-group "$BACKEND" --skip-straightforward --out "$OUT/speed.json"
+# the resident path (issue #40): experts loaded on the device, no offloading; featcal.json-style placement
+# "resident" (calibration/expert_placement.py). Its wall time against the offloaded speed step above.
+step resident "$T_SPEED" "$PYTHON" benchmarks/calibration_speed.py --preset "$SIZE" --tasks "$TASKS" \
+  --examples "$EXAMPLES" --batch-size "$BATCH" --repeats "$REPEATS" --threads "$THREADS" --device "$DEVICE" \
+  --expert-source device --skip-straightforward --out "$OUT/resident.json"
 step report "$T_REPORT" "$PYTHON" benchmarks/gpu_check.py report --dir "$OUT" --elapsed "$(( SECONDS - START ))"
 echo
 echo "gpu_check: done in $(( SECONDS - START )) s"

@@ -81,4 +81,6 @@ def test_tiny_run_end_to_end(tmp_path):
     assert abs(run["rss_over_plan"] - 1) < 0.15, run  # the plan's estimate of the same command
     assert run["macs"]["forwards"] > run["macs"]["floor"] > 0
     assert res["compare"]["identical_weights"] is True  # experts in memory or streamed: the same checkpoint
+    placements = {m: {r["placement"]["experts"] for r in v} for m, v in res["compare"]["runs"].items()}
+    assert placements == {"files": {"streamed"}, "memory": {"streamed"}, "resident": {"resident"}}
     assert "| float32 |" in (out / "bench.md").read_text()

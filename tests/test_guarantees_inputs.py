@@ -136,8 +136,6 @@ CALIBRATE_CASES = {
                                 r"merged model \(.*merged\): tensor 'encoder.layers.1.mlp.fc2.weight' contains 2048 NaN"),
     "Inf in the base": ("base", _inf("post_layernorm.weight"),
                         r"base model \(.*base\): tensor 'post_layernorm.weight' contains 0 NaN and 1 Inf"),
-    "NaN in an expert": ("task1", _nan("pre_layrnorm.bias"),
-                         r"expert 'task1' \(.*expert1\): tensor 'pre_layrnorm.bias' contains 32 NaN"),
 }
 
 
@@ -150,6 +148,20 @@ def test_calibrate_refuses_a_broken_family(clip, tmp_path, capsys, no_calibratio
     rc, _, err = cli(calibrate_argv(fam, out), capsys)
     assert rc == 2
     assert re.search(message, one_line_error(err)), err
+    assert not out.exists() and leftovers(tmp_path) == []
+
+
+def test_calibrate_refuses_nan_in_an_expert_as_it_reads_it(clip, tmp_path, capsys):
+    """Streamed experts are checked as each block is read (calibration/prefetch.py), not scanned before any
+    work (issue #40): the run stops with the one-line error naming the expert, its folder and the parameter,
+    and writes nothing."""
+    fam = copy_family(clip, tmp_path / "fam")
+    _nan("encoder.layers.1.mlp.fc1.weight")(fam["experts"]["task1"])
+    out = tmp_path / "out"
+    rc, _, err = cli(calibrate_argv(fam, out), capsys)
+    assert rc == 2
+    assert re.search(r"expert 'task1' \(.*expert1\): parameter 'encoder.layers.1.mlp.fc1.weight' contains NaN or Inf "
+                     r"\(2048 value\(s\)\)", one_line_error(err.strip().splitlines()[-1])), err  # after block 0's log
     assert not out.exists() and leftovers(tmp_path) == []
 
 

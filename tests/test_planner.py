@@ -130,7 +130,8 @@ def test_offload_plan_moves_the_block_transients_to_the_device():
     host, dev = {c.name: c.bytes for c in off.components}, off.device_components
     parts = {c.name: c.bytes for c in whole.components}
     assert whole.device_components == [] and whole.device_total == 0
-    assert not {"statistics", "activations", "base anchors", "expert block read"} & set(host)
+    assert not {"statistics", "activations", "base anchors"} & set(host)
+    assert host["expert blocks read ahead"] == parts["expert blocks read ahead"]  # on the host either way
     assert host["chains"] == parts["chains"] and host["merged model"] == parts["merged model"]  # chains stay on the host
     assert host["tensor in transit"] == 32 * 128 * 4  # the widest Linear (fc1), not a whole block
     block = {c.name: c.bytes for c in dev if c.phase == "block"}
@@ -140,7 +141,7 @@ def test_offload_plan_moves_the_block_transients_to_the_device():
     assert block["batch chains"] == 2 * 16 * 65 * 32 * 4  # one batch, both sides, float32; not all chains
     assert capture["stems"] == 2 * 5_000 * 4
     assert off.device_total == max(sum(block.values()), sum(capture.values()))
-    saved = parts["statistics"] + parts["activations"] + parts["base anchors"] + parts["expert block read"]
+    saved = parts["statistics"] + parts["activations"] + parts["base anchors"]
     assert whole.total - off.total == saved - host["tensor in transit"]
 
 
@@ -191,3 +192,18 @@ def test_one_pass_plan_holds_every_batch_paused():
     device = {c.name: c for c in off.device_components if c.phase == "block"}
     assert device["paused forwards"].bytes == parts["paused forwards"]
     assert "paused forwards" not in {c.name for c in off.components}
+
+
+def test_the_reader_holds_one_block_of_every_expert():
+    """calibration/prefetch.py reads the next block of every expert while a block computes: the plan counts one
+    block per task, on the host also when offloading."""
+    from featcal.calibration.planner import READ_AHEAD
+
+    cfg = FeatCalConfig(num_calibration_examples=16, calibration_batch_size=16)
+    block = max(b.param_count for s in _shape().stacks for b in s.blocks)
+    for tasks in (1, 8):
+        for offload in (False, True):
+            plan = estimate(_shape(), tasks=tasks, config=cfg.model_copy(update={"offload_blocks": offload}),
+                            baseline_bytes=0)
+            assert {c.name: c.bytes for c in plan.components}[READ_AHEAD] == tasks * block * 4
+            assert READ_AHEAD not in {c.name for c in plan.device_components}

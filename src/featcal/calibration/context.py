@@ -26,12 +26,14 @@ from featcal.calibration import solves
 from featcal.calibration.chains import ChainStore
 from featcal.calibration.distributed import RankGroup
 from featcal.calibration.drift import DriftSums
+from featcal.calibration.expert_placement import point_into
 from featcal.calibration.param_names import block_param_names
 from featcal.calibration.placement import Placement
+from featcal.calibration.prefetch import BlockReader, checked_reads
 from featcal.calibration.statistics import NormalisedSums
 from featcal.config import FeatCalConfig
 from featcal.data.batch import Batch
-from featcal.io.param_sources import ParamSource, load_into
+from featcal.io.param_sources import ParamSource, copy_into
 
 # An "output" Linear takes the teacher form (hooks.py) when tokens × this < its input width: 1 counts the
 # pass's float32 tokens·in·out against the fold's float64 in·in·out as equal work (float64 is slower, so
@@ -70,6 +72,9 @@ class RunContext:
                                  home=placement.chain_home)
         # per task, the first batch of this rank's share: where the uncalibrated merge is followed end to end
         self.reference = {t: self.shares[t][0][0] for t in self.tasks if self.shares[t]}
+        self.reader: BlockReader | None = None  # the engine's background reads of the next blocks (prefetch.py)
+        self.check_as_read: set[str] = set()  # tasks whose tensors are checked for NaN / Inf as they are read
+        self.resident = False  # expert_placement.py: the template's parameters point at the experts' own tensors
 
     def batches(self, task: str) -> list[tuple[int, Batch]]:
         """(global batch index, batch) of this rank's share of `task`."""
@@ -82,8 +87,13 @@ class RunContext:
         return masks_to_device(stack, batch, self.device)
 
     def load_expert(self, task: str, names: list[str]) -> None:
-        """Expert `task`'s values of parameters `names`, read into the template model."""
-        load_into(self.template, names, self.experts[task])
+        """Expert `task`'s values of parameters `names`, read into the template model: taken from the reader
+        when it read them ahead, else read here one tensor at a time (checked alike)."""
+        values = self.reader.take(task, names) if self.reader is not None else None
+        if values is None:
+            values = checked_reads(self.experts[task], names, task in self.check_as_read)
+        load = point_into if self.resident else copy_into
+        load(self.template, values.items() if isinstance(values, dict) else values)
 
     def base_param(self, name: str) -> torch.Tensor | None:
         """The base's value of parameter `name` on the device (the anchor's θ0), None without a base."""

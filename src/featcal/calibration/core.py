@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from featcal.blocks.adapters import Adapter, Stack, adapter_for
+from featcal.calibration import expert_placement
 from featcal.calibration import resume as resume_mod
 from featcal.calibration.distributed import RankGroup, current_group
 from featcal.calibration.engine import FeatCalEngine
@@ -106,7 +107,8 @@ def _open_resume_store(config: FeatCalConfig, model: nn.Module, base: ModelLike 
 def _checked_sources(model: nn.Module, template: nn.Module, stacks: list[Stack], base: ModelLike | None,
                      experts: Mapping[str, ModelLike], allow_pickle: bool, check_finite: bool,
                      expert_kind: Mapping[str, str] | None = None, final_names: list[str] | None = None,
-                     ) -> tuple[dict[str, ParamSource], ParamSource | None]:
+                     as_read: bool = False,
+                     ) -> tuple[dict[str, ParamSource], ParamSource | None, set[str]]:
     """Where each expert's and the base's parameters are read from (io/family.py: the model given, or its files
     read block by block into `template`; a LoRA adapter applied to the base, a GGUF file dequantised), completed
     to a grown vocabulary, every parameter the run reads checked against the merged model (and, with
@@ -115,13 +117,17 @@ def _checked_sources(model: nn.Module, template: nn.Module, stacks: list[Stack],
     family = open_family(base, experts, allow_pickle=allow_pickle, expert_kind=expert_kind, eager=False)
     stem_names, block_names = needed_param_names(model, stacks)
     block_names = block_names + list(final_names or [])  # read from experts and base like a block's (the anchor)
-    return family.calibration_sources(model, template, stem_names + block_names, block_names, check_finite)
+    experts_src, base_src = family.calibration_sources(model, template, stem_names + block_names, block_names,
+                                                       check_finite, streamed_as_read=as_read)
+    as_read_tasks = {t for t in experts if check_finite and as_read and family.streamed(t)}
+    return experts_src, base_src, as_read_tasks
 
 
 def _run_engine(
     model: nn.Module, template: nn.Module, adapter: Adapter, sources: dict[str, ParamSource],
     base_src: ParamSource | None, data: dict[str, list[Batch]], config: FeatCalConfig, device: torch.device,
     progress: bool, group: RankGroup, store: resume_mod.ResumeStore | None, keep_resume_state: bool,
+    prefetch: bool = True, check_as_read: set[str] | None = None, resident: bool = False,
 ) -> tuple[list[dict[str, Any]], dict[str, Any] | None, dict[str, Any] | None, dict[str, Any] | None, dict]:
     """Calibrate block by block on `device`; the model goes back where it was. (drift, end-to-end drift, final
     norm record, stem norm record, what the blocks keep merged)."""
@@ -131,7 +137,8 @@ def _run_engine(
     model.eval()
     template.eval()
     engine = FeatCalEngine(model, template, adapter, sources, base_src, data, config, device, progress,
-                           group=group, resume=store, placement=placement)
+                           group=group, resume=store, placement=placement, prefetch=prefetch,
+                           check_as_read=check_as_read, resident=resident)
     log.info(
         "featcal: %s (%s adapter), %d task(s), %d batch(es), device %s",
         type(model).__name__, adapter.name, len(data), sum(len(v) for v in data.values()), device,
@@ -157,9 +164,15 @@ def calibrate_setting(
     keep_resume_state: bool = False,
     check_finite: bool = True,
     expert_kind: Mapping[str, str] | None = None,
+    prefetch: bool = True,
+    resident: bool = True,
 ) -> CalibrationResult:
     """Calibrate `merged` toward its experts at `config`'s setting (its `tune` is not looked at); see
-    `featcal.calibrate` for the arguments. Every input is checked before any work."""
+    `featcal.calibrate` for the arguments. Every input is checked before any work, except that with `prefetch`
+    (the default) the experts read from files are checked for NaN / Inf as their blocks are read, ahead of
+    the block that needs them (prefetch.py). `prefetch=False`: every read on the main thread when needed, every
+    input scanned first (the same result bit for bit; tests compare the two). `resident=False`: experts in
+    memory on the device are copied into the template block by block too (expert_placement.py; the same result)."""
     device = _check_request(config, base, experts, calibration)
     model = _model_to_calibrate(merged, inplace, allow_pickle)
     adapter = adapter_for(model)  # unsupported architectures fail here, before any work
@@ -172,13 +185,16 @@ def calibrate_setting(
     final = adapter.final_norm(model, stacks[-1]) if config.calibrate_final_norm else None
     stem = adapter.stem_norm(model, stacks[0]) if config.calibrate_stem_norm else None
     solved_norms = [n for norm in (stem, final) if norm is not None for n in norm.param_names()]
-    sources, base_src = _checked_sources(model, template, stacks, base, experts, allow_pickle, check_finite,
-                                         expert_kind, solved_norms)
+    sources, base_src, as_read = _checked_sources(model, template, stacks, base, experts, allow_pickle,
+                                                  check_finite, expert_kind, solved_norms, as_read=prefetch)
+    where = expert_placement.choose(experts, template, device, config, allowed=resident)
+    log.info("featcal: experts %s (%s)", where.experts, where.why)
     drift, end_to_end, final_norm, stem_norm, kept = _run_engine(model, template, adapter, sources, base_src, data,
                                                                  config, device, progress, group, store,
-                                                                 keep_resume_state)
+                                                                 keep_resume_state, prefetch, as_read, where.resident)
     del template
     return CalibrationResult(model=model, drift=[DriftRow.from_dict(r) for r in drift], end_to_end=end_to_end,
                              final_norm=final_norm,
                              stem_norm=stem_norm, kept_merged=kept,
-                             resume_store=store if keep_resume_state else None)  # the caller deletes it after writing
+                             resume_store=store if keep_resume_state else None,
+                             placement=where.record())  # the caller deletes it after writing

@@ -54,6 +54,7 @@ from featcal.calibration.distributed import RankGroup, current_group
 from featcal.calibration.drift import DriftSums
 from featcal.calibration.param_names import block_param_names, stem_param_names
 from featcal.calibration.placement import Placement
+from featcal.calibration.prefetch import BlockReader
 from featcal.calibration.replay import check_context_replay
 from featcal.calibration.resume import Position, ResumeStateError, ResumeStore, common_position
 from featcal.config import FeatCalConfig
@@ -110,14 +111,25 @@ class FeatCalEngine:
         group: RankGroup | None = None,
         resume: ResumeStore | None = None,
         placement: Placement | None = None,
+        prefetch: bool = True,
+        check_as_read: set[str] | None = None,
+        resident: bool = False,
     ) -> None:
+        """`prefetch`: read the experts' next block on a background thread (prefetch.py); off, every read is made
+        on the main thread when the block needs it (the same values, later). `check_as_read`: the tasks whose
+        tensors are checked for NaN / Inf as they are read (streamed experts not scanned before the run).
+        `resident` (expert_placement.py): the experts are models on the device, used in place (nothing to read
+        ahead)."""
         self.merged, self.template, self.adapter, self.cfg = merged, template, adapter, config
+        self.prefetch = prefetch and not resident
         self.group = group if group is not None else current_group()
         self.resume = resume
         # where the models live; the caller has already placed them (Placement.setup)
         self.place = placement if placement is not None else Placement(device, config.offload_blocks)
         self.ctx = RunContext(merged, template, adapter, experts, base, calibration, config, device, self.group,
                               self.place)
+        self.ctx.check_as_read = set(check_as_read or ())
+        self.ctx.resident = resident
         self.chains = self.ctx.chains
         self.progress = progress and self.group.is_main
         self.stacks = adapter.stacks(merged)
@@ -143,6 +155,9 @@ class FeatCalEngine:
     def run(self) -> list[dict[str, Any]]:
         try:
             start = self._restore()
+            if self.prefetch:
+                self.ctx.reader = BlockReader(self.ctx.experts, self._schedule(start), len(self.ctx.tasks),
+                                              self.ctx.check_as_read.__contains__)
             for si, stack in enumerate(self.stacks):
                 if si < start.stack:
                     continue
@@ -161,7 +176,20 @@ class FeatCalEngine:
             self.end_to_end = self._end_to_end()
             return self.drift
         finally:
+            if self.ctx.reader is not None:
+                self.ctx.reader.close()
+                self.ctx.reader = None
             self.chains.close()
+
+    def _schedule(self, start: Position) -> list[tuple[str, tuple[str, ...]]]:
+        """The block loads the gatherers make from `start` on, in order: every task's block l, then block l+1."""
+        loads = []
+        for si, stack in enumerate(self.stacks[start.stack:], start.stack):
+            first = start.layer if si == start.stack else 0
+            for layer in range(first, len(stack.blocks(self.merged))):
+                names = tuple(self.block_param_names(stack, layer))
+                loads += [(t, names) for t in self.ctx.tasks]
+        return loads
 
     # --- resume ----------------------------------------------------------------------------------
     def _restore(self) -> Position:

@@ -94,6 +94,8 @@ class CheckedInputs:
     data_dir: Path
     expert_kind: dict[str, str] = field(default_factory=dict)  # task -> full / adapter, where the user said
     read_as: dict[str, dict[str, Any]] = field(default_factory=dict)  # input label -> how it was read (featcal.json)
+    # the experts' NaN / Inf check left to the calibration, which makes it as it reads each block (prefetch.py)
+    finite_as_read: bool = False
 
     def kinds(self) -> dict[str, str]:
         """expert_kind by input label ("expert 'NAME'"), as the reader helpers take it."""
@@ -156,10 +158,21 @@ def check_calibration_inputs(
     check_task_sources({t: calibration_sources[t] for t in tasks}, model_dir=data_dir, config=model_config,
                        options=data_options(config, max_length=max_length, allow_fewer=allow_fewer),
                        experts=expert_dirs)
-    if check_finite:  # the costliest check, last: reads every checkpoint once, one tensor at a time
-        family.scan_finite(progress=progress)
+    as_read = _scan_finite(family, tasks, config, check_finite, merged is not None, progress)  # the costliest, last
     read_as = {label: family.kind(label) for label in family.items if label != MERGED}
-    return CheckedInputs(tasks, out_path, inputs.get(MERGED), inputs[BASE], expert_dirs, data_dir, expert_kind, read_as)
+    return CheckedInputs(tasks, out_path, inputs.get(MERGED), inputs[BASE], expert_dirs, data_dir, expert_kind, read_as,
+                         finite_as_read=as_read)
+
+
+def _scan_finite(family: Any, tasks: list[str], config: FeatCalConfig, check_finite: bool, calibrating: bool,
+                 progress: bool) -> bool:
+    """With `check_finite`, refuse NaN / Inf in the inputs, one tensor at a time. The experts, streamed block by
+    block, are left to the calibration, which checks each tensor as it reads it (prefetch.py; not when a merge
+    comes first, nor with --tune, whose merges at other scalings read every tensor): returns whether it must."""
+    as_read = check_finite and calibrating and not config.tune
+    if check_finite:
+        family.scan_finite(progress=progress, skip=[expert_label(t) for t in tasks] if as_read else ())
+    return as_read
 
 
 def check_resume_dir(config: FeatCalConfig, out: Path, inputs: Mapping[str, Path]) -> None:
@@ -390,7 +403,8 @@ def _calibrate_loaded(
         return api.calibrate(
             merged_model, base=str(checked.base), experts={t: str(d) for t, d in checked.experts.items()},
             calibration=calibration, config=config, progress=progress, inplace=True, allow_pickle=allow_pickle,
-            keep_resume_state=True, check_finite=False,  # the checkpoints were scanned before
+            keep_resume_state=True,
+            check_finite=checked.finite_as_read,  # the experts as read; the other checkpoints were scanned before
             expert_kind=checked.expert_kind, **tune,
         )
 
@@ -487,6 +501,8 @@ def _write_calibrated(
             report["stem_norm"] = result.stem_norm
         if result.kept_merged:  # block parameters left as merged (a mixture of experts' experts, LayerScale, ...)
             report["kept_merged"] = result.kept_merged
+        if result.placement is not None:  # where the experts' weights lived (expert_placement.py)
+            report["placement"] = result.placement
         merged_report = _merged_report(merged_dir)
         if merged_report is not None and merged_report.get("task_heads"):
             report["task_heads"] = merged_report["task_heads"]

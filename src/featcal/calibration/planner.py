@@ -8,8 +8,9 @@ What a `featcal calibrate` process holds at its peak (during a block, models and
 - the calibration inputs of every task (pixel values, or token ids + masks at --max-length);
 - the chains: tasks × examples × tokens × hidden × bytes(chain_dtype) × 2 sides (merged, expert),
   plus their block contexts (attention masks; T5's position bias), for this rank's share of the batches;
-- one block's transients: an expert block read, float64 base anchors, the statistics (float32 per
-  task, float64 across tasks, solver temporaries of the largest Linear) and one batch's activations.
+- one block of every expert read ahead (prefetch.py), and one block's transients: float64 base anchors, the
+  statistics (float32 per task, float64 across tasks, solver temporaries of the largest Linear) and one
+  batch's activations.
 
 With --offload-blocks the models and chains stay on the host and the device holds, at its peak, the
 larger of two phases (placement.py): capture (both models' stems, the merged block 0, one batch) and
@@ -260,7 +261,7 @@ def estimate(shape: ModelShape, *, tasks: int, config: FeatCalConfig, baseline_b
                   f"2 sides × {tasks} task(s) × {local} examples × {s0.tokens} tokens × {s0.hidden} hidden × "
                   f"{chain_b} B ({config.chain_dtype})")),
         Component("chain contexts", ctx_local, "attention masks / position bias / rotary tables per batch"),
-        Component("expert block read", block_params * 4, "one block of one expert, read tensor by tensor"),
+        _read_ahead(tasks, block_params),
         Component("base anchors", block_params * 8, "one block, float64"),
         Component("statistics", stats, stats_detail),
         Component("activations", act, f"one batch of {bs} through one block, both sides"),
@@ -280,18 +281,27 @@ def on_accelerator(device: str) -> bool:
     return device != "cpu"
 
 
-_ON_HOST = ("process baseline", "calibration inputs")  # resident on an accelerator: what stays on the host
+READ_AHEAD = "expert blocks read ahead"
+
+
+def _read_ahead(tasks: int, block_params: int) -> Component:
+    """The engine's reader (prefetch.py) holds at most one block of every expert beyond the one being loaded,
+    on the host, as read (counted as float32: the widest stored dtype featcal reads into)."""
+    return Component(READ_AHEAD, tasks * block_params * 4,
+                     f"one block of each of {tasks} expert(s), read on a background thread while a block computes")
+
+
+_ON_HOST = ("process baseline", "calibration inputs", READ_AHEAD)  # resident on an accelerator: what stays on the host
 _LOADED = ("merged model", "expert template")  # on the host too until they move, at the start
 
 
 def _resident(comps: list[Component], chains_all: int, settings: dict) -> MemoryPlan:
     """The plan of a run on an accelerator without offloading: both models, the chains and one block's
     transients on the device for the whole run (phase "run"); on the host, the models as loaded, before they move
-    (core.py copies the template on the host, then placement.setup moves both), the inputs and the baseline.
-    Expert weights are read into the device template in place, one tensor at a time (no block-sized copy)."""
+    (core.py copies the template on the host, then placement.setup moves both), the inputs, the experts' blocks
+    read ahead (copied into the device template in place, one tensor at a time) and the baseline."""
     host = [c for c in comps if c.name in _ON_HOST + _LOADED]
-    device = [Component(c.name, c.bytes, c.detail, "run") for c in comps
-              if c.name not in _ON_HOST and c.name != "expert block read"]
+    device = [Component(c.name, c.bytes, c.detail, "run") for c in comps if c.name not in _ON_HOST]
     return MemoryPlan(host, chains_all, settings, device)
 
 
@@ -330,6 +340,7 @@ def _offloaded(shape: ModelShape, *, tasks: int, config: FeatCalConfig, baseline
                   f"hidden × {chain_b} B ({config.chain_dtype})")),
         Component("chain contexts", ctx_local, "attention masks / position bias / rotary tables per batch"),
         Component("tensor in transit", widest, "one expert or base tensor read on its way to the device"),
+        _read_ahead(tasks, block_params),
     ]
     batch_chains = max(2 * bs * (s.tokens * s.hidden * 4 + s.context_bytes) for s in shape.stacks)
     batch_detail = f"2 sides × {bs} examples, float32 on the device, with their contexts"

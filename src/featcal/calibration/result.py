@@ -182,6 +182,9 @@ class CalibrationResult:
     # and router, DINOv2's LayerScale, T5's position bias table): what featcal.json records under "kept_merged"
     kept_merged: dict[str, dict[str, str]] | None = None
     calibration_data: dict[str, dict[str, Any]] | None = None  # per task given as a source: how it was read
+    # where the experts' weights lived: {"experts": "resident" | "streamed", "why"} (expert_placement.py), recorded
+    # in featcal.json under "placement"
+    placement: dict[str, str] | None = None
 
     def with_tuning(self, record: TuningRecord) -> CalibrationResult:
         """The same result carrying the tuning search's record."""

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Union
 
+import torch
 from torch import nn
 
 from featcal.errors import CheckpointError
@@ -261,10 +262,14 @@ class InputFamily:
             for check in (check_same_config, check_same_tensors, check_same_fields):
                 check(pair[reference], label, pair[label], what=label, reference=f"the {reference} model")
 
-    def scan_finite(self, progress: bool = False) -> None:
-        """Refuse NaN / Inf in any tensor of any input, reading one tensor at a time (GGUF inputs opened for
-        their headers are dequantised for this, one at a time; the base once, if adapters need it)."""
+    def scan_finite(self, progress: bool = False, skip: Iterable[str] = ()) -> None:
+        """Refuse NaN / Inf in any tensor of any input (but those labelled in `skip`), reading one tensor at a
+        time (GGUF inputs opened for their headers are dequantised for this, one at a time; the base once, if
+        adapters need it)."""
+        skip = set(skip)
         for label in self.items:
+            if label in skip:
+                continue
             scan_finite(self.names[label] if label in self.task_of else f"{label} model", self._values(label),
                         progress=progress)
             if label != BASE:
@@ -299,12 +304,13 @@ class InputFamily:
 
     def calibration_sources(
         self, model: nn.Module, template: nn.Module, expert_names: list[str], base_names: list[str],
-        check_finite: bool = True,
+        check_finite: bool = True, streamed_as_read: bool = False,
     ) -> tuple[dict[str, TensorSource], TensorSource | None]:
         """`param_sources`, completed to a grown vocabulary (experts with fewer rows than `model` read its rows
         for the rest), every parameter the calibration reads (`expert_names` of each expert, `base_names` of
         the base) checked against `model`'s shape and, with `check_finite`, for NaN / Inf (the merged model's
-        own parameters too), before any forward."""
+        own parameters too), before any forward. `streamed_as_read`: the experts read from files are not scanned
+        here; the calibration checks each of their tensors as it reads it (`refuse_non_finite_tensor`)."""
         experts, base = self.param_sources(template)
         experts = pad_param_sources(experts, model)
         for src in experts.values():
@@ -312,8 +318,13 @@ class InputFamily:
         if base is not None:
             validate_source(base, model, base_names)
         if check_finite:
-            refuse_non_finite(model, experts, base, expert_names, base_names)
+            scanned = {t: s for t, s in experts.items() if not (streamed_as_read and self.streamed(t))}
+            refuse_non_finite(model, scanned, base, expert_names, base_names)
         return experts, base
+
+    def streamed(self, task: str) -> bool:
+        """Whether expert `task` is read from its files (not a model in memory)."""
+        return not isinstance(self.items[expert_label(task)], nn.Module)
 
 
 def refuse_non_finite(model: nn.Module, experts: Mapping[str, TensorSource], base: TensorSource | None,
@@ -322,14 +333,28 @@ def refuse_non_finite(model: nn.Module, experts: Mapping[str, TensorSource], bas
     def read(src: TensorSource, names: Iterable[str]):  # lazily: one tensor in memory at a time
         return ((n, src.get(n)) for n in names)
 
-    owners = [("merged model", model.named_parameters())]
-    owners += [(src.label, read(src, expert_names)) for src in experts.values()]
+    owners: list[tuple[str, Any, Iterable]] = [("merged model", None, model.named_parameters())]
+    owners += [(src.label, src, read(src, expert_names)) for src in experts.values()]
     if base is not None:
-        owners.append((base.label, read(base, base_names)))
-    for label, tensors in owners:
+        owners.append((base.label, base, read(base, base_names)))
+    for label, src, tensors in owners:
         bad = first_non_finite(tensors)
         if bad is not None:
-            raise CheckpointError(f"{label}: parameter {bad[0]!r} contains NaN or Inf ({bad[1]} value(s))")
+            raise non_finite_error(label, src, *bad)
+
+
+def refuse_non_finite_tensor(source: TensorSource, name: str, value: torch.Tensor) -> None:
+    """The same refusal as `refuse_non_finite`, for one tensor of `source` as the calibration reads it."""
+    bad = first_non_finite([(name, value)])
+    if bad is not None:
+        raise non_finite_error(source.label, source, *bad)
+
+
+def non_finite_error(label: str, source: TensorSource | None, name: str, count: int) -> CheckpointError:
+    """The one-line refusal of a parameter holding NaN / Inf, naming its owner and, read from files, their path."""
+    path = getattr(source, "path", None)
+    where = f" ({path})" if isinstance(path, (str, os.PathLike)) and str(path) != label else ""
+    return CheckpointError(f"{label}{where}: parameter {name!r} contains NaN or Inf ({count} value(s))")
 
 
 def open_family(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -130,7 +131,14 @@ def validate_source(source: ParamSource, reference: nn.Module, names: list[str])
 @torch.no_grad()
 def load_into(model: nn.Module, names: list[str], source: ParamSource) -> None:
     """Copy `names` from `source` into `model`'s parameters, in place (dtype/device of the model)."""
+    copy_into(model, ((name, source.get(name)) for name in names))
+
+
+@torch.no_grad()
+def copy_into(model: nn.Module, values: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy (name, value) pairs into `model`'s parameters of those names, in place (dtype/device of the model),
+    one at a time as `values` yields them."""
     params = dict(model.named_parameters(remove_duplicate=False))
-    for name in names:
+    for name, value in values:
         p = params[name]
-        p.copy_(source.get(name).to(device=p.device, dtype=p.dtype))
+        p.copy_(value.to(device=p.device, dtype=p.dtype))
