@@ -153,3 +153,18 @@ def test_cli_demo_default_size_and_refusal(tmp_path, capsys):
     code = main(["bench", "--preset", "tiny", "--rows", "demo", "--methods", "ties", "--out", str(tmp_path / "o")])
     assert code == 2 and "--rows demo" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_make_demo_runs_one_bench_command_with_the_demo_rows():
+    """`make demo`'s recipe is one featcal command (after the sources it depends on), and that command parses."""
+    import shlex
+    from pathlib import Path
+
+    from featcal.cli.main import build_parser
+
+    makefile = (Path(__file__).resolve().parents[1] / "Makefile").read_text()
+    recipe = re.search(r"^demo:.*\n((?:\t.*\n)+)", makefile, re.M).group(1)
+    commands = [line.strip() for line in recipe.splitlines() if not line.strip().startswith("@#")]
+    assert len(commands) == 1 and commands[0].startswith("$(BIN)/featcal bench "), commands
+    args = build_parser().parse_args(shlex.split(commands[0])[1:])
+    assert (args.preset, args.rows, args.seed) == ("text", "demo", 0)
