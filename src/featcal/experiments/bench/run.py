@@ -566,13 +566,14 @@ def _method_rows(run: _Run, method: str, pools: Mapping[str, Inputs], sets: _Cal
     curve goes into `drift_curves`), then the Surgery baselines on top of it; (rows, the merged model)."""
     settings, bar = run.settings, run.bar
     params = settings.merge_params(method)
-    with bar.stage(method), PeakRSS() as rss:
-        timer = Timer()
-        state = _merge(run.zoo, method, params, sets.largest, run.progress)
-        merged = copy.deepcopy(run.base)
-        merged.load_state_dict(state)
-        merge_seconds = timer.seconds
-        per_task = run.evaluate(merged)
+    with bar.stage(method):
+        with PeakRSS() as rss:
+            timer = Timer()
+            state = _merge(run.zoo, method, params, sets.largest, run.progress)
+            merged = copy.deepcopy(run.base)
+            merged.load_state_dict(state)
+            merge_seconds = timer.seconds
+            per_task = run.evaluate(merged)
         merged_drift = feature_drift(merged, run.experts, sets.drift_probe)
     merge_avg = mean(per_task)
     extra = {"calibration_examples_of_merge": max(settings.calib_sizes)} if method_spec(method).needs_calibration else {}
