@@ -62,7 +62,8 @@ def _run(args: argparse.Namespace) -> int:
             print(f"{r['merge']} + {r['method']}: gap closed {'n/a' if closed is None else f'{100 * closed:.1f}%'} "
                   f"in {r['seconds']:.1f}s ({how})")
     print(report["regime"]["line"])
-    print(f"wrote {out / 'bench.json'}")
+    figures = [out / f for f in ("drift.png", "calib_sizes.png") if (out / f).is_file()]
+    print(f"wrote {out / 'bench.json'}, {out / 'table.md'}" + "".join(f", {f}" for f in figures))
     return 0
 
 
