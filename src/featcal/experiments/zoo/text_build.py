@@ -166,6 +166,8 @@ def build_text(root: Path, p: TextZooPreset, seed: int, progress: bool, sources:
         notes.note(f"expert {name}: base {base_acc[name]:.3f} -> expert {expert_acc[name]:.3f}, "
                    f"|task vector|/|base| {tv_norm[name]:.4f}, {train_s / p.finetune.steps:.2f}s/step")
         del expert
+        if on_expert is not None:
+            on_expert(name)
     timings["experts"] = time.perf_counter() - t
 
     # 5. regime check (own in-memory Task Arithmetic; the bench uses featcal.merge)
