@@ -168,3 +168,17 @@ def test_make_demo_runs_one_bench_command_with_the_demo_rows():
     assert len(commands) == 1 and commands[0].startswith("$(BIN)/featcal bench "), commands
     args = build_parser().parse_args(shlex.split(commands[0])[1:])
     assert (args.preset, args.rows, args.seed) == ("text", "demo", 0)
+
+
+def test_every_zoo_builder_reports_each_expert(tmp_path):
+    """The text build (real MiniLM and data, a micro version) calls on_expert once per task, in order, as the
+    synthetic vision build does (the bar test above); the bench's one bar counts these calls."""
+    from featcal.experiments.zoo.build import build_zoo
+    from featcal.experiments.zoo.train import FinetuneSettings as Steps
+
+    micro_text = dataclasses.replace(PRESETS["text-tiny"], name="text-micro", tasks=("sentences_en", "hedges"),
+                                     train=16, calibration=8, test=8, max_length=16,
+                                     finetune=Steps(steps=1, batch_size=4, lr=1e-4, warmup=0, weight_decay=0.0))
+    seen: list[str] = []
+    build_zoo(tmp_path / "zoo", micro_text, seed=0, progress=False, on_expert=seen.append)
+    assert seen == ["sentences_en", "hedges"]
