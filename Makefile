@@ -28,13 +28,11 @@ $(TEXT): $(STAMP)
 	touch $(TEXT)
 
 demo: $(TEXT)
-	@# runs/ is the demo's own scratch folder: each run replaces the previous report, atomically.
-	@# The synthetic vision zoo stays available: featcal bench --preset default ...
-	$(BIN)/featcal bench --preset text --seed 0 --out runs/bench-text --overwrite --rebuild-zoo
-	@# featcal's best label-free configuration (--tune through the frozen heads) beside the paper's defaults,
-	@# on Task Arithmetic at 256 per task; the zoo built above is reused
-	$(BIN)/featcal bench --preset text --seed 0 --out runs/bench-text-tuned --overwrite --methods task_arithmetic \
-		--calib-sizes 256 --featcal-variants reference,tuned
+	@# One command: the text zoo (built, or reused when cached), then the demo's rows (base, experts, TA and WUDI
+	@# alone, TA + FeatCal with the paper's settings and tuned, the best merge + FeatCal, 32 per task), one table and
+	@# the drift figure in runs/demo (replaced atomically on each run). What it cuts and why: docs/bench-text.md.
+	@# The full sweep: featcal bench --preset text --seed 0 --out runs/bench-text --calib-sizes 256
+	$(BIN)/featcal bench --preset text --rows demo --seed 0 --out runs/demo --overwrite --rebuild-zoo
 
 test: $(TEXT) $(VISION_PYPI)
 	$(BIN)/python -m pytest

@@ -36,7 +36,7 @@ def _run(args: argparse.Namespace) -> int:
         baselines=(baselines := parse_baselines(opts.baselines)),
         baseline_params=_baseline_params(opts, baselines),
         surgery_features=opts.surgery_features,
-        featcal_variants=opts.variant_list(),
+        featcal_variants=opts.variant_list(), rows=opts.rows,
     )
     validate(settings)
     check_output_dir(args.out, opts.overwrite)  # before any work
@@ -48,6 +48,8 @@ def _run(args: argparse.Namespace) -> int:
         s = report["summary"][m]
         for n in settings.calib_sizes:
             for variant, v in s["variants"].items():
+                if n not in v["gap_closed"]:  # a size or variant this merge was not calibrated at (--rows demo)
+                    continue
                 closed, tag = v["gap_closed"][n], variant_tag(variant)
                 print(f"{m}: gap to experts closed by FeatCal{tag} ({n}/task): "
                       f"{'n/a' if closed is None else f'{100 * closed:.1f}%'}, cost {cost_ratio_text(v['cost_ratio'][n])} the "
@@ -60,7 +62,8 @@ def _run(args: argparse.Namespace) -> int:
             print(f"{r['merge']} + {r['method']}: gap closed {'n/a' if closed is None else f'{100 * closed:.1f}%'} "
                   f"in {r['seconds']:.1f}s ({how})")
     print(report["regime"]["line"])
-    print(f"wrote {out / 'bench.json'}")
+    figures = [out / f for f in ("drift.png", "calib_sizes.png") if (out / f).is_file()]
+    print(f"wrote {out / 'bench.json'}, {out / 'table.md'}" + "".join(f", {f}" for f in figures))
     return 0
 
 

@@ -11,6 +11,7 @@ from pydantic import Field
 
 from featcal.config import StrictModel
 from featcal.errors import ConfigError
+from featcal.experiments.bench.rows import DEFAULT_SIZE, DEMO_SIZE
 
 
 class BenchOptions(StrictModel):
@@ -20,9 +21,14 @@ class BenchOptions(StrictModel):
 
     preset: str = Field("default", description="the zoo preset to bench on")
     seed: int = Field(0, description="the zoo's and the bench's seed")
+    rows: Literal["full", "demo"] = Field(
+        "full", description="which rows: full (every merge alone and + FeatCal at every size and variant) or demo "
+        "(base, experts, task_arithmetic and wudi alone, TA + FeatCal reference and tuned, the best merge + FeatCal, "
+        f"at one size, default {DEMO_SIZE}/task; `make demo`, docs/bench-text.md)",
+    )
     calib_sizes: str | None = Field(
         None, description="calibration examples per task, comma-separated for a sweep (default: 256, or the preset's "
-        "pool)", json_schema_extra={"metavar": "N,M"},
+        f"pool; {DEMO_SIZE} with --rows demo)", json_schema_extra={"metavar": "N,M"},
     )
     methods: str | None = Field(
         None, description="merge methods, each alone and + FeatCal, comma-separated, from the method table's benched "
@@ -67,9 +73,10 @@ class BenchOptions(StrictModel):
     threads: int = Field(0, description="torch CPU threads (0: torch's default)")
 
     def sizes(self, pool: int) -> tuple[int, ...]:
-        """--calib-sizes as integers, in order, each once (default: 256, or the preset's whole pool)."""
+        """--calib-sizes as integers, in order, each once (default: 256, or the preset's whole pool; the demo's
+        rows: DEMO_SIZE)."""
         if not self.calib_sizes:
-            return (min(256, pool),)
+            return (min(DEMO_SIZE if self.rows == "demo" else DEFAULT_SIZE, pool),)
         try:
             sizes = tuple(int(s) for s in self.calib_sizes.split(",") if s.strip())
         except ValueError:

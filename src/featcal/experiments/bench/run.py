@@ -7,7 +7,8 @@ Every merged model comes from featcal's own `merge`, every calibrated one from f
 from the zoo's calibration split (never the test split). The cost of calibration is compared, in the
 same run, with its floor: one forward of the merged model and of every expert over the same data.
 FeatCal variants (`--featcal-variants`, FEATCAL_VARIANTS) add calibrated rows beside the reference's, each
-row naming its `variant` (docs/variants.md).
+row naming its `variant` (docs/variants.md). `--rows` picks the row set (bench/rows.py): the full sweep, or the
+demo's few rows; one progress bar (bench/progress.py) counts the run's stages, the zoo build's experts included.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from featcal.errors import ConfigError, OutputExistsError
 from featcal.evaluation.classification import accuracy
 from featcal.evaluation.features import Inputs, batches, head_rows, num_examples
 from featcal.experiments.bench.baselines import (
+    SURGERY_BASELINES,
     check_surgery_features,
     merge_baseline_rows,
     parse_baselines,
@@ -38,7 +40,16 @@ from featcal.experiments.bench.baselines import (
 from featcal.experiments.bench.cost import arithmetic_cost_ratio
 from featcal.experiments.bench.memory import PeakRSS
 from featcal.experiments.bench.metrics import BELOW_FLOOR, gap_closed, mean, normalised_accuracy
+from featcal.experiments.bench.progress import RunProgress
 from featcal.experiments.bench.regime import regime
+from featcal.experiments.bench.rows import (
+    ROW_SETS,
+    RowPlan,
+    check_demo_settings,
+    demo_plan,
+    full_plan,
+)
+from featcal.experiments.bench.table import variant_tag
 from featcal.experiments.zoo.presets import get_preset
 from featcal.io.report import Timer, build_report
 
@@ -91,14 +102,23 @@ class BenchSettings:
     sources: Path | None = None  # text presets: the downloaded data archives (featcal.experiments.zoo.text_sources)
     wudi_steps: int | None = None  # WUDI's steps in the bench merge and regime line (None: the preset's)
     featcal_variants: tuple[str, ...] = ("reference",)  # FEATCAL_VARIANTS; the first is the summary's and drift's
+    rows: str = "full"  # ROW_SETS (bench/rows.py): the full sweep, or the demo's rows at calib_sizes' one size
 
     def resolved_zoo_dir(self) -> Path:
         return self.zoo_dir or Path("zoo-cache") / f"{self.preset}-seed{self.seed}"
 
     def resolved_methods(self) -> tuple[str, ...]:
+        if self.rows == "demo":
+            return self.plan().merges
         if self.methods is not None:
             return self.methods
         return tuple(getattr(get_preset(self.preset), "bench_methods", DEFAULT_METHODS))
+
+    def plan(self) -> RowPlan:
+        """The rows this run computes (bench/rows.py)."""
+        if self.rows == "demo":
+            return demo_plan(self.calib_sizes[0], get_preset(self.preset).calibration)
+        return full_plan(self.resolved_methods(), self.calib_sizes, self.featcal_variants)
 
     def merge_params(self, method: str) -> dict[str, Any]:
         if method == "wudi":
@@ -110,8 +130,12 @@ class BenchSettings:
 def validate(settings: BenchSettings) -> None:
     """Reject bad settings before any model is built or loaded."""
     preset = get_preset(settings.preset)
+    if settings.rows not in ROW_SETS:
+        raise ConfigError(f"unknown --rows {settings.rows!r}; choose from {', '.join(ROW_SETS)}")
     if not settings.calib_sizes:
         raise ConfigError("--calib-sizes needs at least one size")
+    if settings.rows == "demo":
+        check_demo_settings(settings.methods, settings.calib_sizes, settings.featcal_variants, settings.baselines)
     for n in settings.calib_sizes:
         if n < 1 or n > preset.calibration:
             raise ConfigError(
@@ -288,18 +312,19 @@ def _merge(zoo, method: str, params: dict[str, Any], calibration: Mapping[str, l
 
 
 def _regime_record(rows: list[dict], zoo, base, heads, tests, settings: BenchSettings, calibration,
-                   pooling: str, progress: bool) -> dict[str, Any]:
+                   pooling: str, bar: RunProgress) -> dict[str, Any]:
     """The regime line's numbers: from the benched rows, merging TA / RegMean / WUDI only where absent."""
     found = {r["method"]: r["average_accuracy"] for r in rows if not r["calibrated"] and not r.get("baseline")}
     extra_seconds: dict[str, float] = {}
     for method in REGIME_METHODS:
         if method not in found:
-            timer = Timer()
-            merged = copy.deepcopy(base)
-            merged.load_state_dict(_merge(zoo, method, settings.merge_params(method), calibration, progress))
-            found[method] = mean(_evaluate(merged, heads, tests, settings.eval_batch_size, pooling))
-            extra_seconds[method] = round(timer.seconds, 2)
-            del merged
+            with bar.stage(f"{method} for the regime line"):
+                timer = Timer()
+                merged = copy.deepcopy(base)
+                merged.load_state_dict(_merge(zoo, method, settings.merge_params(method), calibration, False))
+                found[method] = mean(_evaluate(merged, heads, tests, settings.eval_batch_size, pooling))
+                extra_seconds[method] = round(timer.seconds, 2)
+                del merged
     experts_average = mean({r["task"]: r["average_accuracy"] for r in rows if r["method"] == "expert"})
     record = regime(found["base"], found["task_arithmetic"], experts_average, found["regmean"], found["wudi"],
                     MERGE_PARAMS["task_arithmetic"]["scaling"], _examples_per_task(calibration))
@@ -310,10 +335,13 @@ def _regime_record(rows: list[dict], zoo, base, heads, tests, settings: BenchSet
 def run_bench(settings: BenchSettings, progress: bool = True) -> dict[str, Any]:
     """Run the whole benchmark in memory and return its report (see `write_bench` for the files).
 
-    `progress=False` silences every bar, transformers' loading and saving bars included."""
+    `progress` draws one bar over the whole run (bench/progress.py); every stage's own bar stays off, transformers'
+    loading and saving bars included, so `progress=False` silences them all."""
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
     from featcal.io.models import hf_progress_bars
 
-    with hf_progress_bars(progress):
+    with hf_progress_bars(False), logging_redirect_tqdm():
         return _run_bench(settings, progress)
 
 
@@ -323,8 +351,10 @@ class _Run:
     and (once loaded) the experts and the base."""
 
     settings: BenchSettings
-    progress: bool
+    progress: bool  # the stages' own bars: off, the run's one bar (`bar`) counts them
     zoo: Any
+    bar: RunProgress
+    plan: RowPlan
     heads: dict[str, Any] = field(default_factory=dict)
     tests: dict[str, tuple] = field(default_factory=dict)
     experts: dict[str, Any] = field(default_factory=dict)
@@ -354,47 +384,112 @@ class _CalibrationSets:
     largest: dict[str, list[Batch]]  # FeatCal's and the data merges', at the largest size
     largest_untrimmed: dict[str, list[Batch]]  # the trained baselines concatenate batches: one width (same examples)
     drift_probe: dict[str, list[Batch]]  # a fixed slice for the drift curves
+    regime: dict[str, list[Batch]]  # what the regime line's RegMean reads (the full sweep: `largest`)
+
+
+def _planned_stages(settings: BenchSettings, plan: RowPlan, zoo_built: bool) -> int:
+    """The run's stages before any work: the experts the zoo build trains, loading the experts and the base, the
+    warm-up, each merge and each calibrated or baseline row, the regime line's own merges."""
+    preset = get_preset(settings.preset)
+    surgeries = sum(1 for b in settings.baselines if b in SURGERY_BASELINES)
+    merge_baselines = 1 if any(b not in SURGERY_BASELINES for b in settings.baselines) else 0
+    per_merge = sum(1 + len(plan.calibrated[m]) + surgeries for m in plan.merges)
+    regime_only = sum(1 for m in REGIME_METHODS if m not in plan.merges)
+    return ((len(preset.tasks) if zoo_built else 0) + 3 + per_merge + (plan.best_merge_row is not None)
+            + merge_baselines + regime_only)
 
 
 def _run_bench(settings: BenchSettings, progress: bool) -> dict[str, Any]:
+    from featcal.experiments.zoo.build import cached
+
     validate(settings)
     load_before = os.getloadavg()
     total = Timer()
-    zoo_timer = Timer()
-    run = _Run(settings, progress, _ready_zoo(settings, progress))
-    zoo_seconds = zoo_timer.seconds
-    run.heads, run.tests = run.zoo.heads(), run.zoo.test_splits()
-    rows = _expert_rows(run)
-    rows.append(_base_row(run))
-    pools = {t: run.zoo.split(t, "calibration")[0] for t in run.tasks}
-    _warm_up(run.zoo, run.base, run.experts, pools, progress)
-    sets = _calibration_sets(settings, pools)
-    drift_curves: dict[str, list[dict]] = {}
-    for method in settings.resolved_methods():
-        rows += _method_rows(run, method, pools, sets, drift_curves)
-    rows += merge_baseline_rows(settings.baselines, base=run.base, experts=run.experts, calibration=sets.largest,
-                                heads=run.heads, tests=run.tests, expert_acc=run.expert_acc,
-                                params=settings.baseline_params, batch=settings.eval_batch_size, progress=progress,
-                                pooling=run.pooling)
-    base_row = next(r for r in rows if r["method"] == "base")
-    base_row["normalised_accuracy"] = normalised_accuracy(base_row["per_task"], run.expert_acc)
-    regime_record = _regime_record(rows, run.zoo, run.base, run.heads, run.tests, settings, sets.largest,
-                                   run.pooling, progress)
+    plan = settings.plan()
+    zoo_built = cached(settings.resolved_zoo_dir(), get_preset(settings.preset), settings.seed) is None
+    bar = RunProgress(_planned_stages(settings, plan, zoo_built), progress)
+    try:
+        zoo_timer = Timer()
+        run = _Run(settings, False, _ready_zoo(settings, bar), bar, plan)
+        zoo_seconds = zoo_timer.seconds
+        bar.catch_up(len(run.tasks) if zoo_built else 0)  # a builder that reports no experts: counted here
+        run.heads, run.tests = run.zoo.heads(), run.zoo.test_splits()
+        with bar.stage("experts"):
+            rows = _expert_rows(run)
+        with bar.stage("base"):
+            rows.append(_base_row(run))
+        pools = {t: run.zoo.split(t, "calibration")[0] for t in run.tasks}
+        with bar.stage("warm-up"):
+            _warm_up(run.zoo, run.base, run.experts, pools, False)
+        sets = _calibration_sets(settings, pools, plan.regime_size)
+        drift_curves: dict[str, list[dict]] = {}
+        best: _Merged | None = None  # the best merge alone (demo: kept for its + FeatCal row)
+        for method in plan.merges:
+            method_rows, merged = _method_rows(run, method, pools, sets, drift_curves)
+            rows += method_rows
+            alone = method_rows[0]
+            if plan.best_merge_row is not None and (best is None or alone["average_accuracy"] > best.average):
+                best = _Merged(method, merged, alone["average_accuracy"], alone["seconds"], alone["feature_drift"])
+        rows += _best_merge_rows(run, best, pools, sets, drift_curves)
+        if any(b not in SURGERY_BASELINES for b in settings.baselines):
+            with bar.stage("baselines"):
+                rows += merge_baseline_rows(settings.baselines, base=run.base, experts=run.experts,
+                                            calibration=sets.largest, heads=run.heads, tests=run.tests,
+                                            expert_acc=run.expert_acc, params=settings.baseline_params,
+                                            batch=settings.eval_batch_size, progress=False, pooling=run.pooling)
+        base_row = next(r for r in rows if r["method"] == "base")
+        base_row["normalised_accuracy"] = normalised_accuracy(base_row["per_task"], run.expert_acc)
+        regime_record = _regime_record(rows, run.zoo, run.base, run.heads, run.tests, settings, sets.regime,
+                                       run.pooling, bar)
+    finally:
+        bar.close()
     log.info("%s", regime_record["line"])
     return _report(run, rows, regime_record, drift_curves, pools, zoo_seconds=zoo_seconds,
                    load_before=load_before, total=total)
 
 
-def _ready_zoo(settings: BenchSettings, progress: bool):
-    """The zoo the bench runs on: reused when cached, else built (--rebuild-zoo replaces a stale one)."""
+@dataclass
+class _Merged:
+    """A merge alone, kept while the run looks for the best one (demo)."""
+
+    method: str
+    model: Any
+    average: float
+    seconds: float
+    drift: list[float]
+
+
+def _best_merge_rows(run: _Run, best: _Merged | None, pools: Mapping[str, Inputs], sets: _CalibrationSets,
+                     drift_curves: dict[str, list[dict]]) -> list[dict]:
+    """The demo's last row: the best merge alone + FeatCal, unless that merge already has this very row."""
+    planned = run.plan.best_merge_row
+    if planned is None or best is None:
+        return []
+    if not run.plan.best_needs_row(best.method):
+        run.bar.add(-1)  # the best merge is one whose + FeatCal row is already there (TA, say)
+        return []
+    with run.bar.stage(f"{best.method} + FeatCal ({planned.size}/task), the best merge"):
+        row, calibrated_drift = _featcal_row(run, best.method, run.settings.merge_params(best.method), best.model,
+                                             planned.size, pools, sets.drift_probe, merge_seconds=best.seconds,
+                                             merge_avg=best.average, variant=planned.variant)
+    row["best_merge"] = True
+    drift_curves[best.method] = [{"block": i, "before": b, "after": a}
+                                 for i, (b, a) in enumerate(zip(best.drift, calibrated_drift, strict=True))]
+    return [row]
+
+
+def _ready_zoo(settings: BenchSettings, bar: RunProgress):
+    """The zoo the bench runs on: reused when cached, else built (--rebuild-zoo replaces a stale one), each
+    expert trained counted on the run's bar."""
     from featcal.experiments.zoo.build import build_zoo
     from featcal.experiments.zoo.store import MANIFEST
 
     # --rebuild-zoo replaces a stale zoo, never a directory that is not a zoo at all
     rebuild = settings.rebuild_zoo and (settings.resolved_zoo_dir() / MANIFEST).is_file()
     try:
-        return build_zoo(settings.resolved_zoo_dir(), settings.preset, settings.seed, progress=progress,
-                         base_cache=settings.base_cache, overwrite=rebuild, sources=settings.sources)
+        return build_zoo(settings.resolved_zoo_dir(), settings.preset, settings.seed, progress=False,
+                         base_cache=settings.base_cache, overwrite=rebuild, sources=settings.sources,
+                         on_expert=lambda task: bar.tick(f"zoo: expert {task} trained"))
     except OutputExistsError as e:  # build_zoo's advice names `featcal zoo build`'s flag, not the bench's
         if settings.rebuild_zoo:  # given, yet the folder holds no zoo.json: not a zoo it may replace
             raise OutputExistsError(
@@ -407,77 +502,101 @@ def _ready_zoo(settings: BenchSettings, progress: bool):
         ) from e
 
 
+def recorded_accuracies(zoo, key: str) -> dict[str, float] | None:
+    """The zoo build's own test accuracies (`base_accuracy`, `expert_accuracy`) per task, where it recorded them:
+    the same models, heads and test splits the bench scores, so the demo reads them instead of scoring again."""
+    tasks = zoo.manifest.get("tasks", {})
+    found = {t: tasks.get(t, {}).get(key) for t in zoo.tasks}
+    return None if any(not isinstance(v, float) for v in found.values()) else found
+
+
+def _reused(run: _Run, key: str) -> dict[str, float] | None:
+    """The zoo's recorded accuracies where the row set reuses them (the demo), else None: scored here."""
+    return recorded_accuracies(run.zoo, key) if run.settings.rows == "demo" else None
+
+
 def _expert_rows(run: _Run) -> list[dict]:
-    """Load every expert (kept in `run`) and score it on its own task."""
+    """Load every expert (kept in `run`) and score it on its own task (the demo: the zoo build's score)."""
     from featcal.io.models import load_model
 
     rows = []
+    recorded = _reused(run, "expert_accuracy")
     for t in run.tasks:
         with PeakRSS() as rss:
             timer = Timer()
             run.experts[t] = load_model(run.zoo.expert_dir(t))
-            acc = accuracy(run.experts[t], run.heads[t], *run.tests[t], run.settings.eval_batch_size, run.pooling)
-        rows.append(_row("expert", False, {t: acc}, timer.seconds, rss.mb, task=t))
+            acc = recorded[t] if recorded else accuracy(run.experts[t], run.heads[t], *run.tests[t],
+                                                        run.settings.eval_batch_size, run.pooling)
+        extra = {"accuracy_from": "zoo build"} if recorded else {}
+        rows.append(_row("expert", False, {t: acc}, timer.seconds, rss.mb, task=t, **extra))
         log.info("expert %s: %.4f", t, acc)
     run.expert_acc = {r["task"]: r["average_accuracy"] for r in rows}
     return rows
 
 
 def _base_row(run: _Run) -> dict:
-    """Load the base (kept in `run`) and score it on every task."""
+    """Load the base (kept in `run`) and score it on every task (the demo: the zoo build's scores)."""
     from featcal.io.models import load_model
 
+    recorded = _reused(run, "base_accuracy")
     with PeakRSS() as rss:
         timer = Timer()
         run.base = load_model(run.zoo.base_dir)
-        per_task = run.evaluate(run.base)
+        per_task = recorded or run.evaluate(run.base)
     log.info("base: %.4f", mean(per_task))
-    return _row("base", False, per_task, timer.seconds, rss.mb)
+    return _row("base", False, per_task, timer.seconds, rss.mb, **({"accuracy_from": "zoo build"} if recorded else {}))
 
 
-def _calibration_sets(settings: BenchSettings, pools: Mapping[str, Inputs]) -> _CalibrationSets:
+def _calibration_sets(settings: BenchSettings, pools: Mapping[str, Inputs], regime_size: int) -> _CalibrationSets:
     n_max = max(settings.calib_sizes)
     batch_size = settings.featcal.calibration_batch_size
+    largest = {t: _batches(head_rows(p, n_max), batch_size) for t, p in pools.items()}
     return _CalibrationSets(
-        largest={t: _batches(head_rows(p, n_max), batch_size) for t, p in pools.items()},
+        largest=largest,
         largest_untrimmed={t: _batches(head_rows(p, n_max), batch_size, trim=False) for t, p in pools.items()},
         drift_probe={t: _batches(head_rows(p, 64), 64) for t, p in pools.items()},
+        regime=largest if regime_size == n_max else {t: _batches(head_rows(p, regime_size), batch_size)
+                                                     for t, p in pools.items()},
     )
 
 
 def _method_rows(run: _Run, method: str, pools: Mapping[str, Inputs], sets: _CalibrationSets,
-                 drift_curves: dict[str, list[dict]]) -> list[dict]:
-    """One merge's rows: the merge alone, + FeatCal at every calibration size (the largest size's drift
-    curve goes into `drift_curves`), then the Surgery baselines on top of it."""
-    settings = run.settings
+                 drift_curves: dict[str, list[dict]]) -> tuple[list[dict], Any]:
+    """One merge's rows: the merge alone, + FeatCal at each planned size and variant (the plan's drift row's
+    curve goes into `drift_curves`), then the Surgery baselines on top of it; (rows, the merged model)."""
+    settings, bar = run.settings, run.bar
     params = settings.merge_params(method)
-    with PeakRSS() as rss:
-        timer = Timer()
-        state = _merge(run.zoo, method, params, sets.largest, run.progress)
-        merged = copy.deepcopy(run.base)
-        merged.load_state_dict(state)
-        merge_seconds = timer.seconds
-        per_task = run.evaluate(merged)
+    with bar.stage(method):
+        with PeakRSS() as rss:
+            timer = Timer()
+            state = _merge(run.zoo, method, params, sets.largest, run.progress)
+            merged = copy.deepcopy(run.base)
+            merged.load_state_dict(state)
+            merge_seconds = timer.seconds
+            per_task = run.evaluate(merged)
+        merged_drift = feature_drift(merged, run.experts, sets.drift_probe)
     merge_avg = mean(per_task)
-    merged_drift = feature_drift(merged, run.experts, sets.drift_probe)
     extra = {"calibration_examples_of_merge": max(settings.calib_sizes)} if method_spec(method).needs_calibration else {}
     rows = [_row(method, False, per_task, merge_seconds, rss.mb, params=params, feature_drift=merged_drift,
                  normalised_accuracy=normalised_accuracy(per_task, run.expert_acc), gap_closed=0.0, **extra)]
     log.info("%s: %.4f (%.1fs)", method, merge_avg, merge_seconds)
-    for n in settings.calib_sizes:
-        for variant in settings.featcal_variants:
-            row, calibrated_drift = _featcal_row(run, method, params, merged, n, pools, sets.drift_probe,
-                                                 merge_seconds=merge_seconds, merge_avg=merge_avg, variant=variant)
-            rows.append(row)
-            if n == max(settings.calib_sizes) and variant == settings.featcal_variants[0]:
-                drift_curves[method] = [{"block": i, "before": b, "after": a}
-                                        for i, (b, a) in enumerate(zip(merged_drift, calibrated_drift, strict=True))]
-    rows += surgery_rows(settings.baselines, merge=method, merged=merged, merge_average=merge_avg,
-                         experts=run.experts, calibration=sets.largest_untrimmed, heads=run.heads, tests=run.tests,
-                         expert_acc=run.expert_acc, params=settings.baseline_params, batch=settings.eval_batch_size,
-                         progress=run.progress, pooling=run.pooling,
-                         recompute_features=settings.surgery_features == "recomputed")
-    return rows
+    for planned in run.plan.calibrated[method]:
+        with bar.stage(f"{method} + FeatCal{variant_tag(planned.variant)} ({planned.size}/task)"):
+            row, calibrated_drift = _featcal_row(run, method, params, merged, planned.size, pools, sets.drift_probe,
+                                                 merge_seconds=merge_seconds, merge_avg=merge_avg,
+                                                 variant=planned.variant)
+        rows.append(row)
+        if planned == run.plan.drift_rows.get(method):
+            drift_curves[method] = [{"block": i, "before": b, "after": a}
+                                    for i, (b, a) in enumerate(zip(merged_drift, calibrated_drift, strict=True))]
+    for name in (b for b in settings.baselines if b in SURGERY_BASELINES):
+        with bar.stage(f"{method} + {name}"):
+            rows += surgery_rows((name,), merge=method, merged=merged, merge_average=merge_avg,
+                                 experts=run.experts, calibration=sets.largest_untrimmed, heads=run.heads,
+                                 tests=run.tests, expert_acc=run.expert_acc, params=settings.baseline_params,
+                                 batch=settings.eval_batch_size, progress=run.progress, pooling=run.pooling,
+                                 recompute_features=settings.surgery_features == "recomputed")
+    return rows, merged
 
 
 def _tune_arguments(run: _Run, method: str, params: Mapping[str, Any]) -> dict[str, Any]:
@@ -550,8 +669,9 @@ def _report(run: _Run, rows: list[dict], regime_record: dict[str, Any], drift_cu
     methods = settings.resolved_methods()
     return build_report(
         "bench",
-        {"preset": settings.preset, "seed": settings.seed, "calib_sizes": list(settings.calib_sizes),
-         "methods": list(methods), "featcal_variants": list(settings.featcal_variants),
+        {"preset": settings.preset, "seed": settings.seed, "rows": settings.rows,
+         "calib_sizes": list(settings.calib_sizes), "regime_calibration_examples": run.plan.regime_size,
+         "methods": list(methods), "featcal_variants": list(run.plan.variants()),
          "baselines": list(settings.baselines), "surgery_features": settings.surgery_features,
          "baseline_params": settings.baseline_params, "merge_params": {m: settings.merge_params(m) for m in methods},
          "featcal": settings.featcal.model_dump(mode="json"), "zoo_dir": str(settings.resolved_zoo_dir())},
@@ -581,10 +701,11 @@ def summarise(rows: list[dict], experts_average: float, settings: BenchSettings,
     out: dict[str, Any] = {"experts_average": experts_average, "cost_ratio_arithmetic": arithmetic_ratio}
     base = next(r for r in rows if r["method"] == "base")
     out["base_average"] = base["average_accuracy"]
+    variants = settings.plan().variants()
     for method in settings.resolved_methods():
         alone = next(r for r in rows if r["method"] == method and not r["calibrated"])
         per_variant = {}
-        for variant in settings.featcal_variants:
+        for variant in variants:
             cal = {r["calibration_examples"]: r for r in rows
                    if r["method"] == method and r["calibrated"] and r.get("variant", "reference") == variant}
             per_variant[variant] = {
@@ -592,7 +713,7 @@ def summarise(rows: list[dict], experts_average: float, settings: BenchSettings,
                 "gap_closed": {n: r["gap_closed"] for n, r in cal.items()},
                 "cost_ratio": {n: r["cost_ratio"] for n, r in cal.items()},
             }
-        out[method] = {"merge_average": alone["average_accuracy"], **per_variant[settings.featcal_variants[0]],
+        out[method] = {"merge_average": alone["average_accuracy"], **per_variant[variants[0]],
                        "variants": per_variant}
     return out
 

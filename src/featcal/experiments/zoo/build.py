@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -56,21 +57,23 @@ def cached(out: str | os.PathLike, preset: ZooPreset, seed: int) -> Zoo | None:
 
 def build_zoo(out: str | os.PathLike, preset: str | AnyPreset = "default", seed: int = 0, *,
               overwrite: bool = False, progress: bool = True, base_cache: str | os.PathLike | None = None,
-              sources: str | os.PathLike | None = None) -> Zoo:
+              sources: str | os.PathLike | None = None, on_expert: Callable[[str], None] | None = None) -> Zoo:
     """Return the zoo at `out`, building it first unless an identical one is already there.
 
     `base_cache` (vision): a directory of pretrained bases keyed by `preset.pretrain_fingerprint(seed)`;
     the pretraining stage (most of the build) is skipped when the key is there, and stored when not.
     `sources` (text): the folder of downloaded text archives (featcal.experiments.zoo.text_sources).
     `progress=False` silences every bar, transformers' loading and saving bars included.
+    `on_expert(task)`: called as each expert is trained and saved (a caller's own progress bar counts them).
     """
     with hf_progress_bars(progress):
         return _reuse_or_build(out, get_preset(preset) if isinstance(preset, str) else preset, seed, overwrite,
-                               progress, base_cache, sources)
+                               progress, base_cache, sources, on_expert)
 
 
 def _reuse_or_build(out: str | os.PathLike, p: AnyPreset, seed: int, overwrite: bool, progress: bool,
-                    base_cache: str | os.PathLike | None, sources: str | os.PathLike | None) -> Zoo:
+                    base_cache: str | os.PathLike | None, sources: str | os.PathLike | None,
+                    on_expert: Callable[[str], None] | None = None) -> Zoo:
     hit = cached(out, p, seed)
     if hit is not None:
         log.info("zoo %s: reusing the cached build (preset %s, seed %d)", out, p.name, seed)
@@ -84,7 +87,7 @@ def _reuse_or_build(out: str | os.PathLike, p: AnyPreset, seed: int, overwrite: 
     if isinstance(p, TextZooPreset):
         check_text_inputs(sources)  # a missing source is named before the output directory is touched
         with atomic_output_dir(out, overwrite) as tmp:
-            build_text(tmp, p, seed, progress, sources)
+            build_text(tmp, p, seed, progress, sources, on_expert)
         return Zoo.open(out)
     from featcal.experiments.zoo.vision_presets import VisionRealPreset
 
@@ -93,10 +96,10 @@ def _reuse_or_build(out: str | os.PathLike, p: AnyPreset, seed: int, overwrite: 
 
         check_vision_inputs(p, sources)  # a missing source is named before the output directory is touched
         with atomic_output_dir(out, overwrite) as tmp:
-            build_vision_real(tmp, p, seed, progress, sources)
+            build_vision_real(tmp, p, seed, progress, sources, on_expert)
         return Zoo.open(out)
     with atomic_output_dir(out, overwrite) as tmp:
-        _build(tmp, p, seed, progress, Path(base_cache) if base_cache else None)
+        _build(tmp, p, seed, progress, Path(base_cache) if base_cache else None, on_expert)
     return Zoo.open(out)
 
 
@@ -132,7 +135,8 @@ def _pretrained_base(p: ZooPreset, seed: int, progress: bool, cache: Path | None
     return base, metrics, False
 
 
-def _build(root: Path, p: ZooPreset, seed: int, progress: bool, base_cache: Path | None = None) -> None:
+def _build(root: Path, p: ZooPreset, seed: int, progress: bool, base_cache: Path | None = None,
+           on_expert: Callable[[str], None] | None = None) -> None:
     """Write a complete vision zoo into `root` (an empty temporary directory), stage by stage."""
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
@@ -158,7 +162,7 @@ def _build(root: Path, p: ZooPreset, seed: int, progress: bool, base_cache: Path
     t = time.perf_counter()
     base_sd = state_copy(base)
     expert_acc, tv_norm, vectors = _finetune_experts(root, p, seed, progress, base, base_sd, heads, data, tests,
-                                                   base_acc, notes)
+                                                   base_acc, notes, on_expert)
     timings["experts"] = time.perf_counter() - t
 
     s = p.regime_scaling
@@ -225,7 +229,8 @@ def _fit_heads(root: Path, p: ZooPreset, base, data: dict) -> tuple[dict, dict, 
 
 
 def _finetune_experts(root: Path, p: ZooPreset, seed: int, progress: bool, base, base_sd: dict, heads: dict,
-                      data: dict, tests: dict, base_acc: dict[str, float], notes: BuildLog):
+                      data: dict, tests: dict, base_acc: dict[str, float], notes: BuildLog,
+                      on_expert: Callable[[str], None] | None = None):
     """The full encoder fine-tuned per task through its frozen head; (accuracies, |task vector|s, vectors)."""
     expert_acc, tv_norm, vectors = {}, {}, {}
     base_norm = l2_norm(base_sd.values())
@@ -239,4 +244,6 @@ def _finetune_experts(root: Path, p: ZooPreset, seed: int, progress: bool, base,
         tv_norm[name] = float(l2_norm(vectors[name].values()) / base_norm)
         notes.note(f"expert {name}: base {base_acc[name]:.3f} -> expert {expert_acc[name]:.3f}, "
                    f"|task vector|/|base| {tv_norm[name]:.4f}")
+        if on_expert is not None:
+            on_expert(name)
     return expert_acc, tv_norm, vectors

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -96,8 +97,9 @@ def finetune_text(model, head: torch.nn.Module, inputs: Inputs, labels: torch.Te
     return float(loss.item())
 
 
-def build_text(root: Path, p: TextZooPreset, seed: int, progress: bool, sources: str | None = None) -> None:
-    """Write a complete text zoo into `root` (an empty temporary directory)."""
+def build_text(root: Path, p: TextZooPreset, seed: int, progress: bool, sources: str | None = None,
+               on_expert: Callable[[str], None] | None = None) -> None:
+    """Write a complete text zoo into `root` (an empty temporary directory); `on_expert(task)` after each expert."""
     import transformers
 
     t0 = time.perf_counter()
@@ -164,6 +166,8 @@ def build_text(root: Path, p: TextZooPreset, seed: int, progress: bool, sources:
         notes.note(f"expert {name}: base {base_acc[name]:.3f} -> expert {expert_acc[name]:.3f}, "
                    f"|task vector|/|base| {tv_norm[name]:.4f}, {train_s / p.finetune.steps:.2f}s/step")
         del expert
+        if on_expert is not None:
+            on_expert(name)
     timings["experts"] = time.perf_counter() - t
 
     # 5. regime check (own in-memory Task Arithmetic; the bench uses featcal.merge)

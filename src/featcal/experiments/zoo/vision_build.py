@@ -14,6 +14,7 @@ import copy
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -110,8 +111,10 @@ def finetune_vision(model, head: torch.nn.Module, images: np.ndarray, labels: np
     return float(loss.item())
 
 
-def build_vision_real(root: Path, p: VisionRealPreset, seed: int, progress: bool, sources: str | None = None) -> None:
-    """Write a complete vision-real zoo into `root` (an empty temporary directory)."""
+def build_vision_real(root: Path, p: VisionRealPreset, seed: int, progress: bool, sources: str | None = None,
+                      on_expert: Callable[[str], None] | None = None) -> None:
+    """Write a complete vision-real zoo into `root` (an empty temporary directory); `on_expert(task)` after each
+    expert."""
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
     notes = BuildLog(log)
@@ -172,6 +175,8 @@ def build_vision_real(root: Path, p: VisionRealPreset, seed: int, progress: bool
         notes.note(f"expert {name}: base {base_acc[name]:.3f} -> expert {expert_acc[name]:.3f}, |task vector|/|base| "
                    f"{tv_norm[name]:.4f} (LayerScale {scale_norm[name]:.4f}), {step_s:.2f}s/step")
         del expert
+        if on_expert is not None:
+            on_expert(name)
     timings["experts"] = time.perf_counter() - t
 
     # 5. regime check (own in-memory Task Arithmetic; the bench uses featcal.merge)
