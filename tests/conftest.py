@@ -1,10 +1,8 @@
-import sys
-from pathlib import Path
+"""Shared by every folder: tests import their builders as `tests.builders.*` (tests/ is a package)."""
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
