@@ -11,11 +11,11 @@ import transformers as T
 from safetensors.torch import save_file
 from torch import nn
 
-from tests.builders import tiny
 from featcal import FeatCalConfig, calibrate
 from featcal.blocks.adapters import adapter_for
 from featcal.blocks.capture import capture_block_input
 from featcal.errors import FeatCalError
+from tests.builders import tiny
 from tests.builders.reference_featcal import max_abs_diff, reference_calibrate
 
 

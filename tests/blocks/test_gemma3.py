@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import json
 
-import numpy as np
 import pytest
 import torch
 import transformers as T
@@ -25,6 +24,7 @@ from featcal.blocks.discovery import calibrated_modules
 from featcal.calibration import solver
 from featcal.calibration.replay import check_context_replay
 from featcal.errors import FeatCalError
+from tests.builders.gguf_files import write_gemma3_gguf
 from tests.builders.reference_featcal import max_abs_diff
 from tests.builders.tiny import family_of
 
@@ -261,48 +261,6 @@ def test_regmean_plus_plus_runs_each_block_with_its_own_context(monkeypatch):
 
 
 # --- GGUF and the command line --------------------------------------------------------------------
-
-def write_gemma3_gguf(model: T.Gemma3ForCausalLM, path):
-    """`model` as a float32 gemma3 GGUF (llama.cpp stores the norms as 1 + w) with an SPM vocabulary ▁w0..."""
-    gguf = pytest.importorskip("gguf")
-    cfg = model.config
-    w = gguf.GGUFWriter(str(path), "gemma3")
-    w.add_name("tiny-gemma3")
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(cfg.rope_parameters[GLOBAL]["rope_theta"])
-    w.add_sliding_window(cfg.sliding_window)
-    w.add_vocab_size(cfg.vocab_size)
-    w.add_tokenizer_model("llama")
-    tokens = ["<pad>", "<eos>", "<bos>", "<unk>"] + [f"\u2581w{i}" for i in range(cfg.vocab_size - 4)]
-    w.add_token_list(tokens)
-    w.add_token_scores([0.0] * len(tokens))
-    w.add_token_types([3, 3, 3, 2] + [1] * (len(tokens) - 4))
-    w.add_pad_token_id(0)
-    w.add_eos_token_id(1)
-    w.add_bos_token_id(2)
-    w.add_unk_token_id(3)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3, cfg.num_hidden_layers)
-    for key, value in model.state_dict().items():
-        if key == "lm_head.weight":
-            continue  # tied to the embedding
-        a = value.detach().float().numpy()
-        module, suffix = key.rsplit(".", 1)
-        if key.endswith("norm.weight"):
-            a = a + 1.0
-        w.add_tensor(f"{names.get_name(module)}.{suffix}", np.ascontiguousarray(a))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
 
 
 def test_gguf_round_trip_then_merge_and_calibrate_through_the_cli(tmp_path, capsys):

@@ -132,3 +132,8 @@ def save_malicious_pickle(src: Path, dst: Path, marker: Path) -> Path:
     state["payload"] = Exploit(marker)
     torch.save(state, dst / "pytorch_model.bin")
     return dst
+
+
+def report(out: Path) -> dict:
+    """The featcal.json an output folder holds."""
+    return json.loads((out / "featcal.json").read_text())

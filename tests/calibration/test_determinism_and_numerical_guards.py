@@ -32,15 +32,10 @@ from tests.builders.guarantees import (
     rewrite,
     weights_sha,
 )
-from tests.builders.pipeline_family import clip_family
 from tests.builders.tiny import perturbed, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-
-@pytest.fixture(scope="module")
-def clip(tmp_path_factory):
-    return clip_family(tmp_path_factory.mktemp("clip"))
 
 
 # --- determinism --------------------------------------------------------------------------------------------

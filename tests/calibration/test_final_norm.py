@@ -11,8 +11,8 @@ from featcal.blocks.adapters import adapter_for
 from featcal.blocks.adapters.base import get_path
 from featcal.config import parse
 from featcal.errors import ConfigError
-from tests.builders.reference_featcal import Crash, family_data, killed_after, max_abs_diff, noisy_family
 from tests.blocks.test_dinov2 import _pixels, tiny_dinov2
+from tests.builders.reference_featcal import Crash, family_data, killed_after, max_abs_diff, noisy_family
 from tests.builders.tiny import family_of
 
 FINAL = {"clip": "post_layernorm", "dinov2": "layernorm", "llama": "model.norm", "t5": "decoder.final_layer_norm",
@@ -192,8 +192,8 @@ def test_two_gloo_ranks_solve_the_final_norm_of_one_process(tmp_path):
     import transformers as T
 
     from featcal.cli.main import main
-    from tests.calibration.test_distributed import _argv, _max_diff, _torchrun
     from tests.builders.pipeline_family import clip_family
+    from tests.calibration.test_distributed import _argv, _max_diff, _torchrun
 
     fam = clip_family(tmp_path / "fam", n_images=4)
     for i, d in enumerate(fam["experts"].values()):  # the family's norms are all ones: give the experts their own

@@ -15,8 +15,8 @@ from featcal.calibration.param_names import stem_param_names
 from featcal.calibration.placement import Placement, stem_parts
 from featcal.cli.main import main
 from featcal.errors import ConfigError
-from tests.builders.reference_featcal import family_data, max_abs_diff, noisy_family
 from tests.builders.pipeline_family import clip_family
+from tests.builders.reference_featcal import family_data, max_abs_diff, noisy_family
 
 
 class DeviceSpy:

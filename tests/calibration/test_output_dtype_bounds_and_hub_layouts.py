@@ -24,10 +24,8 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-import featcal.calibration.pipeline as pipeline
 from featcal.config import FeatCalConfig, parse
 from featcal.errors import ConfigError
-from tests.builders.hub import build_clip_hub
 from tests.builders.guarantees import (
     calibrate_argv,
     cli,
@@ -38,15 +36,12 @@ from tests.builders.guarantees import (
     rewrite,
     weights_sha,
 )
-from tests.builders.pipeline_family import clip_family, t5_family
+from tests.builders.hub import build_clip_hub
+from tests.builders.pipeline_family import t5_family
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 REPO = Path(__file__).resolve().parents[2]
 
-
-@pytest.fixture(scope="module")
-def clip(tmp_path_factory):
-    return clip_family(tmp_path_factory.mktemp("clip"))
 
 
 def _store_as(directory, dtype: torch.dtype) -> None:
@@ -91,16 +86,6 @@ def test_a_16_bit_merge_is_calibrated_in_float32_and_written_in_its_dtype(clip, 
 
 # --- item 10: bounded ridge terms; a calibration that makes the end-to-end drift worse is reported -----------
 
-
-@pytest.fixture
-def no_calibration_work(monkeypatch):
-    """Fail the test if the pipeline gets as far as loading a model or preprocessing data."""
-
-    def boom(*a, **k):
-        raise AssertionError("calibration work started before the input was validated")
-
-    monkeypatch.setattr(pipeline, "load_model", boom)
-    monkeypatch.setattr(pipeline, "load_task_sources", boom)
 
 
 @pytest.mark.parametrize(("field", "value"), [

@@ -11,19 +11,11 @@ import transformers as T
 from featcal import FeatCalConfig
 from featcal.calibration.pipeline import calibrate_to_dir
 from featcal.errors import CalibrationDataError, CheckpointError, ConfigError, OutputExistsError
-from tests.builders.pipeline_family import bert_family, clip_family, t5_family
+from tests.builders.pipeline_family import t5_family
 
 CFG = FeatCalConfig(num_calibration_examples=4, calibration_batch_size=2)
 
 
-@pytest.fixture(scope="module")
-def clip(tmp_path_factory):
-    return clip_family(tmp_path_factory.mktemp("clip"))
-
-
-@pytest.fixture(scope="module")
-def bert(tmp_path_factory):
-    return bert_family(tmp_path_factory.mktemp("bert"))
 
 
 def _run(fam, out, **kw):

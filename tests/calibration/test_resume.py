@@ -17,9 +17,9 @@ from featcal.calibration import resume
 from featcal.calibration.resume import KILL_ENV, ResumeStateError, ResumeStore, default_resume_dir
 from featcal.cli.main import main
 from featcal.errors import ConfigError
-from tests.builders.reference_featcal import Crash, family_data, killed_after, max_abs_diff, noisy_family
 from tests.builders.data_fixtures import save_image_processor, write_png_folder
 from tests.builders.pipeline_family import clip_family, task_arithmetic
+from tests.builders.reference_featcal import Crash, family_data, killed_after, max_abs_diff, noisy_family
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -119,10 +119,10 @@ def test_cross_form_equals_output_form():
 
 
 def test_block_plan_groups_shared_inputs_and_picks_the_cheaper_form():
-    from tests.builders import tiny
     from featcal.blocks.adapters import adapter_for
     from featcal.blocks.discovery import calibrated_modules
     from featcal.calibration.hooks import ExpertRecorder, plan_block
+    from tests.builders import tiny
 
     model = tiny.tiny_model("clip")
     block = model.encoder.layers[0]

@@ -19,7 +19,6 @@ import yaml
 from safetensors.torch import load_file
 
 import featcal.calibration.pipeline as pipeline
-import featcal.merging.api as merge_api
 from featcal import FeatCalConfig, MergeConfig, merge
 from featcal.config import MAX_SEED, parse
 from featcal.errors import ConfigError
@@ -36,7 +35,6 @@ from tests.builders.guarantees import (
     rewrite,
     weights_sha,
 )
-from tests.builders.pipeline_family import clip_family
 from tests.builders.tiny import make_family, save, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -48,28 +46,7 @@ def bert(tmp_path_factory):
     return {"base": base, "experts": experts}
 
 
-@pytest.fixture(scope="module")
-def clip(tmp_path_factory):
-    return clip_family(tmp_path_factory.mktemp("clip"))
 
-
-@pytest.fixture
-def no_merge_work(monkeypatch):
-    def boom(*a, **k):
-        raise AssertionError("merging started before the input was validated")
-
-    monkeypatch.setattr(merge_api, "merge_family", boom)
-
-
-@pytest.fixture
-def no_calibration_work(monkeypatch):
-    """Fail the test if the pipeline gets as far as loading a model or preprocessing data."""
-
-    def boom(*a, **k):
-        raise AssertionError("calibration work started before the input was validated")
-
-    monkeypatch.setattr(pipeline, "load_model", boom)
-    monkeypatch.setattr(pipeline, "load_task_sources", boom)
 
 
 def _replace_with(directory, kind):

@@ -13,12 +13,6 @@ from featcal.cli.calibrate_cmd import add_config_flags, config_from_args, drift_
 from featcal.cli.main import main
 from featcal.config import FeatCalConfig
 from featcal.errors import ConfigError
-from tests.builders.pipeline_family import clip_family
-
-
-@pytest.fixture(scope="module")
-def clip(tmp_path_factory):
-    return clip_family(tmp_path_factory.mktemp("clip"))
 
 
 def _argv(fam, out, *extra):

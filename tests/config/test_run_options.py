@@ -13,14 +13,9 @@ from featcal import merge
 from featcal.config import RunOptions, load_run_file, run_options
 from featcal.errors import ConfigError
 from tests.builders.guarantees import calibrate_argv, cli, merge_argv, one_line_error
-from tests.builders.pipeline_family import clip_family
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-
-@pytest.fixture(scope="module")
-def clip(tmp_path_factory):
-    return clip_family(tmp_path_factory.mktemp("clip"))
 
 
 def _run_file(tmp_path, clip, calibrate=True, **top):

@@ -27,7 +27,6 @@ from PIL import Image
 from safetensors.torch import load_file, save_file
 
 import featcal.calibration.pipeline as pipeline
-import featcal.merging.api as merge_api
 from featcal import FeatCalConfig, MergeConfig, merge
 from featcal.cli.run_cmd import resolve_paths
 from featcal.config import load_run_file, parse
@@ -41,43 +40,15 @@ from tests.builders.guarantees import (
     leftovers,
     merge_argv,
     one_line_error,
+    report,
 )
-from tests.builders.pipeline_family import bert_family, clip_family
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def clip(tmp_path_factory):
-    return clip_family(tmp_path_factory.mktemp("clip"))
 
 
-@pytest.fixture(scope="module")
-def bert(tmp_path_factory):
-    return bert_family(tmp_path_factory.mktemp("bert"))
 
-
-@pytest.fixture
-def no_calibration_work(monkeypatch):
-    """Fail the test if the pipeline gets as far as loading a model or preprocessing data."""
-
-    def boom(*a, **k):
-        raise AssertionError("calibration work started before the input was validated")
-
-    monkeypatch.setattr(pipeline, "load_model", boom)
-    monkeypatch.setattr(pipeline, "load_task_sources", boom)
-
-
-@pytest.fixture
-def no_merge_work(monkeypatch):
-    def boom(*a, **k):
-        raise AssertionError("merging started before the input was validated")
-
-    monkeypatch.setattr(merge_api, "merge_family", boom)
-
-
-def _report(out: Path) -> dict:
-    return json.loads((out / "featcal.json").read_text())
 
 
 def _two_column_data(fam: dict, root: Path, first: str = "title") -> dict:
@@ -134,10 +105,10 @@ def test_text_column_picks_the_column_and_featcal_json_records_it(bert, tmp_path
     chosen = tmp_path / "chosen"
     rc, _, err = cli(calibrate_argv(fam, chosen, "--text-column", "body"), capsys)
     assert rc == 0, err
-    want, got = _report(plain)["inputs"]["calibration"], _report(chosen)["inputs"]["calibration"]
+    want, got = report(plain)["inputs"]["calibration"], report(chosen)["inputs"]["calibration"]
     assert want["task0"]["text_column"] == "text" and got["task0"]["text_column"] == "body"
     assert {t: r["tensors_sha256"] for t, r in got.items()} == {t: r["tensors_sha256"] for t, r in want.items()}
-    assert _report(chosen)["params"]["text_column"] == "body"
+    assert report(chosen)["params"]["text_column"] == "body"
 
     rc, _, err = cli(calibrate_argv(fam, tmp_path / "bad", "--text-column", "bodyy"), capsys)
     assert rc == 2
@@ -166,7 +137,7 @@ def test_text_column_in_a_run_file_and_the_python_api(bert, tmp_path, capsys):
     run.write_text(yaml.safe_dump(doc))
     rc, _, err = cli(["run", run, "--no-progress"], capsys)
     assert rc == 0, err
-    assert {r["text_column"] for r in _report(tmp_path / "out")["inputs"]["calibration"].values()} == {"body"}
+    assert {r["text_column"] for r in report(tmp_path / "out")["inputs"]["calibration"].values()} == {"body"}
 
     del doc["calibrate"]["config"]["text_column"]  # the calibration section has its own, refused before merging
     doc["out"] = str(tmp_path / "out2")
@@ -178,7 +149,7 @@ def test_text_column_in_a_run_file_and_the_python_api(bert, tmp_path, capsys):
         merge(bert["merged"], bert["experts"], "regmean", calibration=data, num_calibration_examples=4)
     merge(bert["merged"], bert["experts"], "regmean", calibration=data, num_calibration_examples=4,
           text_column="body", out=tmp_path / "py")
-    assert _report(tmp_path / "py")["inputs"]["calibration"]["task1"]["text_column"] == "body"
+    assert report(tmp_path / "py")["inputs"]["calibration"]["task1"]["text_column"] == "body"
     with pytest.raises(ConfigError, match="text_column: String should have at least 1 character"):
         parse(FeatCalConfig, {"text_column": ""})
 
@@ -333,8 +304,8 @@ def test_a_test_only_saved_dataset_needs_allow_test_split(clip, tmp_path, capsys
     assert not out.exists() and leftovers(tmp_path) == []
     rc, _, err = cli(calibrate_argv(fam, out, "--allow-test-split"), capsys)
     assert rc == 0, err
-    assert any(f"calibrating on its {split!r} split" in w for w in _report(out)["warnings"])
-    assert _report(out)["inputs"]["calibration"]["task1"]["split"] == split  # and featcal.json says which
+    assert any(f"calibrating on its {split!r} split" in w for w in report(out)["warnings"])
+    assert report(out)["inputs"]["calibration"]["task1"]["split"] == split  # and featcal.json says which
 
 
 def test_a_train_split_beside_test_is_still_used_silently(clip, tmp_path):
@@ -392,7 +363,7 @@ def test_names_that_are_fine_as_file_names_calibrate_with_spilled_chains(clip, t
     fam["data"] = {"glue-sst2": fam["data"]["task0"], "ünï cödé": fam["data"]["task1"]}
     rc, _, err = cli(calibrate_argv(fam, tmp_path / "out", "--spill-dir", str(tmp_path / "spill")), capsys)
     assert rc == 0, err
-    assert set(_report(tmp_path / "out")["inputs"]["calibration"]) == {"glue-sst2", "ünï cödé"}
+    assert set(report(tmp_path / "out")["inputs"]["calibration"]) == {"glue-sst2", "ünï cödé"}
 
 
 # --- item 14: tracebacks that became one-line errors ----------------------------------------------------------
@@ -525,6 +496,6 @@ def test_run_file_directories_resolve_from_its_folder(clip, tmp_path, capsys, mo
     monkeypatch.chdir(elsewhere)
     rc, _, err = cli(["run", run, "--no-progress"], capsys)
     assert rc == 0, err
-    params = _report(folder / "out")["params"]
+    params = report(folder / "out")["params"]
     assert (params["spill_dir"], params["resume_dir"]) == (str(folder / "spill"), str(folder / "state"))
     assert list(elsewhere.iterdir()) == []  # nothing written where the command happened to run

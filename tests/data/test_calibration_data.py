@@ -13,7 +13,13 @@ from PIL import Image
 from featcal.data import load_calibration_batches, open_source, sample_indices
 from featcal.data.preprocess import accepted_inputs, model_modality
 from featcal.errors import CalibrationDataError, ConfigError
-from tests.builders.data_fixtures import save_image_processor, save_tokenizer, sentences, write_jsonl, write_png_folder
+from tests.builders.data_fixtures import (
+    save_image_processor,
+    save_tokenizer,
+    sentences,
+    write_jsonl,
+    write_png_folder,
+)
 from tests.builders.tiny import tiny_config, tiny_model
 
 

@@ -29,26 +29,14 @@ from featcal.data import read_examples, sample_indices
 from featcal.errors import CalibrationDataError
 from featcal.io.models import load_model
 from tests.builders.data_fixtures import conversations, sentences, write_jsonl, write_png_folder
-from tests.builders.guarantees import calibrate_argv, cli, one_line_error
-from tests.builders.pipeline_family import bert_family, clip_family, llama_family
+from tests.builders.guarantees import calibrate_argv, cli, one_line_error, report
+from tests.builders.pipeline_family import llama_family
 from tests.builders.tiny import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    return llama_family(tmp_path_factory.mktemp("llama"))
 
-
-@pytest.fixture(scope="module")
-def bert(tmp_path_factory):
-    return bert_family(tmp_path_factory.mktemp("bert"))
-
-
-@pytest.fixture(scope="module")
-def clip(tmp_path_factory):
-    return clip_family(tmp_path_factory.mktemp("clip"))
 
 
 @pytest.fixture
@@ -74,9 +62,6 @@ def no_model_loaded(monkeypatch):
     monkeypatch.setattr(pipeline, "load_model", boom)
     monkeypatch.setattr(core, "as_model", boom)
 
-
-def _report(out: Path) -> dict:
-    return json.loads((out / "featcal.json").read_text())
 
 
 def _with(fam: dict, data: dict) -> dict:
@@ -150,14 +135,14 @@ def test_chat_records_are_rendered_with_the_chat_template(llama, tmp_path, capsy
     _same_batches(batches["task0"], _chat_batches(tok, want0, 2, 64))
     _same_batches(batches["task1"], _chat_batches(tok, want1, 2, 64))
 
-    record = _report(out)["inputs"]["calibration"]
+    record = report(out)["inputs"]["calibration"]
     assert record["task0"]["content"] == "chat" and record["task0"]["chat_layout"] == "messages"
     assert record["task1"]["chat_layout"] == "instruction/input/output"
     assert record["task0"]["chat_template"]["from"] == f"the tokenizer in {llama['merged']}"
     assert record["task0"]["examples"] == 5 and record["task0"]["requested"] == 256
     assert record["task0"]["tokens"] == sum(int(b["attention_mask"].sum()) for b in batches["task0"])
     assert "fewer than the 256 used by default" in record["task0"]["warning"]
-    assert sum("fewer than the 256 used by default" in w for w in _report(out)["warnings"]) == 2  # once per task
+    assert sum("fewer than the 256 used by default" in w for w in report(out)["warnings"]) == 2  # once per task
 
 
 def test_a_template_found_beside_the_experts_is_used_and_named(tmp_path, capsys, fed):
@@ -167,7 +152,7 @@ def test_a_template_found_beside_the_experts_is_used_and_named(tmp_path, capsys,
     out = tmp_path / "out"
     rc, _, err = cli(calibrate_argv(_with(fam, data), out, calib_flags=("--calibration-batch-size", "4")), capsys)
     assert rc == 0, err
-    record = _report(out)["inputs"]["calibration"]
+    record = report(out)["inputs"]["calibration"]
     assert record["task1"]["chat_template"]["from"] == f"expert 'task1' ({fam['experts']['task1']})"
     template = AutoTokenizer.from_pretrained(fam["experts"]["task1"]).chat_template
     tok = AutoTokenizer.from_pretrained(fam["merged"])
@@ -208,7 +193,7 @@ def test_text_files_are_packed_into_windows_for_a_decoder(llama, tmp_path, capsy
     _same_batches(batches["task0"], want0)
     _same_batches(batches["task1"], want1)
     assert sum(len(b["input_ids"]) for b in want0) > 1  # several windows: the unit and the cut both matter
-    record = _report(out)["inputs"]["calibration"]
+    record = report(out)["inputs"]["calibration"]
     assert record["task0"]["unit"] == "paragraph" and record["task1"]["unit"] == "file"
     assert record["task0"]["packed"] == {"window": 16, "documents": 9}
     assert record["task1"]["format"] == "text folder" and record["task1"]["files"] == 5
@@ -234,7 +219,7 @@ def test_text_and_csv_for_an_encoder_one_example_per_unit(bert, tmp_path, capsys
     keep = {"input_ids", "attention_mask", "token_type_ids"}
     _same_batches(fed[0]["task0"], _text_batches(tok, [lines[i] for i in _order(7)], 4, 128, keep))
     _same_batches(fed[0]["task1"], _text_batches(tok, [texts[i] for i in _order(6)], 4, 128, keep))
-    record = _report(out)["inputs"]["calibration"]
+    record = report(out)["inputs"]["calibration"]
     assert (record["task0"]["format"], record["task0"]["unit"]) == ("text file", "line")
     assert "packed" not in record["task0"]  # an encoder reads one example per unit
     assert (record["task1"]["format"], record["task1"]["text_column"]) == ("tsv", "text")
@@ -253,7 +238,7 @@ def test_a_cached_hub_dataset_by_id(bert, tmp_path, capsys, fed, monkeypatch):
     tok = AutoTokenizer.from_pretrained(bert["merged"])
     keep = {"input_ids", "attention_mask", "token_type_ids"}
     _same_batches(fed[0]["task0"], _text_batches(tok, [texts[i] for i in _order(5)], 5, 128, keep))
-    record = _report(out)["inputs"]["calibration"]["task0"]
+    record = report(out)["inputs"]["calibration"]["task0"]
     assert (record["source"], record["format"], record["split"]) == ("acme/reviews:main@train", "hub dataset", "train")
 
 
@@ -338,7 +323,7 @@ def test_a_regmean_merge_reads_a_text_file(bert, tmp_path):
     data = {t: tmp_path / "t.txt" for t in bert["experts"]}
     featcal.merge(bert["merged"], bert["experts"], "regmean", calibration=data, text_unit="line",
                   out=tmp_path / "merged", progress=False)
-    record = _report(tmp_path / "merged")
+    record = report(tmp_path / "merged")
     rows = json.dumps(record)
     assert '"unit": "line"' in rows and '"format": "text file"' in rows and "used by default" in rows
 
@@ -352,7 +337,7 @@ def test_the_default_count_is_a_ceiling_and_a_given_count_a_requirement(bert, tm
     fam = _with(bert, plain)
     rc, _, err = cli(calibrate_argv(fam, tmp_path / "default", calib_flags=()), capsys)
     assert rc == 0, err
-    assert _report(tmp_path / "default")["inputs"]["calibration"]["task0"]["examples"] == 6
+    assert report(tmp_path / "default")["inputs"]["calibration"]["task0"]["examples"] == 6
     rc, _, err = cli(calibrate_argv(fam, tmp_path / "given", calib_flags=("--num-calibration-examples", "256")), capsys)
     assert rc == 2 and "holds 6 examples, fewer than the 256 asked for (pass --allow-fewer" in one_line_error(err)
     rc, _, err = cli(calibrate_argv(fam, tmp_path / "allowed", "--allow-fewer",

@@ -17,10 +17,10 @@ import torch.nn.functional as F
 import transformers as T
 
 import featcal
-from tests.builders.eval_models import save_bert_classifier, save_clip, save_llama, save_t5
 from featcal.errors import ConfigError, EvaluationDataError
 from featcal.evaluation.metrics import gap_closed, macro_f1, spearman
 from tests.builders.data_fixtures import sentences, write_jsonl, write_png_folder
+from tests.builders.eval_models import save_bert_classifier, save_clip, save_llama, save_t5
 
 
 def _values(report: dict, model: str, task: str) -> dict[str, float]:

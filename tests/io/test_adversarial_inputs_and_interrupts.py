@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 from featcal import merge
 from featcal.cli.main import main
 from featcal.errors import CheckpointError, ConfigError
+from tests.builders.gguf_files import write_llama_gguf
 from tests.builders.hub import word_tokenizer
 from tests.builders.tiny import perturbed, tiny_model
 
@@ -271,49 +272,6 @@ def test_config_fields_that_may_differ_are_accepted(llama, tmp_path):
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 
-def _write_gguf(model, path, *, heads=None, kv=None, hidden=None, blocks=None, short_tensor=None):
-    """`model` (a tiny LlamaForCausalLM) as a float32 GGUF; the keyword arguments forge its header or a tensor."""
-    import numpy as np
-
-    gguf = pytest.importorskip("gguf")
-    cfg = model.config
-
-    def permute(w, n):
-        return w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(hidden or cfg.hidden_size)
-    w.add_block_count(blocks or cfg.num_hidden_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(heads or cfg.num_attention_heads)
-    w.add_head_count_kv(kv or cfg.num_key_value_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(10000.0)
-    w.add_vocab_size(cfg.vocab_size)
-    w.add_tokenizer_model("llama")
-    tokens = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(cfg.vocab_size - 3)]
-    w.add_token_list(tokens)
-    w.add_token_scores([0.0] * len(tokens))
-    w.add_token_types([2, 3, 3] + [1] * (len(tokens) - 3))
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.num_hidden_layers)
-    for key, value in model.state_dict().items():
-        a = value.detach().float().numpy()
-        module, suffix = key.rsplit(".", 1)
-        if key.endswith("q_proj.weight"):
-            a = permute(a, heads or cfg.num_attention_heads)
-        elif key.endswith("k_proj.weight"):
-            a = permute(a, kv or cfg.num_key_value_heads)
-        if key == short_tensor:
-            a = a[:-1]
-        w.add_tensor(f"{names.get_name(module)}.{suffix}", np.ascontiguousarray(a))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
-
-
 def test_crafted_gguf_headers_are_refused_by_merge_before_anything_is_built(llama, tmp_path, capsys):
     """A GGUF expert whose header disagrees with the base (a head count that would un-permute q/k otherwise, a
     width that would build a 16384-wide model), claims 100000 blocks, or holds a tensor of the wrong shape:
@@ -332,14 +290,14 @@ def test_crafted_gguf_headers_are_refused_by_merge_before_anything_is_built(llam
                   "holds 'model.layers.0.mlp.up_proj.weight' with shape (63, 32)"),
     }
     for name, (forge, message) in cases.items():
-        path = _write_gguf(expert, tmp_path / f"{name}.gguf", **forge)
+        path = write_llama_gguf(expert, tmp_path / f"{name}.gguf", **forge)
         start = time.monotonic()
         rc = main(["merge", "--base", str(llama["base"]), "--expert", f"a={path}", "--out", str(tmp_path / "o"),
                    "--no-progress"])
         err = _one_line_error(capsys)
         assert rc == 2 and message in err, (name, err)
         assert time.monotonic() - start < 30, name
-    good = _write_gguf(expert, tmp_path / "good.gguf")
+    good = write_llama_gguf(expert, tmp_path / "good.gguf")
     got = merge(llama["base"], {"a": good}, scaling=1.0, progress=False)
     want = merge(llama["base"], {"a": llama["full"]}, scaling=1.0, progress=False)
     assert all(torch.allclose(got[k], want[k], atol=1e-6) for k in want)
@@ -351,7 +309,7 @@ def test_a_gguf_header_that_cannot_be_parsed_is_named_as_such(llama, tmp_path, c
 
     import transformers as T
 
-    path = _write_gguf(T.LlamaForCausalLM.from_pretrained(llama["full"]), tmp_path / "long.gguf")
+    path = write_llama_gguf(T.LlamaForCausalLM.from_pretrained(llama["full"]), tmp_path / "long.gguf")
     data = bytearray(path.read_bytes())
     at = data.find(b"llama.context_length") - 8  # its key's length field, then the key: patch the key length
     struct.pack_into("<Q", data, at, 1 << 40)

@@ -3,7 +3,6 @@
 import json
 import sys
 
-import numpy as np
 import pytest
 import torch
 import transformers as T
@@ -12,55 +11,11 @@ from safetensors.torch import load_file
 from featcal import merge
 from featcal.cli.main import main
 from featcal.errors import CheckpointError
+from tests.builders.gguf_files import write_llama_gguf
 from tests.builders.tiny import perturbed, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 gguf = pytest.importorskip("gguf")
-
-
-def _permute(w: np.ndarray, n_head: int, n_head_kv: int) -> np.ndarray:
-    """llama.cpp's q/k row order (convert_hf_to_gguf.py), which transformers' loader undoes."""
-    if n_head != n_head_kv:
-        n_head = n_head_kv
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def write_gguf(model, path):
-    """`model` (a LlamaForCausalLM) as a float32 GGUF file with a llama-style tokenizer of its vocabulary."""
-    cfg = model.config
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_name("tiny-llama")
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(10000.0)
-    w.add_vocab_size(cfg.vocab_size)
-    w.add_tokenizer_model("llama")
-    tokens = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(cfg.vocab_size - 3)]
-    w.add_token_list(tokens)
-    w.add_token_scores([0.0] * len(tokens))
-    w.add_token_types([2, 3, 3] + [1] * (len(tokens) - 3))
-    w.add_unk_token_id(0)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.num_hidden_layers)
-    for key, value in model.state_dict().items():
-        a = value.detach().float().numpy()
-        module, suffix = key.rsplit(".", 1)
-        if key.endswith("q_proj.weight"):
-            a = _permute(a, cfg.num_attention_heads, cfg.num_attention_heads)
-        elif key.endswith("k_proj.weight"):
-            a = _permute(a, cfg.num_attention_heads, cfg.num_key_value_heads)
-        w.add_tensor(f"{names.get_name(module)}.{suffix}", np.ascontiguousarray(a))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +28,7 @@ def family(tmp_path_factory):
     for n, m in zip(st, (base, e1, e2), strict=True):
         m.save_pretrained(st[n])
     (root / "gg-e1").mkdir()
-    gg = {"base": write_gguf(base, root / "base.gguf"), "e1": write_gguf(e1, root / "gg-e1" / "model.gguf")}
+    gg = {"base": write_llama_gguf(base, root / "base.gguf"), "e1": write_llama_gguf(e1, root / "gg-e1" / "model.gguf")}
     return root, st, gg
 
 

@@ -20,8 +20,8 @@ from featcal.io import atomic
 from featcal.io.atomic import OutputWriteError, _host_tag, atomic_output_dir
 from tests.builders.guarantees import calibrate_argv, cli, copy_family, merge_argv, one_line_error
 from tests.builders.pipeline_family import clip_family
-from tests.calibration.test_resume import _argv
 from tests.builders.tiny import make_family
+from tests.calibration.test_resume import _argv
 
 ROOT = Path(__file__).resolve().parents[2]
 

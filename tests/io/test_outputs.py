@@ -20,7 +20,6 @@ from featcal.calibration.pipeline import calibrate_to_dir
 from featcal.cli.main import main
 from featcal.errors import ConfigError
 from tests.builders.data_fixtures import save_tokenizer
-from tests.builders.pipeline_family import bert_family
 from tests.builders.tiny import perturbed, save, tiny_config, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -28,10 +27,6 @@ CFG = FeatCalConfig(num_calibration_examples=4, calibration_batch_size=2)
 TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</{{ m['role'] }}>{% endfor %}"
 CHAT = [{"role": "user", "content": "alpha beta"}, {"role": "assistant", "content": "gamma"}]
 
-
-@pytest.fixture(scope="module")
-def bert(tmp_path_factory):
-    return bert_family(tmp_path_factory.mktemp("bert"))
 
 
 def _card(folder):

@@ -33,7 +33,6 @@ from tests.builders.guarantees import (
     save_malicious_pickle,
     weights_sha,
 )
-from tests.builders.pipeline_family import clip_family
 
 SRC = Path(featcal.__file__).parent
 REFUSED = r"holds only pickled weights \(pytorch_model.bin\); pickles can run code when loaded, so featcal refuses them"
@@ -41,10 +40,6 @@ REFUSED = r"holds only pickled weights \(pytorch_model.bin\); pickles can run co
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-
-@pytest.fixture(scope="module")
-def clip(tmp_path_factory):
-    return clip_family(tmp_path_factory.mktemp("clip"))
 
 
 @pytest.fixture(scope="module")

@@ -34,17 +34,12 @@ from tests.builders.guarantees import (
     one_line_error,
     snapshot,
 )
-from tests.builders.pipeline_family import clip_family
 
 ENOSPC = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-
-@pytest.fixture(scope="module")
-def clip(tmp_path_factory):
-    return clip_family(tmp_path_factory.mktemp("clip"))
 
 
 @pytest.fixture

@@ -26,7 +26,6 @@ from featcal.errors import ConfigError
 from featcal.merging.mergekit_config import NOT_IMPLEMENTED, translate
 from featcal.merging.methods import dare_mask, derive_seed
 from tests.builders.data_fixtures import save_tokenizer
-from tests.builders.pipeline_family import bert_family
 from tests.builders.tiny import make_family
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -225,10 +224,6 @@ def test_tokenizer_source_and_dtype_are_read(llama):
     assert run["tokenizer_source"] == "expert1" and run["dtype"] == "bfloat16"
     assert run["merge"]["method"] == "ties" and run["merge"]["params"]["ties_threshold"] == "per_tensor"
 
-
-@pytest.fixture(scope="module")
-def bert(tmp_path_factory):
-    return bert_family(tmp_path_factory.mktemp("bert"))
 
 
 def test_mergekit_yaml_with_a_calibrate_section(bert, tmp_path):

@@ -24,7 +24,6 @@ from featcal.io.models import load_model
 from featcal.merging.method_params import RegMeanParams, WudiParams
 from tests.builders.data_fixtures import save_tokenizer, sentences, write_jsonl
 from tests.builders.guarantees import cli, merge_argv, one_line_error, weights_sha
-from tests.builders.pipeline_family import clip_family
 from tests.builders.tiny import make_family, sample_inputs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -32,10 +31,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 DATA = ("--num-calibration-examples", "4", "--calibration-batch-size", "2")
 FAST = {"regmean": (), "regmean++": (), "wudi": ("--steps", "20", "--lr", "1e-4")}
 
-
-@pytest.fixture(scope="module")
-def clip(tmp_path_factory):
-    return clip_family(tmp_path_factory.mktemp("clip"))
 
 
 @pytest.fixture(scope="module")
