@@ -629,28 +629,18 @@ def test_yaml_run_takes_heads(on_disk, saved_heads, tmp_path):
 
 def test_tune_reads_lora_experts_as_calibrate_does(tmp_path, tmp_path_factory):
     """A LoRA adapter expert is scored as base + ΔW: the same search and choice as from full checkpoints."""
-    from safetensors.torch import save_file
 
     from featcal.merging.api import merge
-    from tests.io.test_lora import family as lora_family_fixture
+    from tests.builders.lora import full_checkpoints, lora_family
 
-    build = getattr(lora_family_fixture, "__wrapped__", None)  # test_lora's family, built here
-    if build is None:
-        pytest.skip("test_lora's family fixture cannot be called directly with this pytest")
-    _, base, experts, by_hand = build(tmp_path_factory)
+    _, base, experts, by_hand = lora_family(tmp_path_factory.mktemp("lora"))
     merged_dir = tmp_path / "merged"
     merge(base, experts, "task_arithmetic", scaling=0.3, out=merged_dir, progress=False)
     data = {}
     for t in experts:
         ids = torch.randint(3, 100, (8, 6), generator=torch.Generator().manual_seed(len(t)))
         data[t] = [{"input_ids": ids[:4]}, {"input_ids": ids[4:]}]
-    full_dirs = {}
-    for t, sd in by_hand.items():
-        d = tmp_path / f"full-{t}"
-        d.mkdir()
-        save_file({k: v.contiguous() for k, v in sd.items()}, d / "model.safetensors", metadata={"format": "pt"})
-        (d / "config.json").write_text((base / "config.json").read_text())
-        full_dirs[t] = str(d)
+    full_dirs = full_checkpoints(by_hand, base, tmp_path)
     cfg = FeatCalConfig(tune=True, tune_budget=4.0)
     model = T.LlamaForCausalLM.from_pretrained(merged_dir)
     a = calibrate(model, base=str(base), experts={t: str(d) for t, d in experts.items()}, calibration=data,

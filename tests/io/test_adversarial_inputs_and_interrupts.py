@@ -15,22 +15,12 @@ from featcal.cli.main import main
 from featcal.errors import CheckpointError, ConfigError
 from tests.builders.gguf_files import write_llama_gguf
 from tests.builders.hub import word_tokenizer
+from tests.builders.lora import write_adapter
 from tests.builders.tiny import perturbed, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 P = "base_model.model."
-
-
-def _write_adapter(directory, tensors: dict, **config):
-    directory.mkdir(parents=True, exist_ok=True)
-    cfg = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"],
-           "base_model_name_or_path": "base", "fan_in_fan_out": False, "bias": "none", "task_type": "CAUSAL_LM"}
-    cfg.update(config)
-    (directory / "adapter_config.json").write_text(json.dumps(cfg))
-    save_file({k: v.contiguous() for k, v in tensors.items()}, directory / "adapter_model.safetensors",
-              metadata={"format": "pt"})
-    return directory
 
 
 def _one_line_error(capsys) -> str:
@@ -61,7 +51,7 @@ def llama(tmp_path_factory):
     for layer in range(2):
         tensors[f"{P}model.layers.{layer}.self_attn.q_proj.lora_A.weight"] = torch.randn(4, 32, generator=g) * 0.1
         tensors[f"{P}model.layers.{layer}.self_attn.q_proj.lora_B.weight"] = torch.randn(32, 4, generator=g) * 0.1
-    adapter = _write_adapter(root / "adapter", tensors)
+    adapter = write_adapter(root / "adapter", tensors, target_modules=["q_proj"])
     both = root / "both"
     shutil.copytree(full, both)
     for f in adapter.iterdir():

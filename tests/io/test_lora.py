@@ -1,86 +1,24 @@
 """LoRA / PEFT adapter folders as experts (issue 15): W + scale·B·A, checked against a hand-computed merge."""
 
 import json
-import math
 
 import pytest
 import torch
 import transformers as T
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from featcal import merge
 from featcal.cli.main import main
 from featcal.errors import CheckpointError
 from featcal.merging.methods import task_arithmetic as ta_reference
-from tests.builders.hub import word_tokenizer
-from tests.builders.tiny import perturbed, tiny_model
+from tests.builders.lora import P, full_checkpoints, lora_family, write_adapter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-P = "base_model.model."
-
-
-def _write_adapter(directory, tensors: dict, **config):
-    directory.mkdir(parents=True)
-    cfg = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"],
-           "base_model_name_or_path": "base", "fan_in_fan_out": False, "bias": "none", "task_type": "CAUSAL_LM"}
-    cfg.update(config)
-    (directory / "adapter_config.json").write_text(json.dumps(cfg))
-    save_file({k: v.contiguous() for k, v in tensors.items()}, directory / "adapter_model.safetensors",
-              metadata={"format": "pt"})
-    return directory
-
-
-def _rand(g, *shape):
-    return torch.randn(*shape, generator=g) * 0.1
-
 
 @pytest.fixture(scope="module")
 def family(tmp_path_factory):
     """A tiny Llama base, one full expert and two adapters, with the experts computed by hand."""
-    root = tmp_path_factory.mktemp("lora")
-    base_model = tiny_model("llama")
-    base = root / "base"
-    base_model.save_pretrained(base)
-    word_tokenizer([f"w{i}" for i in range(90)], eos=False).save_pretrained(base)  # for featcal calibrate's texts
-    b = load_file(base / "model.safetensors")
-    full = root / "full"
-    perturbed(base_model, 5).save_pretrained(full)
-    g = torch.Generator().manual_seed(0)
-
-    # adapter 1: plain LoRA on q_proj and v_proj, r 4, alpha 8 (scale 2), PEFT's layout with the adapter name
-    t1, e1 = {}, dict(b)
-    for layer in range(2):
-        for proj in ("q_proj", "v_proj"):
-            name = f"model.layers.{layer}.self_attn.{proj}.weight"
-            out_f, in_f = b[name].shape
-            a, bb = _rand(g, 4, in_f), _rand(g, out_f, 4)
-            t1[f"{P}model.layers.{layer}.self_attn.{proj}.lora_A.weight"] = a
-            t1[f"{P}model.layers.{layer}.self_attn.{proj}.lora_B.weight"] = bb
-            e1[name] = b[name] + 2.0 * bb @ a
-    a1 = _write_adapter(root / "adapter1", t1)
-
-    # adapter 2: rsLoRA, a rank pattern (gate_proj r 2), fan_in_fan_out factors on gate_proj,
-    # LoRA on the embedding and lm_head as a module to save
-    t2, e2 = {}, dict(b)
-    name = "model.layers.0.mlp.gate_proj.weight"  # (64, 32); with fan_in_fan_out: A (r, 64), B (32, r), ΔW = (BA)^T
-    a, bb = _rand(g, 2, 64), _rand(g, 32, 2)
-    t2[f"{P}model.layers.0.mlp.gate_proj.lora_A.default.weight"] = a
-    t2[f"{P}model.layers.0.mlp.gate_proj.lora_B.default.weight"] = bb
-    e2[name] = b[name] + (16 / math.sqrt(2)) * (bb @ a).T
-    emb = "model.embed_tokens.weight"  # (100, 32): A (r, 100), B (32, r), ΔW = (BA)^T
-    a, bb = _rand(g, 4, 100), _rand(g, 32, 4)
-    t2[f"{P}model.embed_tokens.lora_embedding_A"] = a
-    t2[f"{P}model.embed_tokens.lora_embedding_B"] = bb
-    e2[emb] = b[emb] + (16 / math.sqrt(4)) * (bb @ a).T
-    head = _rand(g, 100, 32)
-    t2[f"{P}lm_head.weight"] = head
-    e2["lm_head.weight"] = head
-    a2 = _write_adapter(root / "adapter2", t2, r=4, lora_alpha=16, use_rslora=True, rank_pattern={"gate_proj": 2},
-                        target_modules=["gate_proj", "embed_tokens"], fan_in_fan_out=True, modules_to_save=["lm_head"])
-    experts = {"full": full, "lora1": a1, "lora2": a2}
-    by_hand = {"full": load_file(full / "model.safetensors"), "lora1": e1, "lora2": e2}
-    return root, base, experts, by_hand
+    return lora_family(tmp_path_factory.mktemp("lora"))
 
 
 def test_lora_experts_merge_equals_hand_computed(family, tmp_path):
@@ -107,7 +45,7 @@ def test_an_adapter_naming_another_base_is_applied_with_a_warning(family, tmp_pa
     """Shapes decide whether an adapter fits; a base_model_name_or_path naming another model is warned
     about and recorded (a renamed local copy of the right base is common), not refused."""
     _, base, experts, by_hand = family
-    other = _write_adapter(tmp_path / "other", load_file(experts["lora1"] / "adapter_model.safetensors"),
+    other = write_adapter(tmp_path / "other", load_file(experts["lora1"] / "adapter_model.safetensors"),
                            base_model_name_or_path="meta-llama/Llama-3.2-3B-Instruct")
     with caplog.at_level("WARNING"):
         merged = merge(base, {"o": other}, "task_arithmetic", scaling=1.0, out=tmp_path / "out", progress=False)
@@ -130,7 +68,7 @@ def test_lora_experts_whole_model_merge_and_cli(family, tmp_path, capsys):
 
 
 def _bad(root, name, family_tensors, **config):
-    return _write_adapter(root / name, family_tensors, **config)
+    return write_adapter(root / name, family_tensors, **config)
 
 
 def test_bad_adapters_refused_before_work(family, tmp_path, capsys):
@@ -186,13 +124,7 @@ def test_lora_expert_calibrates(family, tmp_path):
     calibrated = calibrated.model
     assert not torch.equal(calibrated.model.layers[0].self_attn.q_proj.weight, model.model.layers[0].self_attn.q_proj.weight)
     # the adapter expert is read as the hand-computed weights: the same calibration from full checkpoints agrees
-    full_dirs = {}
-    for t, sd in by_hand.items():
-        d = tmp_path / f"full-{t}"
-        d.mkdir()
-        save_file({k: v.contiguous() for k, v in sd.items()}, d / "model.safetensors", metadata={"format": "pt"})
-        (d / "config.json").write_text((base / "config.json").read_text())
-        full_dirs[t] = str(d)
+    full_dirs = full_checkpoints(by_hand, base, tmp_path)
     reference = calibrate(model, base=str(base), experts=full_dirs, calibration=data, config=FeatCalConfig(),
                           progress=False).model
     for (n, p), (_, q) in zip(calibrated.named_parameters(), reference.named_parameters(), strict=True):
@@ -215,7 +147,7 @@ def test_lora_expert_featcal_calibrate_cli(family, tmp_path, capsys):
     report = json.loads((tmp_path / "cal" / "featcal.json").read_text())
     assert "adapter_model.safetensors" in report["inputs"]["experts"]["lora1"]["sha256"]
     bad = tmp_path / "dora"
-    _write_adapter(bad, load_file(experts["lora1"] / "adapter_model.safetensors"), use_dora=True)
+    write_adapter(bad, load_file(experts["lora1"] / "adapter_model.safetensors"), use_dora=True)
     argv = [a if a != f"lora1={experts['lora1']}" else f"lora1={bad}" for a in argv]
     argv[argv.index("--out") + 1] = str(tmp_path / "cal2")
     capsys.readouterr()

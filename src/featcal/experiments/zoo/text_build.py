@@ -39,7 +39,7 @@ from featcal.experiments.zoo.text_sources import (
 )
 from featcal.experiments.zoo.text_tasks import TEXT_TASKS, split_examples, task_examples
 from featcal.experiments.zoo.train import few_shot_rows, frozen_head_steps
-from featcal.io.report import package_versions, peak_rss_mb
+from featcal.io.report import peak_rss_mb
 
 log = logging.getLogger(__name__)
 
@@ -172,8 +172,5 @@ def build_text(root: Path, p: TextZooPreset, seed: int, progress: bool, sources:
                   for n in p.tasks},
         "regime": {**regime, "ordered": ok},
         "finetune": p.finetune.__dict__,
-        "timings_s": {k: round(v, 2) for k, v in timings.items()},
-        "threads": torch.get_num_threads(),
-        "versions": package_versions(),
     }
-    write_manifest(root, manifest, notes)
+    write_manifest(root, manifest, notes, timings)

@@ -34,7 +34,7 @@ from featcal.experiments.zoo.train import few_shot_rows, frozen_head_steps
 from featcal.experiments.zoo.vision_presets import VisionRealPreset
 from featcal.experiments.zoo.vision_sources import SOURCES, backbone_dir, check_sources
 from featcal.experiments.zoo.vision_tasks import VISION_TASKS, imagenet_pixels, task_splits
-from featcal.io.report import package_versions, peak_rss_mb
+from featcal.io.report import peak_rss_mb
 
 log = logging.getLogger(__name__)
 
@@ -188,8 +188,5 @@ def build_vision_real(root: Path, p: VisionRealPreset, seed: int, progress: bool
                   for n in p.tasks},
         "regime": {**regime, "ordered": ok},
         "finetune": p.finetune.__dict__,
-        "timings_s": {k: round(v, 2) for k, v in timings.items()},
-        "threads": torch.get_num_threads(),
-        "versions": package_versions(),
     }
-    write_manifest(root, manifest, notes)
+    write_manifest(root, manifest, notes, timings)
