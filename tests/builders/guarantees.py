@@ -26,13 +26,16 @@ def merge_argv(base: Path, experts: dict[str, Path], out: Path, *extra: str) -> 
     return argv + list(extra)
 
 
-def calibrate_argv(fam: dict, out: Path, *extra: str, calib_flags: tuple[str, ...] = CALIB_FLAGS) -> list[str]:
-    argv = ["calibrate", "--base", str(fam["base"]), "--merged", str(fam["merged"]), "--out", str(out), "--no-progress"]
+def calibrate_argv(fam: dict, out: Path, *extra: str, calib_flags: tuple[str, ...] = CALIB_FLAGS,
+                   command: str = "calibrate") -> list[str]:
+    """`featcal calibrate` (or `plan`, which takes the same inputs) of an on-disk family with data."""
+    argv = [command, "--base", str(fam["base"]), "--merged", str(fam["merged"]), "--out", str(out), "--no-progress"]
     for t, d in fam["experts"].items():
         argv += ["--expert", f"{t}={d}"]
     for t, d in fam["data"].items():
         argv += ["--calib", f"{t}={d}"]
     return argv + list(calib_flags) + list(extra)
+
 
 
 def cli(argv: list[str], capsys) -> tuple[int, str, str]:
@@ -137,3 +140,8 @@ def save_malicious_pickle(src: Path, dst: Path, marker: Path) -> Path:
 def report(out: Path) -> dict:
     """The featcal.json an output folder holds."""
     return json.loads((out / "featcal.json").read_text())
+
+
+def plan_argv(fam: dict, out: Path, *extra: str, calib_flags: tuple[str, ...] = CALIB_FLAGS) -> list[str]:
+    """`featcal plan` of the same inputs as `calibrate_argv`."""
+    return calibrate_argv(fam, out, *extra, calib_flags=calib_flags, command="plan")

@@ -91,3 +91,12 @@ def full_checkpoints(by_hand: dict[str, dict[str, torch.Tensor]], base: Path, ro
         (d / "config.json").write_text((base / "config.json").read_text())
         dirs[t] = str(d)
     return dirs
+
+
+def token_batches(tasks) -> dict[str, list[dict[str, torch.Tensor]]]:
+    """Calibration data for the family: two batches of 4 random 6-token rows per task, seeded by the task."""
+    data = {}
+    for t in tasks:
+        ids = torch.randint(3, 100, (8, 6), generator=torch.Generator().manual_seed(len(t)))
+        data[t] = [{"input_ids": ids[:4]}, {"input_ids": ids[4:]}]
+    return data

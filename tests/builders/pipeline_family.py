@@ -78,3 +78,14 @@ def llama_family(root: Path, n_experts: int = 2, *, template_with: str = "merged
     for d in experts.values() if on_experts else ():
         save_chat_tokenizer(d)
     return {"base": base, "experts": experts, "merged": merged, "data": {}}
+
+
+def llama_text_family(root: Path, texts: dict[str, list[str]]) -> dict:
+    """Two Llama experts (scale 0.2), their Task Arithmetic merge and a T5 tokenizer saved beside every model;
+    each task's `texts` as JSONL calibration data."""
+    base, experts = make_family("llama", root, len(texts), scale=0.2)
+    merged = task_arithmetic("llama", base, experts, root / "merged")
+    for d in (base, merged, *experts.values()):
+        save_tokenizer(d, "t5")
+    data = {t: write_jsonl(root / f"calib-{t}.jsonl", [{"text": s} for s in rows]) for t, rows in texts.items()}
+    return {"base": base, "experts": experts, "merged": merged, "data": data}

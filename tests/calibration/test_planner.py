@@ -18,21 +18,12 @@ from featcal.cli.main import main
 from featcal.config import FeatCalConfig
 from featcal.errors import ConfigError
 from tests.builders.data_fixtures import save_image_processor, write_png_folder
+from tests.builders.guarantees import calibrate_argv, plan_argv
 from tests.builders.pipeline_family import bert_family, clip_family
 from tests.builders.tiny import perturbed
 
 ROOT = Path(__file__).resolve().parents[2]
 MIB = 2**20
-
-
-def _argv(command, fam, out, *extra, n=4, bs=2):
-    argv = [command, "--base", str(fam["base"]), "--merged", str(fam["merged"]), "--out", str(out), "--no-progress",
-            "--num-calibration-examples", str(n), "--calibration-batch-size", str(bs)]
-    for t, d in fam["experts"].items():
-        argv += ["--expert", f"{t}={d}"]
-    for t, d in fam["data"].items():
-        argv += ["--calib", f"{t}={d}"]
-    return argv + list(extra)
 
 
 def _deep_clip_family(root: Path) -> dict:
@@ -62,13 +53,13 @@ def _mib(text: str) -> float:
 
 def test_estimate_within_25_percent_of_measured_peak_rss(tmp_path):
     fam = _deep_clip_family(tmp_path / "fam")
-    plan = _featcal(*_argv("plan", fam, tmp_path / "out"))
+    plan = _featcal(*plan_argv(fam, tmp_path / "out"))
     assert plan.returncode == 0, plan.stderr[-2000:]
     estimated = _mib(plan.stdout)
     models = [float(m) for m in re.findall(r"(?:merged model|expert template)\s+([0-9.]+) MiB", plan.stdout)]
     baseline = float(re.search(r"process baseline\s+([0-9.]+) MiB", plan.stdout).group(1))
     assert sum(models) > baseline  # the test measures the model, not the interpreter
-    run = _featcal(*_argv("calibrate", fam, tmp_path / "out", "--no-resume"))  # resume adds no memory, only time
+    run = _featcal(*calibrate_argv(fam, tmp_path / "out", "--no-resume"))  # resume adds no memory, only time
     assert run.returncode == 0, run.stderr[-2000:]
     measured = json.loads((tmp_path / "out" / "featcal.json").read_text())["peak_rss_mb"]
     assert abs(estimated - measured) / measured < 0.25, (estimated, measured, plan.stdout)
@@ -101,20 +92,20 @@ def test_parse_size():
 
 def test_dry_run_and_max_memory_act_before_any_work(tmp_path, capsys):
     fam = clip_family(tmp_path / "fam")
-    assert main(_argv("calibrate", fam, tmp_path / "out", "--dry-run", "--max-memory", "1MiB")) == 0
+    assert main(calibrate_argv(fam, tmp_path / "out", "--dry-run", "--max-memory", "1MiB")) == 0
     printed = capsys.readouterr().out
     assert "estimated peak memory per process" in printed and "does NOT fit" in printed
     assert "chains" in printed and not (tmp_path / "out").exists()
-    assert main(_argv("calibrate", fam, tmp_path / "out", "--max-memory", "1MiB")) == 2
+    assert main(calibrate_argv(fam, tmp_path / "out", "--max-memory", "1MiB")) == 2
     assert "exceeds --max-memory 1.00 MiB" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
-    assert main(_argv("plan", fam, tmp_path / "out", "--chain-dtype", "bfloat16")) == 0
+    assert main(plan_argv(fam, tmp_path / "out", "--chain-dtype", "bfloat16")) == 0
     assert "2 B (bfloat16)" in capsys.readouterr().out
 
 
 def test_text_plan_counts_masks_at_max_length(tmp_path, capsys):
     fam = bert_family(tmp_path / "fam")
-    assert main(_argv("plan", fam, tmp_path / "out", "--max-length", "16")) == 0
+    assert main(plan_argv(fam, tmp_path / "out", "--max-length", "16")) == 0
     out = capsys.readouterr().out
     assert "16 tokens × 32 hidden" in out
     ctx = re.search(r"chain contexts\s+([0-9.]+) (KiB|B)", out)
@@ -166,12 +157,12 @@ def test_stem_count_is_what_offloading_moves():
 
 def test_plan_cli_reports_device_memory_when_offloading(tmp_path, capsys):
     fam = clip_family(tmp_path / "fam")
-    assert main(_argv("plan", fam, tmp_path / "out", "--offload-blocks", "--device", "cuda")) == 0
+    assert main(plan_argv(fam, tmp_path / "out", "--offload-blocks", "--device", "cuda")) == 0
     out = capsys.readouterr().out
     assert "estimated peak memory per process (host)" in out
     assert "estimated peak device memory per process (--offload-blocks on cuda)" in out
     assert re.search(r"block phase: [0-9.]+ (KiB|MiB)", out) and re.search(r"capture phase: [0-9.]+ (KiB|MiB)", out)
-    assert main(_argv("plan", fam, tmp_path / "out")) == 0
+    assert main(plan_argv(fam, tmp_path / "out")) == 0
     assert "device memory" not in capsys.readouterr().out
 
 

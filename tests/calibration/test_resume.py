@@ -18,6 +18,7 @@ from featcal.calibration.resume import KILL_ENV, ResumeStateError, ResumeStore, 
 from featcal.cli.main import main
 from featcal.errors import ConfigError
 from tests.builders.data_fixtures import save_image_processor, write_png_folder
+from tests.builders.guarantees import calibrate_argv
 from tests.builders.pipeline_family import clip_family, task_arithmetic
 from tests.builders.reference_featcal import Crash, family_data, killed_after, max_abs_diff, noisy_family
 
@@ -28,26 +29,16 @@ def _sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _argv(fam, out, *extra):
-    argv = ["calibrate", "--base", str(fam["base"]), "--merged", str(fam["merged"]), "--out", str(out), "--no-progress",
-            "--num-calibration-examples", "4", "--calibration-batch-size", "2"]
-    for t, d in fam["experts"].items():
-        argv += ["--expert", f"{t}={d}"]
-    for t, d in fam["data"].items():
-        argv += ["--calib", f"{t}={d}"]
-    return argv + list(extra)
-
-
 def test_sigkilled_cli_run_resumes_bit_identical(tmp_path, caplog, capsys):
     fam = clip_family(tmp_path / "fam")
-    main(_argv(fam, tmp_path / "straight"))
+    main(calibrate_argv(fam, tmp_path / "straight"))
     assert not default_resume_dir(tmp_path / "straight").exists()  # deleted after a successful write
 
     out = tmp_path / "killed"
     code = (f"import sys, torch; torch.set_num_threads({torch.get_num_threads()}); "
             "from featcal.cli.main import main; sys.exit(main(sys.argv[1:]))")
     env = {**os.environ, KILL_ENV: "0", "PYTHONPATH": str(ROOT / "src")}
-    proc = subprocess.run([sys.executable, "-c", code, *_argv(fam, out)], env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", code, *calibrate_argv(fam, out)], env=env, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == -9, proc.stderr[-2000:]
     state = default_resume_dir(out)
@@ -55,12 +46,12 @@ def test_sigkilled_cli_run_resumes_bit_identical(tmp_path, caplog, capsys):
     assert not out.exists()
 
     # other options: refused, naming what differs, and the state is kept
-    assert main(_argv(fam, out, "--lambda-ratio", "0.5")) == 2
+    assert main(calibrate_argv(fam, out, "--lambda-ratio", "0.5")) == 2
     assert "config differ" in capsys.readouterr().err
     assert (state / "state.json").is_file()
 
     with caplog.at_level(logging.INFO, logger="featcal"):
-        assert main(_argv(fam, out)) == 0
+        assert main(calibrate_argv(fam, out)) == 0
     assert "1 block(s) already calibrated, continuing at block 1" in caplog.text
     assert _sha(out / "model.safetensors") == _sha(tmp_path / "straight" / "model.safetensors")
     assert not state.exists()
@@ -182,7 +173,7 @@ def test_checkpoint_every_is_validated(tmp_path, capsys):
     with pytest.raises(ConfigError, match="checkpoint_every: Input should be greater than or equal to 1"):
         parse(FeatCalConfig, {"checkpoint_every": 0})
     fam = clip_family(tmp_path / "fam")
-    assert main(_argv(fam, tmp_path / "out", "--checkpoint-every", "0")) == 2
+    assert main(calibrate_argv(fam, tmp_path / "out", "--checkpoint-every", "0")) == 2
     assert "checkpoint_every: Input should be greater than or equal to 1" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
@@ -207,14 +198,14 @@ def _clip_family_4_blocks(root: Path) -> dict:
 
 def test_sigkilled_after_an_unchecked_block_resumes_from_the_last_checkpoint(tmp_path, caplog):
     fam = _clip_family_4_blocks(tmp_path / "fam")
-    main(_argv(fam, tmp_path / "straight"))  # checkpoint after every block
+    main(calibrate_argv(fam, tmp_path / "straight"))  # checkpoint after every block
 
     out = tmp_path / "killed"
     every = ("--checkpoint-every", "2")
     code = (f"import sys, torch; torch.set_num_threads({torch.get_num_threads()}); "
             "from featcal.cli.main import main; sys.exit(main(sys.argv[1:]))")
     env = {**os.environ, KILL_ENV: "2", "PYTHONPATH": str(ROOT / "src")}
-    proc = subprocess.run([sys.executable, "-c", code, *_argv(fam, out, *every)], env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", code, *calibrate_argv(fam, out, *every)], env=env, capture_output=True,
                           text=True, timeout=180)
     assert proc.returncode == -9, proc.stderr[-2000:]
     state = default_resume_dir(out)
@@ -222,7 +213,7 @@ def test_sigkilled_after_an_unchecked_block_resumes_from_the_last_checkpoint(tmp
     assert [p.name for p in state.glob("chains-*")] == ["chains-0002"]  # block 2 finished but was not checkpointed
 
     with caplog.at_level(logging.INFO, logger="featcal"):
-        assert main(_argv(fam, out, *every)) == 0
+        assert main(calibrate_argv(fam, out, *every)) == 0
     assert "2 block(s) already calibrated, continuing at block 2" in caplog.text
     assert _sha(out / "model.safetensors") == _sha(tmp_path / "straight" / "model.safetensors")
     assert not state.exists()

@@ -8,7 +8,7 @@ import pytest
 from featcal.calibration import cost, time_estimate
 from featcal.calibration.planner import BlockShape, ModelShape, StackShape
 from featcal.config import FeatCalConfig
-from tests.builders.guarantees import cli, one_line_error
+from tests.builders.guarantees import cli, one_line_error, plan_argv
 from tests.builders.pipeline_family import bert_family
 
 
@@ -49,33 +49,23 @@ def family(tmp_path_factory):
     return bert_family(tmp_path_factory.mktemp("plan-time"))
 
 
-def _plan(fam, out, *extra) -> list:
-    argv = ["plan", "--base", fam["base"], "--merged", fam["merged"], "--out", out, "--no-progress",
-            "--num-calibration-examples", "4", "--calibration-batch-size", "2"]
-    for t, d in fam["experts"].items():
-        argv += ["--expert", f"{t}={d}"]
-    for t, d in fam["data"].items():
-        argv += ["--calib", f"{t}={d}"]
-    return argv + list(extra)
-
-
 def test_plan_prints_the_time_and_which_source_it_came_from(family, tmp_path, capsys):
-    rc, out, err = cli(_plan(family, tmp_path / "a"), capsys)
+    rc, out, err = cli(plan_argv(family, tmp_path / "a"), capsys)
     assert rc == 0, err
     assert "estimated time at measured throughput 'this machine' (a " in out and "probe here just now" in out
     assert "total ≈" in out
-    rc, out, _ = cli(_plan(family, tmp_path / "a", "--time-from", "stated"), capsys)
+    rc, out, _ = cli(plan_argv(family, tmp_path / "a", "--time-from", "stated"), capsys)
     assert rc == 0 and "estimated time at stated throughput 'cpu'" in out and "probe" not in out
-    rc, out, _ = cli(_plan(family, tmp_path / "a", "--flops", "1e9"), capsys)  # stated rates: no probe
+    rc, out, _ = cli(plan_argv(family, tmp_path / "a", "--flops", "1e9"), capsys)  # stated rates: no probe
     assert rc == 0 and "estimated time at stated throughput" in out and "rates overridden" in out
 
 
 def test_a_probe_that_cannot_be_made_is_refused(family, tmp_path, capsys):
     import torch
 
-    rc, _, err = cli(_plan(family, tmp_path / "b", "--time-from", "probe", "--flops", "1e9"), capsys)
+    rc, _, err = cli(plan_argv(family, tmp_path / "b", "--time-from", "probe", "--flops", "1e9"), capsys)
     assert rc == 2 and "--time-from probe measures the rates that --flops state" in one_line_error(err)
-    rc, out, err = cli(_plan(family, tmp_path / "b", "--time-from", "probe", "--device", "cuda"), capsys)
+    rc, out, err = cli(plan_argv(family, tmp_path / "b", "--time-from", "probe", "--device", "cuda"), capsys)
     if torch.cuda.is_available():  # a GPU here: it is what the probe measures
         assert rc == 0 and "measured throughput" in out and "on cuda" in out
     else:

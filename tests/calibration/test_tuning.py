@@ -629,17 +629,13 @@ def test_yaml_run_takes_heads(on_disk, saved_heads, tmp_path):
 
 def test_tune_reads_lora_experts_as_calibrate_does(tmp_path, tmp_path_factory):
     """A LoRA adapter expert is scored as base + ΔW: the same search and choice as from full checkpoints."""
-
     from featcal.merging.api import merge
-    from tests.builders.lora import full_checkpoints, lora_family
+    from tests.builders.lora import full_checkpoints, lora_family, token_batches
 
     _, base, experts, by_hand = lora_family(tmp_path_factory.mktemp("lora"))
     merged_dir = tmp_path / "merged"
     merge(base, experts, "task_arithmetic", scaling=0.3, out=merged_dir, progress=False)
-    data = {}
-    for t in experts:
-        ids = torch.randint(3, 100, (8, 6), generator=torch.Generator().manual_seed(len(t)))
-        data[t] = [{"input_ids": ids[:4]}, {"input_ids": ids[4:]}]
+    data = token_batches(experts)
     full_dirs = full_checkpoints(by_hand, base, tmp_path)
     cfg = FeatCalConfig(tune=True, tune_budget=4.0)
     model = T.LlamaForCausalLM.from_pretrained(merged_dir)

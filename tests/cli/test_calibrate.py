@@ -13,20 +13,12 @@ from featcal.cli.calibrate_cmd import add_config_flags, config_from_args, drift_
 from featcal.cli.main import main
 from featcal.config import FeatCalConfig
 from featcal.errors import ConfigError
-
-
-def _argv(fam, out, *extra):
-    argv = ["calibrate", "--base", str(fam["base"]), "--merged", str(fam["merged"]), "--out", str(out), "--no-progress"]
-    for t, d in fam["experts"].items():
-        argv += ["--expert", f"{t}={d}"]
-    for t, d in fam["data"].items():
-        argv += ["--calib", f"{t}={d}"]
-    return argv + ["--num-calibration-examples", "4", "--calibration-batch-size", "2", *extra]
+from tests.builders.guarantees import calibrate_argv
 
 
 def test_round_trip(clip, tmp_path, capsys):
     out = tmp_path / "out"
-    code = main(_argv(clip, out, "--lambda-ratio", "0.1", "--no-calibrate-bias", "--chain-dtype", "bfloat16",
+    code = main(calibrate_argv(clip, out, "--lambda-ratio", "0.1", "--no-calibrate-bias", "--chain-dtype", "bfloat16",
                       "--seed", "3"))
     assert code == 0
     printed = capsys.readouterr().out
@@ -53,7 +45,7 @@ def test_round_trip(clip, tmp_path, capsys):
     ],
 )
 def test_bad_input_is_one_line_exit_2(clip, tmp_path, capsys, extra, message):
-    assert main(_argv(clip, tmp_path / "out", *extra)) == 2
+    assert main(calibrate_argv(clip, tmp_path / "out", *extra)) == 2
     err = capsys.readouterr().err
     assert err.startswith("featcal: error: ") and message in err and "Traceback" not in err
     assert not (tmp_path / "out").exists()
@@ -64,9 +56,9 @@ def test_existing_output_needs_overwrite(clip, tmp_path, capsys):
     out.mkdir()
     (out / "x").write_text("x")
     (out / "featcal.json").write_text("{}")  # an earlier output: --overwrite replaces only those
-    assert main(_argv(clip, out)) == 2
+    assert main(calibrate_argv(clip, out)) == 2
     assert "--overwrite" in capsys.readouterr().err
-    assert main(_argv(clip, out, "--overwrite")) == 0
+    assert main(calibrate_argv(clip, out, "--overwrite")) == 0
     assert (out / "featcal.json").is_file() and not (out / "x").exists()
 
 

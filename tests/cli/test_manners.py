@@ -16,9 +16,8 @@ import featcal
 from featcal.cli import manners
 from featcal.cli.main import build_parser, main
 from featcal.io import extras
-from tests.builders.data_fixtures import save_tokenizer, sentences, write_jsonl
-from tests.builders.pipeline_family import task_arithmetic
-from tests.builders.tiny import make_family
+from tests.builders.data_fixtures import sentences, write_jsonl
+from tests.builders.pipeline_family import llama_text_family
 
 # a tqdm bar: "40%|####", or its elapsed-time bracket "[00:01<...", "[00:00, 3.1it/s]"; transformers' own
 BAR = re.compile(r"\d+%\||\[\d+:\d\d[<,\]]|Loading weights|Writing model shards")
@@ -27,14 +26,8 @@ BAR = re.compile(r"\d+%\||\[\d+:\d\d[<,\]]|Loading weights|Writing model shards"
 @pytest.fixture(scope="module")
 def family(tmp_path_factory):
     """A tiny Llama family with tokenizers everywhere, its Task Arithmetic merge and JSONL texts per task."""
-    root = tmp_path_factory.mktemp("manners")
-    base, experts = make_family("llama", root, 2, scale=0.2)
-    merged = task_arithmetic("llama", base, experts, root / "merged")
-    for d in (base, merged, *experts.values()):
-        save_tokenizer(d, "t5")
-    data = {t: write_jsonl(root / f"{t}.jsonl", [{"text": s} for s in sentences(4, seed=i)])
-            for i, t in enumerate(experts)}
-    return {"base": base, "experts": experts, "merged": merged, "data": data}
+    texts = {t: sentences(4, seed=i) for i, t in enumerate(("task0", "task1"))}
+    return llama_text_family(tmp_path_factory.mktemp("manners"), texts)
 
 
 def _pairs(flag: str, named: dict) -> list[str]:

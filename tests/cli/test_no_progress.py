@@ -3,22 +3,14 @@
 
 from __future__ import annotations
 
-import dataclasses
 import re
 
 from featcal.experiments.bench.run import BenchSettings, run_bench
 from featcal.experiments.zoo.build import build_zoo
-from featcal.experiments.zoo.presets import PRESETS, ModelShape
-from featcal.experiments.zoo.pretrain import PretrainSettings
-from featcal.experiments.zoo.train import FinetuneSettings
+from featcal.experiments.zoo.presets import PRESETS
+from tests.builders.zoo import micro_preset
 
-MICRO = dataclasses.replace(
-    PRESETS["tiny"], name="micro-quiet", tasks=("stripes", "colours"),
-    model=ModelShape(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2),
-    train=64, calibration=16, test=32,
-    pretrain=PretrainSettings(images=200, categories=8, steps=3, batch_size=16, lr=1e-3, warmup=1),
-    finetune=FinetuneSettings(steps=3, batch_size=16, lr=1e-3, warmup=1),
-)
+MICRO = micro_preset("micro-quiet", steps=3, warmup=1)
 BAR = re.compile(r"Loading weights|Writing model shards|\d+%\||it/s|s/it")
 
 

@@ -11,10 +11,9 @@ import pytest
 from featcal.cli.main import main
 from featcal.data.fingerprint import example_sha256
 from featcal.evaluation.metrics import gap_closed
-from tests.builders.data_fixtures import save_tokenizer, sentences, write_jsonl
+from tests.builders.data_fixtures import sentences, write_jsonl
 from tests.builders.guarantees import calibrate_argv, cli, one_line_error
-from tests.builders.pipeline_family import task_arithmetic
-from tests.builders.tiny import make_family
+from tests.builders.pipeline_family import llama_text_family
 
 CALIBRATION = {t: sentences(4, seed=10 + i) for i, t in enumerate(("task0", "task1"))}
 HELD_OUT = {t: sentences(5, seed=20 + i) for i, t in enumerate(("task0", "task1"))}
@@ -24,12 +23,7 @@ HELD_OUT = {t: sentences(5, seed=20 + i) for i, t in enumerate(("task0", "task1"
 def family(tmp_path_factory):
     """base, two experts, their Task Arithmetic merge, and the merge calibrated by `featcal calibrate`."""
     root = tmp_path_factory.mktemp("llama")
-    base, experts = make_family("llama", root, 2, scale=0.2)
-    merged = task_arithmetic("llama", base, experts, root / "merged")
-    for d in (base, merged, *experts.values()):
-        save_tokenizer(d, "t5")
-    data = {t: write_jsonl(root / f"calib-{t}.jsonl", [{"text": s} for s in texts]) for t, texts in CALIBRATION.items()}
-    fam = {"base": base, "experts": experts, "merged": merged, "data": data, "root": root}
+    fam = {**llama_text_family(root, CALIBRATION), "root": root}
     assert main([str(a) for a in calibrate_argv(fam, root / "calibrated")]) == 0  # as a user would
     fam["calibrated"] = root / "calibrated"
     return fam

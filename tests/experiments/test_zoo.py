@@ -14,11 +14,12 @@ from featcal.blocks.heads import LinearHead
 from featcal.errors import CheckpointError, ConfigError, OutputExistsError
 from featcal.evaluation.classification import accuracy, fit_linear_probe
 from featcal.experiments.zoo.build import build_zoo, few_shot
-from featcal.experiments.zoo.presets import PRESETS, ModelShape, get_preset
-from featcal.experiments.zoo.pretrain import PretrainSettings, categories, n_classes, pretraining_set
+from featcal.experiments.zoo.presets import PRESETS, get_preset
+from featcal.experiments.zoo.pretrain import categories, n_classes, pretraining_set
 from featcal.experiments.zoo.store import Zoo
 from featcal.experiments.zoo.tasks import TASKS, make_splits
-from featcal.experiments.zoo.train import FinetuneSettings, pixel_values
+from featcal.experiments.zoo.train import pixel_values
+from tests.builders.zoo import micro_preset
 
 
 @pytest.mark.parametrize("name", list(TASKS))
@@ -105,13 +106,7 @@ def test_unknown_preset_is_a_config_error():
         get_preset("huge")
 
 
-MICRO = dataclasses.replace(
-    PRESETS["tiny"], name="micro", tasks=("stripes", "colours"),
-    model=ModelShape(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2),
-    train=64, calibration=16, test=32,
-    pretrain=PretrainSettings(images=200, categories=8, steps=5, batch_size=16, lr=1e-3, warmup=2),
-    finetune=FinetuneSettings(steps=5, batch_size=16, lr=1e-3, warmup=2),
-)
+MICRO = micro_preset()
 
 
 def test_build_is_deterministic_cached_and_guarded(tmp_path):

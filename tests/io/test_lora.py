@@ -11,7 +11,7 @@ from featcal import merge
 from featcal.cli.main import main
 from featcal.errors import CheckpointError
 from featcal.merging.methods import task_arithmetic as ta_reference
-from tests.builders.lora import P, full_checkpoints, lora_family, write_adapter
+from tests.builders.lora import P, full_checkpoints, lora_family, token_batches, write_adapter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -111,10 +111,7 @@ def test_lora_expert_calibrates(family, tmp_path):
     _, base, experts, by_hand = family
     merged_dir = tmp_path / "merged"
     merge(base, experts, "task_arithmetic", scaling=0.4, out=merged_dir, progress=False)
-    data = {}
-    for t in experts:
-        ids = torch.randint(3, 100, (8, 6), generator=torch.Generator().manual_seed(len(t)))
-        data[t] = [{"input_ids": ids[:4]}, {"input_ids": ids[4:]}]
+    data = token_batches(experts)
     from featcal.calibration.api import calibrate
 
     model = T.LlamaForCausalLM.from_pretrained(merged_dir)

@@ -21,7 +21,6 @@ from featcal.io.atomic import OutputWriteError, _host_tag, atomic_output_dir
 from tests.builders.guarantees import calibrate_argv, cli, copy_family, merge_argv, one_line_error
 from tests.builders.pipeline_family import clip_family
 from tests.builders.tiny import make_family
-from tests.calibration.test_resume import _argv
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -46,7 +45,7 @@ def test_resume_dir_of_the_user_keeps_everything_but_featcal_state(tmp_path, cap
     (work / "other.txt").write_text("keep")
     (work / "notes").mkdir()
     (work / "notes" / "n.txt").write_text("keep too")
-    argv = _argv(fam, work / "out", "--resume-dir", str(work))
+    argv = calibrate_argv(fam, work / "out", "--resume-dir", str(work))
     _kill_after_block0(argv)  # leaves state in the user's directory
     assert (work / "state.json").is_file() and (work / "block-0000.safetensors").is_file()
     assert main(argv) == 0, capsys.readouterr().err
@@ -60,13 +59,13 @@ def test_resume_dir_of_the_user_keeps_everything_but_featcal_state(tmp_path, cap
 def test_resume_dir_featcal_created_is_removed_whole(tmp_path, capsys):
     fam = clip_family(tmp_path / "fam")
     state = tmp_path / "new" / "state"
-    argv = _argv(fam, tmp_path / "out", "--resume-dir", str(state))
+    argv = calibrate_argv(fam, tmp_path / "out", "--resume-dir", str(state))
     _kill_after_block0(argv)
     assert (state / CREATED).is_file() and (state.parent / CREATED).is_file()
     assert main(argv) == 0, capsys.readouterr().err
     assert not (tmp_path / "new").exists()  # both levels were featcal's and are empty: removed
     # the default (hidden sibling of --out) as before
-    assert main(_argv(fam, tmp_path / "out2")) == 0
+    assert main(calibrate_argv(fam, tmp_path / "out2")) == 0
     assert not default_resume_dir(tmp_path / "out2").exists()
 
 
@@ -76,7 +75,7 @@ def test_resume_dir_files_of_the_user_named_like_state_survive_a_fresh_run(tmp_p
     work.mkdir()
     (work / "chains-notes.txt").write_text("mine")  # looks like featcal's, is not
     (work / "block-12.txt").write_text("mine")
-    assert main(_argv(fam, tmp_path / "out", "--resume-dir", str(work))) == 0, capsys.readouterr().err
+    assert main(calibrate_argv(fam, tmp_path / "out", "--resume-dir", str(work))) == 0, capsys.readouterr().err
     assert sorted(p.name for p in work.iterdir()) == ["block-12.txt", "chains-notes.txt"]
 
 
@@ -87,7 +86,7 @@ def test_resume_dir_in_an_input_or_the_output_is_refused_before_work(tmp_path, c
               "out": tmp_path / "out" / "state"}[where]
     before = _tree(tmp_path / "fam")
     capsys.readouterr()
-    assert main(_argv(fam, tmp_path / "out", "--resume-dir", str(target))) == 2
+    assert main(calibrate_argv(fam, tmp_path / "out", "--resume-dir", str(target))) == 2
     err = capsys.readouterr().err
     assert "resume directory" in err and "--resume-dir" in err and err.count("\n") == 1, err
     assert _tree(tmp_path / "fam") == before
@@ -113,10 +112,10 @@ def test_merge_out_holding_an_input_is_refused_even_with_overwrite(tmp_path, cap
 def test_calibrate_out_holding_an_input_or_its_data_is_refused(tmp_path, capsys):
     fam = clip_family(tmp_path / "fam")
     before = _tree(tmp_path / "fam")
-    assert main(_argv(fam, tmp_path / "fam", "--overwrite")) == 2
+    assert main(calibrate_argv(fam, tmp_path / "fam", "--overwrite")) == 2
     assert "contains an input" in capsys.readouterr().err
     data = next(iter(fam["data"].values()))
-    assert main(_argv(fam, data, "--overwrite")) == 2
+    assert main(calibrate_argv(fam, data, "--overwrite")) == 2
     assert "is an input (calibration data" in capsys.readouterr().err
     assert _tree(tmp_path / "fam") == before
 
