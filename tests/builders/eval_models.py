@@ -61,21 +61,7 @@ def save_t5(directory: Path, seed: int = 0) -> Path:
 
 def save_clip(directory: Path, seed: int = 0) -> T.CLIPModel:
     """A tiny CLIPModel with its processor (a byte-level BPE tokenizer and a 16-pixel image processor)."""
-    from tests.builders.hub import clip_tokenizer
+    from tests.builders.hub import clip_tokenizer, save_clip_model
 
-    tok = clip_tokenizer(directory.parent / f"{directory.name}-tokenizer")
-    eos, bos = tok.convert_tokens_to_ids("<|endoftext|>"), tok.convert_tokens_to_ids("<|startoftext|>")
-    config = T.CLIPConfig(
-        text_config=dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=4, max_position_embeddings=77, eos_token_id=eos, bos_token_id=bos,
-                         pad_token_id=eos),
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                           image_size=16, patch_size=4),
-        projection_dim=16,
-    )
-    torch.manual_seed(seed)
-    model = T.CLIPModel(config).eval()
-    model.save_pretrained(directory)
-    processor = T.CLIPImageProcessor(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16})
-    T.CLIPProcessor(image_processor=processor, tokenizer=tok).save_pretrained(directory)
-    return model
+    return save_clip_model(directory, clip_tokenizer(directory.parent / f"{directory.name}-tokenizer"), num_layers=1,
+                           seed=seed)

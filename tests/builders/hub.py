@@ -93,6 +93,26 @@ def _save_v4_vision(model: T.CLIPVisionModel, directory: Path) -> None:
 
 
 # ------------------------------------------------------------------ CLIP
+def save_clip_model(directory: Path, tok: T.CLIPTokenizer, num_layers: int, seed: int = 0) -> T.CLIPModel:
+    """A tiny random CLIPModel (32 wide, 16-pixel images) saved with its processor around `tok`."""
+    eos = tok.convert_tokens_to_ids("<|endoftext|>")
+    bos = tok.convert_tokens_to_ids("<|startoftext|>")
+    config = T.CLIPConfig(
+        text_config=dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers,
+                         num_attention_heads=4, max_position_embeddings=77, eos_token_id=eos, bos_token_id=bos,
+                         pad_token_id=eos),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers, num_attention_heads=4,
+                           image_size=16, patch_size=4),
+        projection_dim=16,
+    )
+    torch.manual_seed(seed)
+    model = T.CLIPModel(config).eval()
+    model.save_pretrained(directory)
+    image_processor = T.CLIPImageProcessor(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16})
+    T.CLIPProcessor(image_processor=image_processor, tokenizer=tok).save_pretrained(directory)
+    return model
+
+
 CLIP_DATA = {"eurosat": ("tanganke/eurosat", None, "RGB"), "mnist": ("ylecun/mnist", None, "L"),
              "svhn": ("svhn", "cropped_digits", "RGB"), "dtd": ("tanganke/dtd", None, "RGB")}
 
@@ -107,22 +127,7 @@ def build_clip_hub(root: Path, tasks: tuple[str, ...] = ("eurosat", "mnist"), *,
 
     models, data = root / "models", root / "data"
     base_dir = models / "openai" / arch
-    tok = clip_tokenizer(root / "tokenizer-src")
-    eos = tok.convert_tokens_to_ids("<|endoftext|>")
-    bos = tok.convert_tokens_to_ids("<|startoftext|>")
-    config = T.CLIPConfig(
-        text_config=dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, max_position_embeddings=77, eos_token_id=eos, bos_token_id=bos,
-                         pad_token_id=eos),
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                           image_size=16, patch_size=4),
-        projection_dim=16,
-    )
-    torch.manual_seed(seed)
-    base = T.CLIPModel(config).eval()
-    base.save_pretrained(base_dir)
-    image_processor = T.CLIPImageProcessor(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16})
-    T.CLIPProcessor(image_processor=image_processor, tokenizer=tok).save_pretrained(base_dir)
+    base = save_clip_model(base_dir, clip_tokenizer(root / "tokenizer-src"), num_layers=2, seed=seed)
     for i, task in enumerate(tasks):
         expert = perturbed(base.vision_model, seed + 100 + i, scale=0.05)
         expert_dir = models / "tanganke" / f"{arch}_{task}"

@@ -288,6 +288,19 @@ def max_abs_diff(a: nn.Module, b: nn.Module) -> tuple[float, str]:
     return max(((sa[k].double() - sb[k].double()).abs().max().item(), k) for k in sa if sa[k].is_floating_point())
 
 
+def padding_change_effect(merged: nn.Module, base, experts, data: dict) -> float:
+    """How far featcal's calibration moves when token 7 replaces the last three ids of each task's first batch's
+    second row (positions its attention_mask hides): 0 up to round-off when padding counts for nothing."""
+    from featcal import calibrate
+
+    other = copy.deepcopy(data)
+    for batches in other.values():
+        batches[0]["input_ids"][1, -3:] = 7
+    a = calibrate(merged, base=base, experts=experts, calibration=data, progress=False).model
+    b = calibrate(merged, base=base, experts=experts, calibration=other, progress=False).model
+    return max_abs_diff(a, b)[0]
+
+
 class Crash(KeyboardInterrupt):
     """A calibration killed by `killed_after`."""
 
