@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 import transformers as T
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 
 import featcal.merging.api as api
@@ -18,6 +18,7 @@ from featcal.merging.methods import dare, derive_seed, task_vector, ties_from_ta
 from featcal.merging.methods import task_arithmetic as ta_reference
 from featcal.merging.registry import Merger
 from featcal.merging.writer import save_state_dict
+from tests.builders.guarantees import rewrite
 from tests.builders.tiny import make_family, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -33,13 +34,6 @@ def bert(tmp_path_factory):
 
 def _load(directory):
     return load_file(directory / "model.safetensors")
-
-
-def _rewrite(directory, fn):
-    f = directory / "model.safetensors"
-    sd = load_file(f)
-    fn(sd)
-    save_file(sd, f, metadata={"format": "pt"})
 
 
 def test_every_schema_method_is_registered():
@@ -146,9 +140,9 @@ def test_plain_module_base_cannot_be_written(tmp_path, no_work):
 
 def test_non_floating_tensors_come_from_the_base(tmp_path):
     base, experts = make_family("bert", tmp_path, n_experts=2)
-    _rewrite(base, lambda sd: sd.update({"embeddings.position_ids": torch.arange(64)[None]}))
+    rewrite(base, lambda sd: sd.update({"embeddings.position_ids": torch.arange(64)[None]}))
     for i, d in enumerate(experts.values()):
-        _rewrite(d, lambda sd, i=i: sd.update({"embeddings.position_ids": torch.arange(64)[None] * (i + 2)}))
+        rewrite(d, lambda sd, i=i: sd.update({"embeddings.position_ids": torch.arange(64)[None] * (i + 2)}))
     for method in ("task_arithmetic", "ties"):
         merged = merge(base, experts, method, progress=False)
         assert merged["embeddings.position_ids"].dtype == torch.int64
@@ -193,7 +187,7 @@ def test_in_memory_models_equal_their_checkpoints(tmp_path, kind):
 
 def test_bf16_expert_of_fp32_base(tmp_path):
     base, experts = make_family("bert", tmp_path, n_experts=2)
-    _rewrite(experts["task1"], lambda sd: sd.update({k: v.bfloat16() for k, v in sd.items()}))
+    rewrite(experts["task1"], lambda sd: sd.update({k: v.bfloat16() for k, v in sd.items()}))
     merged = merge(base, experts, progress=False)
     b, e0, e1 = _load(base), _load(experts["task0"]), _load(experts["task1"])
     for k in b:
@@ -303,13 +297,13 @@ def test_family_mismatch_refused(tmp_path, no_work):
     other, _ = make_family("clip", tmp_path / "g", n_experts=0)
     with pytest.raises(CheckpointError, match=r"expert 'odd'.*model_type"):
         merge(base, {**experts, "odd": other}, progress=False)
-    _rewrite(experts["task1"], lambda sd: sd.pop("pooler.dense.bias"))
+    rewrite(experts["task1"], lambda sd: sd.pop("pooler.dense.bias"))
     with pytest.raises(CheckpointError, match=r"expert 'task1'.*missing tensor 'pooler.dense.bias'"):
         merge(base, experts, progress=False)
-    _rewrite(experts["task1"], lambda sd: sd.update({"pooler.dense.bias": torch.zeros(3)}))
+    rewrite(experts["task1"], lambda sd: sd.update({"pooler.dense.bias": torch.zeros(3)}))
     with pytest.raises(CheckpointError, match=r"'pooler.dense.bias' has shape \(3,\)"):
         merge(base, experts, progress=False)
-    _rewrite(experts["task1"], lambda sd: sd.update({"pooler.dense.bias": torch.full((32,), float("nan"))}))
+    rewrite(experts["task1"], lambda sd: sd.update({"pooler.dense.bias": torch.full((32,), float("nan"))}))
     with pytest.raises(CheckpointError, match=r"expert 'task1'.*'pooler.dense.bias' contains 32 NaN"):
         merge(base, experts, progress=False)
 
@@ -363,7 +357,7 @@ def test_unmapped_reader_reads_what_safetensors_reads(tmp_path):
     from featcal.io.sources import UnmappedReader
 
     base, experts = make_family("bert", tmp_path, n_experts=1)
-    _rewrite(base, lambda sd: sd.update({
+    rewrite(base, lambda sd: sd.update({
         "x.bf16": torch.randn(3, 4).bfloat16(), "x.int": torch.arange(5), "x.bool": torch.tensor([True, False]),
         "x.scalar": torch.tensor(2.5), "x.empty": torch.zeros(0, 3),
     }))
