@@ -17,13 +17,7 @@ from featcal.blocks.capture import capture_block_input
 from featcal.errors import FeatCalError
 from tests.builders import tiny
 from tests.builders.reference_featcal import max_abs_diff, padding_change_effect, reference_calibrate
-
-
-def _ids(batch=2, seq=8, seed=0, vocab=100):
-    g = torch.Generator().manual_seed(seed)
-    mask = torch.ones(batch, seq, dtype=torch.long)
-    mask[1, -3:] = 0
-    return {"input_ids": torch.randint(2, vocab, (batch, seq), generator=g), "attention_mask": mask}
+from tests.builders.tiny import padded_ids
 
 
 def _changed(a: nn.Module, b: nn.Module) -> set[str]:
@@ -40,7 +34,7 @@ def test_adapter_is_named_after_the_model_type(kind):
 def test_unsupported_architecture_is_named():
     model = T.MambaForCausalLM(T.MambaConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, state_size=4))
     with pytest.raises(FeatCalError, match="MambaForCausalLM: layers 0 are linear_attention layers"):
-        calibrate(model, base=model, experts={"a": model}, calibration={"a": [_ids(vocab=50)]}, progress=False)
+        calibrate(model, base=model, experts={"a": model}, calibration={"a": [padded_ids(vocab=50)]}, progress=False)
 
 
 def test_clipmodel_calibrates_only_the_vision_tower():
@@ -71,7 +65,7 @@ def test_heads_keep_their_merged_weights(cls, prefix):
 def test_t5_without_decoder_inputs_starts_from_decoder_start_token():
     torch.manual_seed(0)
     base, experts, merged = tiny.family_of(T.T5Model(tiny.tiny_config("t5")))
-    data = {t: [_ids(seed=i)] for i, t in enumerate(experts)}
+    data = {t: [padded_ids(seed=i)] for i, t in enumerate(experts)}
     result = calibrate(merged, base=base, experts=experts, calibration=data, progress=False)
     out = result.model
     assert [d["stack"] for d in result.drift] == ["encoder", "encoder", "decoder", "decoder"]
@@ -104,7 +98,7 @@ def test_llama_family_decoders(cls, cfg_cls):
                   num_key_value_heads=2, max_position_embeddings=64)
     torch.manual_seed(0)
     base, experts, merged = tiny.family_of(cls(cfg))
-    data = {t: [_ids(seed=i)] for i, t in enumerate(experts)}
+    data = {t: [padded_ids(seed=i)] for i, t in enumerate(experts)}
     out = calibrate(merged, base=base, experts=experts, calibration=data, progress=False).model
     changed = _changed(out, merged)
     assert any(k.endswith("input_layernorm.weight") for k in changed)
@@ -116,7 +110,7 @@ def test_llama_family_decoders(cls, cfg_cls):
 def test_padding_tokens_do_not_count():
     """Changing what sits under attention_mask == 0 leaves the calibration unchanged."""
     base, experts, merged = tiny.family_of(tiny.tiny_model("bert"))
-    data = {t: [_ids(seed=i)] for i, t in enumerate(experts)}
+    data = {t: [padded_ids(seed=i)] for i, t in enumerate(experts)}
     assert padding_change_effect(merged, base, experts, data) < 1e-6
 
 
@@ -203,7 +197,7 @@ def test_mixed_attention_layer_types_get_each_their_own_arguments():
     adapter = adapter_for(model)
     (stack,) = adapter.stacks(model)
     assert stack.layer_types == tuple(cfg.layer_types)
-    mod, kw = adapter.stack_call(model, stack, _ids(seq=8), None)
+    mod, kw = adapter.stack_call(model, stack, padded_ids(seq=8), None)
     with torch.no_grad():
         hidden, ctx = adapter.capture(mod, stack, model, kw)
         for layer in (0, 1):
@@ -222,13 +216,13 @@ def test_context_replay_check_catches_per_block_masks():
                         num_key_value_heads=2, use_sliding_window=True, sliding_window=2, max_window_layers=1)
     model = T.Qwen2ForCausalLM(cfg).eval()
     adapter, stack = StructuralAdapter(model), Stack("decoder", "model.layers", "model")  # no layer types: replay
-    mod, kw = adapter.stack_call(model, stack, _ids(seq=8), None)
+    mod, kw = adapter.stack_call(model, stack, padded_ids(seq=8), None)
     with torch.no_grad():
         h, ctx = capture_block_input(mod, stack.blocks(model)[0], kw)
         with pytest.raises(FeatCalError, match="block 1 is called with another 'attention_mask'"):
             check_context_replay(adapter, stack, model, mod, kw, h, ctx)
         uniform = T.LlamaForCausalLM(tiny.tiny_config("llama")).eval()  # same check passes where replay is exact
-        mod, kw = adapter.stack_call(uniform, stack, _ids(seq=8), None)
+        mod, kw = adapter.stack_call(uniform, stack, padded_ids(seq=8), None)
         h, ctx = capture_block_input(mod, stack.blocks(uniform)[0], kw)
         check_context_replay(adapter, stack, uniform, mod, kw, h, ctx)
 

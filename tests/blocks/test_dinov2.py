@@ -14,30 +14,12 @@ from featcal.blocks.adapters import adapter_for
 from featcal.errors import CheckpointError
 from featcal.io import onnx_dinov2
 from tests.builders.reference_featcal import max_abs_diff, reference_calibrate
-from tests.builders.tiny import family_of
-
-
-def tiny_dinov2(seed: int = 0, image_size: int = 16, cls=T.Dinov2Model, **extra):
-    cfg = T.Dinov2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, mlp_ratio=2, patch_size=4,
-                         image_size=image_size, layerscale_value=0.5, **extra)
-    torch.manual_seed(seed)
-    model = cls(cfg).eval()
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():  # no two parameters alike (the ONNX exporter deduplicates equal initializers)
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    return model
-
-
+from tests.builders.tiny import family_of, pixel_batch, tiny_dinov2
 
 
 def _changed(a, b) -> set[str]:
     sa, sb = a.state_dict(), b.state_dict()
     return {k for k in sa if sa[k].is_floating_point() and not torch.equal(sa[k], sb[k])}
-
-
-def _pixels(seed: int, size: int = 16, n: int = 3) -> dict[str, torch.Tensor]:
-    return {"pixel_values": torch.randn(n, 3, size, size, generator=torch.Generator().manual_seed(seed))}
 
 
 # --- adapter -------------------------------------------------------------------------------------
@@ -57,7 +39,7 @@ def test_dinov2_calibration_matches_the_dense_reference(size):
     if size != 16:  # featcal's input checks take config.image_size; the zoo resamples its table the same way
         model = onnx_dinov2.at_resolution(model, size)
     base, experts, merged = family_of(model)
-    data = {t: [_pixels(i, size), _pixels(10 + i, size)] for i, t in enumerate(experts)}
+    data = {t: [pixel_batch(i, size), pixel_batch(10 + i, size)] for i, t in enumerate(experts)}
     out = calibrate(merged, base=base, experts=experts, calibration=data, progress=False).model
     changed = _changed(out, merged)
     per_block = {k.split(".", 3)[3] for k in changed}
@@ -70,7 +52,7 @@ def test_dinov2_calibration_matches_the_dense_reference(size):
 
 def test_dinov2_classification_head_keeps_its_merged_weights():
     base, experts, merged = family_of(tiny_dinov2(cls=T.Dinov2ForImageClassification, num_labels=3))
-    data = {t: [{**_pixels(i), "labels": torch.tensor([0, 1, 2])}] for i, t in enumerate(experts)}
+    data = {t: [{**pixel_batch(i), "labels": torch.tensor([0, 1, 2])}] for i, t in enumerate(experts)}
     out = calibrate(merged, base=base, experts=experts, calibration=data, progress=False).model
     changed = _changed(out, merged)
     assert changed and all(k.startswith("dinov2.encoder.layer.") for k in changed)
@@ -78,7 +60,7 @@ def test_dinov2_classification_head_keeps_its_merged_weights():
 
 def test_dinov2_checkpoints_calibrate_like_models(tmp_path):
     base, experts, merged = family_of(tiny_dinov2())
-    data = {t: [_pixels(i)] for i, t in enumerate(experts)}
+    data = {t: [pixel_batch(i)] for i, t in enumerate(experts)}
     base.save_pretrained(tmp_path / "base")
     for t, e in experts.items():
         e.save_pretrained(tmp_path / t)

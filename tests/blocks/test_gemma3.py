@@ -26,30 +26,10 @@ from featcal.calibration.replay import check_context_replay
 from featcal.errors import FeatCalError
 from tests.builders.gguf_files import write_gemma3_gguf
 from tests.builders.reference_featcal import max_abs_diff, padding_change_effect
-from tests.builders.tiny import family_of
+from tests.builders.tiny import GLOBAL, SLIDING, family_of, padded_ids, tiny_gemma3
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 D = torch.float64
-SLIDING, GLOBAL = "sliding_attention", "full_attention"
-
-
-def tiny_gemma3(layer_types=(SLIDING, GLOBAL, SLIDING), seed: int = 0, **kw) -> T.Gemma3ForCausalLM:
-    """A random Gemma3ForCausalLM; the window (3) is shorter than the test sequences (8), so the masks differ."""
-    fields = dict(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=len(layer_types),
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=3,
-                  layer_types=list(layer_types), max_position_embeddings=64)
-    cfg = T.Gemma3TextConfig(**{**fields, **kw})
-    torch.manual_seed(seed)
-    return T.Gemma3ForCausalLM(cfg).eval()
-
-
-
-
-def _ids(batch=2, seq=8, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    mask = torch.ones(batch, seq, dtype=torch.long)
-    mask[1, -3:] = 0
-    return {"input_ids": torch.randint(2, 100, (batch, seq), generator=g), "attention_mask": mask}
 
 
 def _module_inputs(model, layer: int, names: list[str], batch: dict) -> dict[str, torch.Tensor]:
@@ -159,7 +139,7 @@ def test_each_layer_type_gets_its_own_context():
     model = tiny_gemma3()
     adapter = adapter_for(model)
     (stack,) = adapter.stacks(model)
-    mod, kw = adapter.stack_call(model, stack, _ids(), None)
+    mod, kw = adapter.stack_call(model, stack, padded_ids(), None)
     with torch.no_grad():
         hidden, ctx = adapter.capture(mod, stack, model, kw)
         h0, actual0 = capture_block_input(mod, stack.blocks(model)[0], kw)
@@ -190,7 +170,7 @@ def test_blocks_of_one_type_called_differently_are_refused():
     adapter = adapter_for(model)
     (stack,) = adapter.stacks(model)
     lying = type(stack)(stack.name, stack.blocks_path, stack.entry_path, layer_types=(SLIDING, SLIDING, SLIDING))
-    mod, kw = adapter.stack_call(model, lying, _ids(), None)
+    mod, kw = adapter.stack_call(model, lying, padded_ids(), None)
     with torch.no_grad(), pytest.raises(FeatCalError, match=r"block 1 \(sliding_attention\) is called with other arguments"):
         adapter.capture(mod, lying, model, kw)
 
@@ -199,7 +179,7 @@ def test_blocks_of_one_type_called_differently_are_refused():
 
 def test_calibration_equals_the_dense_reference():
     base, experts, merged = family_of(tiny_gemma3())
-    data = {t: [_ids(seed=2 * i), _ids(seed=2 * i + 1)] for i, t in enumerate(experts)}
+    data = {t: [padded_ids(seed=2 * i), padded_ids(seed=2 * i + 1)] for i, t in enumerate(experts)}
     cfg = FeatCalConfig()
     out = calibrate(merged, base=base, experts=experts, calibration=data, progress=False).model
     changed = {k for k, v in out.state_dict().items() if not torch.equal(v, merged.state_dict()[k])}
@@ -214,7 +194,7 @@ def test_calibration_equals_the_dense_reference():
 def test_replaying_block_0_context_would_be_caught(monkeypatch):
     """The same calibration with block 0's (sliding) arguments in every block is far from the reference."""
     base, experts, merged = family_of(tiny_gemma3(layer_types=(SLIDING, GLOBAL)))
-    data = {t: [_ids(seed=i)] for i, t in enumerate(experts)}
+    data = {t: [padded_ids(seed=i)] for i, t in enumerate(experts)}
     want = dense_featcal(merged, base, experts, data, FeatCalConfig())
     monkeypatch.setattr(StructuralAdapter, "block_kwargs", lambda self, stack, layer, ctx: {**ctx["shared"], **ctx["by_type"][SLIDING]})
     monkeypatch.setattr("featcal.calibration.engine.check_context_replay", lambda *a, **k: None)  # past the guard
@@ -226,7 +206,7 @@ def test_replaying_block_0_context_would_be_caught(monkeypatch):
 def test_padding_tokens_do_not_count():
     """What sits under attention_mask == 0 changes nothing, the per-head q/k norms included."""
     base, experts, merged = family_of(tiny_gemma3())
-    data = {t: [_ids(seed=i)] for i, t in enumerate(experts)}
+    data = {t: [padded_ids(seed=i)] for i, t in enumerate(experts)}
     assert padding_change_effect(merged, base, experts, data) < 1e-6
 
 
@@ -234,7 +214,7 @@ def test_spilled_checkpointed_and_offloaded_chains_give_the_same_calibration(tmp
     """Per-type contexts survive the chain store's disk spill, the resume checkpoints and the offload placement
     (on the CPU here)."""
     base, experts, merged = family_of(tiny_gemma3(layer_types=(SLIDING, GLOBAL)))
-    data = {t: [_ids(seed=i)] for i, t in enumerate(experts)}
+    data = {t: [padded_ids(seed=i)] for i, t in enumerate(experts)}
     a = calibrate(merged, base=base, experts=experts, calibration=data, progress=False).model
     cfg = FeatCalConfig(spill_dir=str(tmp_path / "spill"), offload_blocks=True, resume_dir=str(tmp_path / "resume"))
     b = calibrate(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False).model
@@ -246,7 +226,7 @@ def test_regmean_plus_plus_runs_each_block_with_its_own_context(monkeypatch):
     from featcal.merging.regmean import regmean
 
     base, experts, _ = family_of(tiny_gemma3())
-    data = {t: [_ids(seed=i)] for i, t in enumerate(experts)}
+    data = {t: [padded_ids(seed=i)] for i, t in enumerate(experts)}
     right = regmean(base, experts, data, plus_plus=True, progress=False)
     monkeypatch.setattr(StructuralAdapter, "block_kwargs", lambda self, stack, layer, ctx: {**ctx["shared"], **ctx["by_type"][SLIDING]})
     wrong = regmean(base, experts, data, plus_plus=True, progress=False)
@@ -271,7 +251,7 @@ def test_gguf_round_trip_then_merge_and_calibrate_through_the_cli(tmp_path, caps
     back = load_gguf_model(gguf_path, "base")
     assert type(back) is T.Gemma3ForCausalLM and back.config.layer_types == base.config.layer_types
     assert max_abs_diff(back, base)[0] < 1e-6  # the norms' 1 + w round trip in float32
-    ids = _ids(seq=10)
+    ids = padded_ids(seq=10)
     with torch.no_grad():
         torch.testing.assert_close(back(**ids).logits, base(**ids).logits, rtol=0, atol=1e-5)
 

@@ -108,3 +108,42 @@ def family_of(model, n: int = 2, scale: float = 0.2):
         for name, p in merged.named_parameters():
             p.add_(0.3 * sum(dict(e.named_parameters())[name] - p for e in experts.values()))
     return model.eval(), experts, merged.eval()
+
+
+SLIDING, GLOBAL = "sliding_attention", "full_attention"
+
+
+def tiny_gemma3(layer_types=(SLIDING, GLOBAL, SLIDING), seed: int = 0, **kw) -> T.Gemma3ForCausalLM:
+    """A random Gemma3ForCausalLM; the window (3) is shorter than the test sequences (8), so the masks differ."""
+    fields = dict(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=len(layer_types),
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=3,
+                  layer_types=list(layer_types), max_position_embeddings=64)
+    cfg = T.Gemma3TextConfig(**{**fields, **kw})
+    torch.manual_seed(seed)
+    return T.Gemma3ForCausalLM(cfg).eval()
+
+
+def tiny_dinov2(seed: int = 0, image_size: int = 16, cls=T.Dinov2Model, **extra):
+    """A random Dinov2 (LayerScale on), no two parameters alike."""
+    cfg = T.Dinov2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, mlp_ratio=2, patch_size=4,
+                         image_size=image_size, layerscale_value=0.5, **extra)
+    torch.manual_seed(seed)
+    model = cls(cfg).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():  # no two parameters alike (the ONNX exporter deduplicates equal initializers)
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return model
+
+
+def pixel_batch(seed: int, size: int = 16, n: int = 3) -> dict[str, torch.Tensor]:
+    """`n` random 3-channel images of `size` pixels, as a model's keyword inputs."""
+    return {"pixel_values": torch.randn(n, 3, size, size, generator=torch.Generator().manual_seed(seed))}
+
+
+def padded_ids(batch=2, seq=8, seed=0, vocab=100):
+    """Random token ids whose second row ends in three padding positions (attention_mask 0)."""
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    mask[1, -3:] = 0
+    return {"input_ids": torch.randint(2, vocab, (batch, seq), generator=g), "attention_mask": mask}

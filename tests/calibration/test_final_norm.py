@@ -11,9 +11,8 @@ from featcal.blocks.adapters import adapter_for
 from featcal.blocks.adapters.base import get_path
 from featcal.config import parse
 from featcal.errors import ConfigError
-from tests.blocks.test_dinov2 import _pixels, tiny_dinov2
 from tests.builders.reference_featcal import Crash, family_data, killed_after, max_abs_diff, noisy_family
-from tests.builders.tiny import family_of
+from tests.builders.tiny import family_of, padded_ids, pixel_batch, tiny_dinov2, tiny_gemma3
 
 FINAL = {"clip": "post_layernorm", "dinov2": "layernorm", "llama": "model.norm", "t5": "decoder.final_layer_norm",
          "vit": "layernorm", "gemma3": "model.norm"}
@@ -22,12 +21,11 @@ FINAL = {"clip": "post_layernorm", "dinov2": "layernorm", "llama": "model.norm",
 def _family_and_data(kind: str):
     if kind == "dinov2":
         base, experts, merged = family_of(tiny_dinov2())
-        return base, experts, merged, {t: [_pixels(i), _pixels(10 + i)] for i, t in enumerate(experts)}
+        return base, experts, merged, {t: [pixel_batch(i), pixel_batch(10 + i)] for i, t in enumerate(experts)}
     if kind == "gemma3":  # Gemma3RMSNorm, y = z·(1 + w): the solve on the stored w (test_gemma3.py says why)
-        from tests.blocks.test_gemma3 import _ids, tiny_gemma3
 
         base, experts, merged = family_of(tiny_gemma3())
-        return base, experts, merged, {t: [_ids(seed=2 * i), _ids(seed=2 * i + 1)] for i, t in enumerate(experts)}
+        return base, experts, merged, {t: [padded_ids(seed=2 * i), padded_ids(seed=2 * i + 1)] for i, t in enumerate(experts)}
     base, experts, merged = noisy_family(kind)
     return base, experts, merged, family_data(kind, experts)
 
