@@ -100,3 +100,25 @@ def conversations(n: int, seed: int = 0) -> list[list[dict]]:
         turns = [{"role": "user", "content": user[i]}, {"role": "assistant", "content": answer[i]}]
         out.append(([{"role": "system", "content": "w0 w1"}] if i % 3 == 0 else []) + turns)
     return out
+
+
+def cache_as_hub_dataset(root: Path, name: str, config: str, splits: dict[str, list[dict]]) -> Path:
+    """Lay out `splits` in a datasets cache as `load_dataset(name, config)` leaves a downloaded dataset."""
+    build = root / "build"
+    files = {}
+    for split, rows in splits.items():
+        files[split] = str(write_jsonl(root / f"{split}.jsonl", rows))
+    import datasets
+
+    datasets.load_dataset("json", data_files=files, cache_dir=str(build))
+    (built,) = (build / "json").iterdir()
+    (version,) = built.iterdir()
+    (fingerprint,) = (p for p in version.iterdir() if p.is_dir())
+    target = root / "cache" / name.replace("/", "___") / config / version.name / fingerprint.name
+    target.mkdir(parents=True)
+    info = json.loads((fingerprint / "dataset_info.json").read_text())
+    info["config_name"] = config
+    (target / "dataset_info.json").write_text(json.dumps(info))
+    for arrow in fingerprint.glob("*.arrow"):
+        arrow.rename(target / arrow.name.replace("json-", f"{name.split('/')[-1]}-"))
+    return root / "cache"

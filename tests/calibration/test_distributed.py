@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import transformers as T
@@ -16,55 +11,32 @@ from featcal.calibration.resume import CREATED, KILL_ENV, default_resume_dir
 from featcal.calibration.statistics import TaskSums
 from featcal.cli.main import main
 from featcal.errors import CalibrationDataError
+from tests.builders.distributed import max_param_diff, ranked_argv, torchrun
 from tests.builders.pipeline_family import bert_family, clip_family
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _argv(fam, out, n_examples):
-    argv = ["calibrate", "--base", str(fam["base"]), "--merged", str(fam["merged"]), "--out", str(out), "--no-progress",
-            "--num-calibration-examples", str(n_examples), "--calibration-batch-size", "2"]
-    for t, d in fam["experts"].items():
-        argv += ["--expert", f"{t}={d}"]
-    for t, d in fam["data"].items():
-        argv += ["--calib", f"{t}={d}"]
-    return argv
-
-
-def _torchrun(argv, **env) -> subprocess.CompletedProcess:
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src"), **env}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "featcal", *argv]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
-
-
-def _max_diff(cls, a: Path, b: Path) -> float:
-    sa, sb = cls.from_pretrained(a).state_dict(), cls.from_pretrained(b).state_dict()
-    assert sa.keys() == sb.keys()
-    return max(float((sa[k] - sb[k]).abs().max()) for k in sa if sa[k].is_floating_point())
 
 
 def test_two_gloo_ranks_match_one_process_bert_padding_uneven(tmp_path):
     fam = bert_family(tmp_path / "fam", n_texts=6)  # 3 batches per task: rank 0 runs two, rank 1 one
-    assert main(_argv(fam, tmp_path / "one", 6)) == 0
-    proc = _torchrun(_argv(fam, tmp_path / "two", 6))
+    assert main(ranked_argv(fam, tmp_path / "one", 6)) == 0
+    proc = torchrun(ranked_argv(fam, tmp_path / "two", 6))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "rank 0 of 2 (gloo backend)" in proc.stderr
-    assert _max_diff(T.BertModel, tmp_path / "one", tmp_path / "two") < 1e-5
+    assert max_param_diff(T.BertModel, tmp_path / "one", tmp_path / "two") < 1e-5
     assert proc.stdout.count("calibrated checkpoint:") == 1  # only rank 0 reports (and writes)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fam", "one", "two"]  # no resume state left
 
 
 def test_two_gloo_ranks_killed_then_resumed_match_one_process_clip(tmp_path):
     fam = clip_family(tmp_path / "fam", n_images=4)
-    assert main(_argv(fam, tmp_path / "one", 4)) == 0
-    killed = _torchrun(_argv(fam, tmp_path / "two", 4), **{KILL_ENV: "0"})
+    assert main(ranked_argv(fam, tmp_path / "one", 4)) == 0
+    killed = torchrun(ranked_argv(fam, tmp_path / "two", 4), **{KILL_ENV: "0"})
     assert killed.returncode != 0
     state = default_resume_dir(tmp_path / "two")
     assert {p.name for p in state.iterdir()} == {"rank-0-of-2", "rank-1-of-2", CREATED}  # CREATED: featcal made it
-    resumed = _torchrun(_argv(fam, tmp_path / "two", 4))
+    resumed = torchrun(ranked_argv(fam, tmp_path / "two", 4))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "1 block(s) already calibrated" in resumed.stderr
-    assert _max_diff(T.CLIPVisionModel, tmp_path / "one", tmp_path / "two") < 1e-5
+    assert max_param_diff(T.CLIPVisionModel, tmp_path / "one", tmp_path / "two") < 1e-5
     assert not state.exists()
 
 
@@ -89,9 +61,9 @@ def test_two_gloo_ranks_one_pass_matches_one_process_and_sequential(tmp_path):
     """block_statistics sequential_one_pass under torchrun: every stage's task sums all-reduced before its solve."""
     fam = bert_family(tmp_path / "fam", n_texts=6)  # 3 batches per task: rank 0 runs two, rank 1 one
     one_pass = ["--block-statistics", "sequential_one_pass"]
-    assert main(_argv(fam, tmp_path / "seq", 6) + ["--block-statistics", "sequential"]) == 0
-    assert main(_argv(fam, tmp_path / "one", 6) + one_pass) == 0
-    proc = _torchrun(_argv(fam, tmp_path / "two", 6) + one_pass)
+    assert main(ranked_argv(fam, tmp_path / "seq", 6) + ["--block-statistics", "sequential"]) == 0
+    assert main(ranked_argv(fam, tmp_path / "one", 6) + one_pass) == 0
+    proc = torchrun(ranked_argv(fam, tmp_path / "two", 6) + one_pass)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert _max_diff(T.BertModel, tmp_path / "one", tmp_path / "seq") == 0.0
-    assert _max_diff(T.BertModel, tmp_path / "one", tmp_path / "two") < 1e-5
+    assert max_param_diff(T.BertModel, tmp_path / "one", tmp_path / "seq") == 0.0
+    assert max_param_diff(T.BertModel, tmp_path / "one", tmp_path / "two") < 1e-5

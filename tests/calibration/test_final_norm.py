@@ -190,8 +190,8 @@ def test_two_gloo_ranks_solve_the_final_norm_of_one_process(tmp_path):
     import transformers as T
 
     from featcal.cli.main import main
+    from tests.builders.distributed import max_param_diff, ranked_argv, torchrun
     from tests.builders.pipeline_family import clip_family
-    from tests.calibration.test_distributed import _argv, _max_diff, _torchrun
 
     fam = clip_family(tmp_path / "fam", n_images=4)
     for i, d in enumerate(fam["experts"].values()):  # the family's norms are all ones: give the experts their own
@@ -201,10 +201,10 @@ def test_two_gloo_ranks_solve_the_final_norm_of_one_process(tmp_path):
             for p in expert.post_layernorm.parameters():
                 p.add_(0.2 * torch.randn(p.shape, generator=g))
         expert.save_pretrained(d)
-    assert main([*_argv(fam, tmp_path / "one", 4), "--calibrate-final-norm"]) == 0
-    proc = _torchrun([*_argv(fam, tmp_path / "two", 4), "--calibrate-final-norm"])
+    assert main([*ranked_argv(fam, tmp_path / "one", 4), "--calibrate-final-norm"]) == 0
+    proc = torchrun([*ranked_argv(fam, tmp_path / "two", 4), "--calibrate-final-norm"])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert _max_diff(T.CLIPVisionModel, tmp_path / "one", tmp_path / "two") < 1e-5
+    assert max_param_diff(T.CLIPVisionModel, tmp_path / "one", tmp_path / "two") < 1e-5
     one = T.CLIPVisionModel.from_pretrained(tmp_path / "one").post_layernorm.weight
     merged = T.CLIPVisionModel.from_pretrained(fam["merged"]).post_layernorm.weight
     assert not torch.equal(one, merged)

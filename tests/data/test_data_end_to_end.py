@@ -226,10 +226,10 @@ def test_text_and_csv_for_an_encoder_one_example_per_unit(bert, tmp_path, capsys
 
 
 def test_a_cached_hub_dataset_by_id(bert, tmp_path, capsys, fed, monkeypatch):
-    from tests.data.test_sources import _cache_as_hub_dataset
+    from tests.builders.data_fixtures import cache_as_hub_dataset
 
     texts = sentences(5, seed=8)
-    cache = _cache_as_hub_dataset(tmp_path, "acme/reviews", "main", {"train": [{"text": t} for t in texts]})
+    cache = cache_as_hub_dataset(tmp_path, "acme/reviews", "main", {"train": [{"text": t} for t in texts]})
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(cache))
     data = {"task0": "acme/reviews:main@train", "task1": "acme/reviews:main"}
     out = tmp_path / "out"

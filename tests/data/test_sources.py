@@ -7,9 +7,7 @@ one line; cached: read), in-memory lists and datasets; and every bad input as on
 
 from __future__ import annotations
 
-import json
 import time
-from pathlib import Path
 
 import datasets
 import numpy as np
@@ -19,7 +17,13 @@ from PIL import Image
 from featcal.data import Example, read_examples
 from featcal.data.sources import is_source
 from featcal.errors import CalibrationDataError
-from tests.builders.data_fixtures import conversations, sentences, write_jsonl, write_png_folder
+from tests.builders.data_fixtures import (
+    cache_as_hub_dataset,
+    conversations,
+    sentences,
+    write_jsonl,
+    write_png_folder,
+)
 
 
 def _texts(examples) -> list[str]:
@@ -183,29 +187,9 @@ def test_a_hub_id_offline_fails_fast_in_one_line(tmp_path, monkeypatch):
         read_examples("data/missing.jsonl")  # a path, not an id: never sent to the hub
 
 
-def _cache_as_hub_dataset(root: Path, name: str, config: str, splits: dict[str, list[dict]]) -> Path:
-    """Lay out `splits` in a datasets cache as `load_dataset(name, config)` leaves a downloaded dataset."""
-    build = root / "build"
-    files = {}
-    for split, rows in splits.items():
-        files[split] = str(write_jsonl(root / f"{split}.jsonl", rows))
-    datasets.load_dataset("json", data_files=files, cache_dir=str(build))
-    (built,) = (build / "json").iterdir()
-    (version,) = built.iterdir()
-    (fingerprint,) = (p for p in version.iterdir() if p.is_dir())
-    target = root / "cache" / name.replace("/", "___") / config / version.name / fingerprint.name
-    target.mkdir(parents=True)
-    info = json.loads((fingerprint / "dataset_info.json").read_text())
-    info["config_name"] = config
-    (target / "dataset_info.json").write_text(json.dumps(info))
-    for arrow in fingerprint.glob("*.arrow"):
-        arrow.rename(target / arrow.name.replace("json-", f"{name.split('/')[-1]}-"))
-    return root / "cache"
-
-
 def test_a_cached_hub_dataset_is_read_by_id_config_and_split(tmp_path, monkeypatch):
     train = [{"text": t, "label": i % 2} for i, t in enumerate(sentences(5))]
-    cache = _cache_as_hub_dataset(tmp_path, "acme/reviews", "main", {"train": train, "test": train[:2]})
+    cache = cache_as_hub_dataset(tmp_path, "acme/reviews", "main", {"train": train, "test": train[:2]})
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(cache))
     default = read_examples("acme/reviews:main")  # no split: its train split
     assert _texts(default) == [r["text"] for r in train] and default.describe()["split"] == "train"
