@@ -32,7 +32,7 @@ bench.md (each figure beside the `featcal` command that produced it) and bench-c
 --tiny builds a random LlamaForCausalLM (hidden 64, 4 blocks) with a byte-level BPE trained on the same
 domains (with --model gemma3: a Gemma3ForCausalLM, 6 blocks, 5 sliding-window + 1 global, with a
 character-level sentencepiece vocabulary), writes it as a GGUF file, and runs the same pipeline at two
-seeds with a few steps and windows, every stage in-process: what tests/test_decoder_bench.py runs.
+seeds with a few steps and windows, every stage in-process: what tests/benchmarks/test_decoder_bench.py runs.
 See docs/bench-decoder.md.
 """
 

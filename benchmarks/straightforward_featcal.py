@@ -2,7 +2,7 @@
 
 It is the independent yardstick of benchmarks/calibration_speed.py: the same method on the same work, with none
 of featcal's engineering (no shared Grams, no streamed experts, no cheaper cross moments), so that featcal's
-speed can be compared with it and its results checked against it (tests/test_straightforward_featcal.py). It
+speed can be compared with it and its results checked against it (tests/benchmarks/test_straightforward_featcal.py). It
 imports nothing from featcal; torch and the transformers model are all it reads.
 
 The demo's way: every expert in memory, every task's block inputs hm(t) / he(t) in memory; per block, the

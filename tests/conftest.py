@@ -1,10 +1,8 @@
-import sys
-from pathlib import Path
+"""Shared by every folder: tests import their builders as `tests.builders.*` (tests/ is a package)."""
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
@@ -22,3 +20,55 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+# --- the on-disk families (tests/builders/pipeline_family.py) most CLI and pipeline tests share ---------------
+# Module-scoped, as each file had them: a file needing another family of the same name defines its own fixture,
+# which takes precedence there.
+
+
+@pytest.fixture(scope="module")
+def clip(tmp_path_factory):
+    from tests.builders.pipeline_family import clip_family
+
+    return clip_family(tmp_path_factory.mktemp("clip"))
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory):
+    from tests.builders.pipeline_family import bert_family
+
+    return bert_family(tmp_path_factory.mktemp("bert"))
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    from tests.builders.pipeline_family import llama_family
+
+    return llama_family(tmp_path_factory.mktemp("llama"))
+
+
+# --- "before any work": a refusal must come before these run -------------------------------------------------
+
+
+@pytest.fixture
+def no_calibration_work(monkeypatch):
+    """Fail the test if the pipeline gets as far as loading a model or preprocessing data."""
+    import featcal.calibration.pipeline as pipeline
+
+    def boom(*a, **k):
+        raise AssertionError("calibration work started before the input was validated")
+
+    monkeypatch.setattr(pipeline, "load_model", boom)
+    monkeypatch.setattr(pipeline, "load_task_sources", boom)
+
+
+@pytest.fixture
+def no_merge_work(monkeypatch):
+    """Fail the test if merging starts before the input was validated."""
+    import featcal.merging.api as merge_api
+
+    def boom(*a, **k):
+        raise AssertionError("merging started before the input was validated")
+
+    monkeypatch.setattr(merge_api, "merge_family", boom)

@@ -16,7 +16,7 @@ tensors), so the support check needs no weights.
 
 Why the solve needs no conversion for c ≠ 0: the per-channel RMS solve γ = (Σt et γt + λ γ̄)/(Σt et + λ) is an
 affine blend whose coefficients sum to 1, and so is the anchor ρ·θm + (1−ρ)·θ0; solving on the stored w gives
-exactly the w whose c + w is the solve on γ = c + w (tests/test_gemma3.py checks it). Only z depends on the form.
+exactly the w whose c + w is the solve on γ = c + w (tests/blocks/test_gemma3.py checks it). Only z depends on the form.
 """
 
 from __future__ import annotations

@@ -70,16 +70,26 @@ def apply_threads(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
+def add_base_flag(p: argparse.ArgumentParser, required: bool) -> None:
+    """--base as merge, calibrate and plan read it."""
+    p.add_argument("--base", required=required,
+                   help="pretrained base checkpoint (directory, hub id, or a .gguf file / folder holding one)")
+
+
+def add_expert_flag(p: argparse.ArgumentParser, required: bool) -> None:
+    """--expert as merge, calibrate and plan read it: every kind of expert the front door opens."""
+    p.add_argument("--expert", action="append", metavar="NAME=PATH", required=required,
+                   help="a task's fine-tuned expert (repeat per task): a checkpoint, a .gguf file, or a LoRA/PEFT "
+                   "adapter folder (applied to the base)")
+
+
 def add_arguments(p: argparse.ArgumentParser, inputs_required: bool = True) -> None:
     """The calibrate arguments, shared with `featcal plan` (which can plan from a config alone: its
     `inputs_required` False leaves --base, --merged, --expert, --calib and --out for it to check)."""
     required = inputs_required
-    p.add_argument("--base", required=required,
-                   help="pretrained base checkpoint (directory, hub id, or a .gguf file / folder holding one)")
+    add_base_flag(p, required)
     p.add_argument("--merged", required=required, help="merged checkpoint to calibrate")
-    p.add_argument("--expert", action="append", metavar="NAME=PATH", required=required,
-                   help="a task's fine-tuned expert (repeat per task): a checkpoint, a .gguf file, or a LoRA/PEFT "
-                   "adapter folder (applied to the base)")
+    add_expert_flag(p, required)
     p.add_argument("--calib", action="append", metavar="NAME=DATA", required=required,
                    help="a task's calibration data (repeat per task): an image folder, a text file or folder, chat / "
                    "SFT .jsonl, .csv / .tsv, .parquet, a saved dataset, or a hub dataset id NAME[:CONFIG][@SPLIT] "

@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 
 from featcal.cli.calibrate_args import (
+    add_base_flag,
     add_config_flags,
+    add_expert_flag,
     add_output_flags,
     add_run_flags,
     config_from_args,
@@ -50,11 +52,8 @@ def register(subparsers) -> None:
         "tensor by tensor (RegMean, RegMean++ and WUDI load whole models; RegMean reads --calib data). "
         "The output is an ordinary Hugging Face checkpoint plus featcal.json.",
     )
-    p.add_argument("--base", required=True,
-                   help="pretrained base checkpoint (directory, hub id, or a .gguf file / folder holding one)")
-    p.add_argument("--expert", action="append", metavar="NAME=PATH", required=True,
-                   help="a task's fine-tuned expert (repeat per task): a checkpoint, a .gguf file, or a LoRA/PEFT "
-                   "adapter folder (applied to the base)")
+    add_base_flag(p, required=True)
+    add_expert_flag(p, required=True)
     p.add_argument("--out", required=True, help="output directory for the merged checkpoint")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--calib", action="append", metavar="NAME=DATA",

@@ -316,11 +316,13 @@ def atomic_output_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterat
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """atomic_write_text for bytes (a figure rendered in memory): readers never see half of the file."""
+    """Write a file through a temporary file and rename, so readers never see half of it (a figure rendered
+    in memory, a manifest's text)."""
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
-        os.chmod(tmp, 0o666 & ~current_umask())
+        os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp's files are always 0600
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()
@@ -333,18 +335,5 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write a text file through a temporary file and rename, so readers never see half of it."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp's files are always 0600
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    """atomic_write_bytes for text, in UTF-8."""
+    atomic_write_bytes(path, text.encode("utf-8"))

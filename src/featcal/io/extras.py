@@ -5,7 +5,7 @@ statistics variant, GGUF / ONNX inputs and the experiment apparatus (zoo, bench,
 packages that only their users want. A feature asks for its extra before any work, so a missing
 package is one line naming the install command, not a traceback halfway through a run.
 
-EXTRAS mirrors pyproject.toml's [project.optional-dependencies] (tests/test_packaging.py keeps the two
+EXTRAS mirrors pyproject.toml's [project.optional-dependencies] (tests/project/test_packaging.py keeps the two
 equal): import name -> the distribution pip installs.
 """
 

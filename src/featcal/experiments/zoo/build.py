@@ -36,7 +36,7 @@ from featcal.experiments.zoo.text_build import build_text, check_text_inputs
 from featcal.experiments.zoo.train import finetune, pixel_values
 from featcal.io.atomic import atomic_output_dir, check_output_dir, check_replaceable
 from featcal.io.models import hf_progress_bars, load_model
-from featcal.io.report import package_versions, peak_rss_mb
+from featcal.io.report import peak_rss_mb
 
 log = logging.getLogger(__name__)
 
@@ -184,11 +184,8 @@ def _build(root: Path, p: ZooPreset, seed: int, progress: bool, base_cache: Path
                   for n in p.tasks},
         "regime": {**regime, "ordered": ok},
         "pretrain": {**pre, "reused_from_cache": reused},
-        "timings_s": {k: round(v, 2) for k, v in timings.items()},
-        "threads": torch.get_num_threads(),
-        "versions": package_versions(),
     }
-    write_manifest(root, manifest, notes)
+    write_manifest(root, manifest, notes, timings)
 
 
 def _check_tasks(p: ZooPreset) -> None:

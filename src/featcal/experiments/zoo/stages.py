@@ -15,6 +15,7 @@ import torch
 
 from featcal.experiments.zoo.store import MANIFEST
 from featcal.io.atomic import atomic_write_text
+from featcal.io.report import package_versions
 
 log = logging.getLogger("featcal.experiments.zoo.build")
 
@@ -59,7 +60,10 @@ def regime_check(base: torch.nn.Module, base_sd: Mapping[str, torch.Tensor], vec
     return ta_acc, regime, ok
 
 
-def write_manifest(root: Path, manifest: Mapping[str, Any], notes: BuildLog) -> None:
-    """The zoo's manifest and build.log, written last (a build is complete once they are there)."""
-    atomic_write_text(root / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+def write_manifest(root: Path, manifest: Mapping[str, Any], notes: BuildLog, timings: Mapping[str, float]) -> None:
+    """The zoo's manifest and build.log, written last (a build is complete once they are there). Every zoo's
+    manifest ends with how it was built: its stage timings, torch's thread count and the package versions."""
+    provenance = {"timings_s": {k: round(v, 2) for k, v in timings.items()}, "threads": torch.get_num_threads(),
+                  "versions": package_versions()}
+    atomic_write_text(root / MANIFEST, json.dumps({**manifest, **provenance}, indent=2) + "\n")
     atomic_write_text(root / "build.log", "\n".join(notes.lines) + "\n")

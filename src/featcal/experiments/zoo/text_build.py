@@ -16,10 +16,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import torch
 from safetensors.torch import save_file
-from tqdm import tqdm
 
 from featcal.blocks.heads import CosineHead
 from featcal.evaluation.classification import accuracy, pooled_features
@@ -41,8 +39,8 @@ from featcal.experiments.zoo.text_sources import (
     model_path,
 )
 from featcal.experiments.zoo.text_tasks import TEXT_TASKS, split_examples, task_examples
-from featcal.experiments.zoo.train import schedule
-from featcal.io.report import package_versions, peak_rss_mb
+from featcal.experiments.zoo.train import few_shot_rows, frozen_head_steps
+from featcal.io.report import peak_rss_mb
 
 log = logging.getLogger(__name__)
 
@@ -62,15 +60,6 @@ def as_inputs(stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.long() for k, v in stored.items()}
 
 
-def few_shot_rows(labels: np.ndarray, n_classes: int, shots: int) -> np.ndarray:
-    """The first `shots` training examples of every class (the split is already shuffled by the seed)."""
-    rows = [np.flatnonzero(labels == c)[:shots] for c in range(n_classes)]
-    missing = [c for c, r in enumerate(rows) if len(r) == 0]
-    if missing:
-        raise ValueError(f"classes {missing} have no training example for the head")
-    return np.sort(np.concatenate(rows))
-
-
 def finetune_text(model, head: torch.nn.Module, inputs: Inputs, labels: torch.Tensor, settings, seed: int,
                   desc: str, progress: bool) -> float:
     """Fine-tune the whole encoder in place through a FROZEN head (mean pooling); return the last loss."""
@@ -80,21 +69,10 @@ def finetune_text(model, head: torch.nn.Module, inputs: Inputs, labels: torch.Te
         p.requires_grad_(False)
     params = [p for n, p in model.named_parameters() if not n.startswith("pooler.")]  # unused by mean pooling
     opt = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule(settings.warmup, settings.steps))
-    model.train()
-    loss = torch.zeros(())
-    n = num_examples(inputs)
-    for _ in tqdm(range(settings.steps), desc=desc, disable=not progress, leave=False):
-        idx = torch.randint(0, n, (settings.batch_size,), generator=g)
-        batch = select(inputs, idx)
-        loss = torch.nn.functional.cross_entropy(head(features(model, batch, "mean")), labels[idx])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
-    model.eval()
-    return float(loss.item())
+    return frozen_head_steps(
+        model, opt, params, num_examples(inputs), settings, g, desc, progress,
+        lambda idx: torch.nn.functional.cross_entropy(head(features(model, select(inputs, idx), "mean")), labels[idx]),
+    )
 
 
 def build_text(root: Path, p: TextZooPreset, seed: int, progress: bool, sources: str | None = None,
@@ -198,8 +176,5 @@ def build_text(root: Path, p: TextZooPreset, seed: int, progress: bool, sources:
                   for n in p.tasks},
         "regime": {**regime, "ordered": ok},
         "finetune": p.finetune.__dict__,
-        "timings_s": {k: round(v, 2) for k, v in timings.items()},
-        "threads": torch.get_num_threads(),
-        "versions": package_versions(),
     }
-    write_manifest(root, manifest, notes)
+    write_manifest(root, manifest, notes, timings)

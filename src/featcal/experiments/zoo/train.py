@@ -69,16 +69,37 @@ def finetune(model, head: torch.nn.Module, images: np.ndarray, labels: np.ndarra
         opt = torch.optim.AdamW(groups, lr=settings.lr, weight_decay=settings.weight_decay)
     else:
         raise ValueError(f"unknown optimizer {settings.optimizer!r}")
+    return frozen_head_steps(
+        model, opt, list(model.parameters()), len(x), settings, g, desc, progress,
+        lambda idx: torch.nn.functional.cross_entropy(head(model(pixel_values=x[idx]).pooler_output), y[idx]),
+    )
+
+
+def frozen_head_steps(model, opt: torch.optim.Optimizer, params: list[torch.nn.Parameter], n: int,
+                      settings: FinetuneSettings, g: torch.Generator, desc: str, progress: bool,
+                      batch_loss: Callable[[torch.Tensor], torch.Tensor]) -> float:
+    """The fine-tuning loop every zoo shares: `settings.steps` minibatches of `settings.batch_size` rows drawn
+    from `n` with `g`, `batch_loss(rows)` minimised under the warm-up + cosine schedule with `params`' gradient
+    norm clipped to 1; the model is left in eval mode. Returns the last loss."""
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule(settings.warmup, settings.steps))
     model.train()
     loss = torch.zeros(())
     for _ in tqdm(range(settings.steps), desc=desc, disable=not progress, leave=False):
-        idx = torch.randint(0, len(x), (settings.batch_size,), generator=g)
-        loss = torch.nn.functional.cross_entropy(head(model(pixel_values=x[idx]).pooler_output), y[idx])
+        idx = torch.randint(0, n, (settings.batch_size,), generator=g)
+        loss = batch_loss(idx)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         sched.step()
     model.eval()
     return float(loss.item())
+
+
+def few_shot_rows(labels: np.ndarray, n_classes: int, shots: int, unit: str = "example") -> np.ndarray:
+    """The first `shots` training rows of every class (the split is already shuffled by the seed)."""
+    rows = [np.flatnonzero(labels == c)[:shots] for c in range(n_classes)]
+    missing = [c for c, r in enumerate(rows) if len(r) == 0]
+    if missing:
+        raise ValueError(f"classes {missing} have no training {unit} for the head")
+    return np.sort(np.concatenate(rows))

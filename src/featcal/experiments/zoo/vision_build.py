@@ -20,7 +20,6 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors.torch import save_file
-from tqdm import tqdm
 
 from featcal.blocks.heads import CosineHead
 from featcal.evaluation.classification import accuracy, pooled_features
@@ -32,11 +31,11 @@ from featcal.experiments.zoo.stages import (
     task_vector,
     write_manifest,
 )
-from featcal.experiments.zoo.train import schedule
+from featcal.experiments.zoo.train import few_shot_rows, frozen_head_steps
 from featcal.experiments.zoo.vision_presets import VisionRealPreset
 from featcal.experiments.zoo.vision_sources import SOURCES, backbone_dir, check_sources
 from featcal.experiments.zoo.vision_tasks import VISION_TASKS, imagenet_pixels, task_splits
-from featcal.io.report import package_versions, peak_rss_mb
+from featcal.io.report import peak_rss_mb
 
 log = logging.getLogger(__name__)
 
@@ -78,14 +77,6 @@ def save_checkpoint(model, directory: Path) -> None:
               metadata={"format": "pt"})
 
 
-def few_shot_rows(labels: np.ndarray, n_classes: int, shots: int) -> np.ndarray:
-    rows = [np.flatnonzero(labels == c)[:shots] for c in range(n_classes)]
-    missing = [c for c, r in enumerate(rows) if len(r) == 0]
-    if missing:
-        raise ValueError(f"classes {missing} have no training image for the head")
-    return np.sort(np.concatenate(rows))
-
-
 def finetune_vision(model, head: torch.nn.Module, images: np.ndarray, labels: np.ndarray, settings, seed: int,
                     desc: str, progress: bool) -> float:
     """Fine-tune the whole encoder in place through a FROZEN head (class token); return the last loss."""
@@ -95,20 +86,12 @@ def finetune_vision(model, head: torch.nn.Module, images: np.ndarray, labels: np
         q.requires_grad_(False)
     params = [q for n, q in model.named_parameters() if n != "embeddings.mask_token"]  # unused without masks
     opt = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule(settings.warmup, settings.steps))
     x, y = torch.from_numpy(images), torch.from_numpy(labels)
-    model.train()
-    loss = torch.zeros(())
-    for _ in tqdm(range(settings.steps), desc=desc, disable=not progress, leave=False):
-        idx = torch.randint(0, len(x), (settings.batch_size,), generator=g)
-        loss = torch.nn.functional.cross_entropy(head(model(pixel_values=imagenet_pixels(x[idx])).pooler_output), y[idx])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
-    model.eval()
-    return float(loss.item())
+    return frozen_head_steps(
+        model, opt, params, len(x), settings, g, desc, progress,
+        lambda idx: torch.nn.functional.cross_entropy(head(model(pixel_values=imagenet_pixels(x[idx])).pooler_output),
+                                                      y[idx]),
+    )
 
 
 def build_vision_real(root: Path, p: VisionRealPreset, seed: int, progress: bool, sources: str | None = None,
@@ -147,7 +130,7 @@ def build_vision_real(root: Path, p: VisionRealPreset, seed: int, progress: bool
     heads, base_acc = {}, {}
     for name in p.tasks:
         x, y = splits[name]["train"]
-        rows = few_shot_rows(y, len(VISION_TASKS[name].classes), p.head_shots)
+        rows = few_shot_rows(y, len(VISION_TASKS[name].classes), p.head_shots, unit="image")
         feats = pooled_features(base, imagenet_pixels(x[rows]))
         heads[name] = CosineHead.from_features(feats, torch.from_numpy(y[rows]), len(VISION_TASKS[name].classes),
                                                p.head_scale)
@@ -210,8 +193,5 @@ def build_vision_real(root: Path, p: VisionRealPreset, seed: int, progress: bool
                   for n in p.tasks},
         "regime": {**regime, "ordered": ok},
         "finetune": p.finetune.__dict__,
-        "timings_s": {k: round(v, 2) for k, v in timings.items()},
-        "threads": torch.get_num_threads(),
-        "versions": package_versions(),
     }
-    write_manifest(root, manifest, notes)
+    write_manifest(root, manifest, notes, timings)
