@@ -14,7 +14,7 @@ from pathlib import Path
 
 import featcal
 
-# floor of each top-level part of featcal (README, "Layout")
+# floor of each top-level part of featcal (docs/layout.md)
 FLOORS: dict[str, int] = {
     "errors": 0,
     "config": 1, "io": 1,

@@ -1,6 +1,6 @@
 """One naming for a family whose checkpoints were saved in different layouts.
 
-Why: the hub's own pairings do not share tensor names. The README's CLIP commands pair a full
+Why: the hub's own pairings do not share tensor names. The CLIP commands of docs/quickstart.md pair a full
 `CLIPModel` base (openai/clip-vit-base-patch32) with experts that are `CLIPVisionModel`s saved by
 transformers 4 (every key under `vision_model.`); FLAN-T5 experts saved by transformers 4 store the
 tied embeddings (`encoder.embed_tokens.weight`, ...) that a transformers-5 base stores once; some
