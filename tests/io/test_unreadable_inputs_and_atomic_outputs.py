@@ -22,7 +22,7 @@ import featcal.merging.writer as writer
 from featcal import merge
 from featcal.calibration.engine import FeatCalEngine
 from featcal.calibration.resume import default_resume_dir
-from featcal.io import atomic
+from featcal.io import atomic, interrupts
 from featcal.io.atomic import OutputWriteError, atomic_output_dir
 from featcal.merging.mergers import TaskArithmetic
 from tests.builders.guarantees import (
@@ -312,6 +312,7 @@ def test_sigterm_cleans_up_like_ctrl_c(clip, tmp_path, capsys, monkeypatch):
     assert rc == 130 and "featcal: terminated (SIGTERM);" in err and "left untouched" in err
     assert not out.exists() and leftovers(tmp_path) == []
     assert signal.getsignal(signal.SIGTERM) is handler  # main() restores the previous handler
+    assert not interrupts.requested()  # and forgets the request: a later call in this process is not stopped
 
 
 def test_python_api_lets_ctrl_c_through_untouched(clip, tmp_path, monkeypatch, old_output):

@@ -50,4 +50,8 @@ def install() -> Any:
 
 
 def restore(previous: Any) -> None:
+    """Put the previous handler back and forget the request: the command that saw it has ended (and said so),
+    and a later library call in the same process (a notebook, a test) must not stop on a stale flag."""
+    global _requested
     signal.signal(signal.SIGTERM, previous)
+    _requested = False
