@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 
-def featcal(*argv: str) -> subprocess.CompletedProcess:
+def run_featcal(*argv: str) -> subprocess.CompletedProcess:
     exe = Path(sys.executable).parent / "featcal"  # the console script pip installed
     return subprocess.run([str(exe), *argv], capture_output=True, text=True, timeout=600)
 
@@ -41,37 +41,37 @@ def main(tests: Path, work: Path) -> None:
     present = sorted({m for modules in EXTRAS.values() for m in modules if installed(m)})
     check(not present, f"no extra's package installed (found: {present or 'none'})")
 
-    run = featcal("--version")
+    run = run_featcal("--version")
     version = importlib.metadata.version("featcal")
     check(run.returncode == 0 and run.stdout.strip() == f"featcal {version}" == f"featcal {featcal.__version__}",
           f"featcal --version prints {run.stdout.strip()!r}", run)
 
-    sys.path.insert(0, str(tests))
-    from test_data_support import save_tokenizer
-    from test_pipeline_support import bert_family
+    sys.path.insert(0, str(tests.parent))  # the repository root, so `tests.builders` imports as the suite imports it
+    from tests.builders.data_fixtures import save_tokenizer
+    from tests.builders.pipeline_family import bert_family
 
     fam = bert_family(work / "family")
     save_tokenizer(fam["base"], "bert")  # the merge carries the base's tokenizer, which calibration needs
     experts = [a for t, d in fam["experts"].items() for a in ("--expert", f"{t}={d}")]
     calib = [a for t, d in fam["data"].items() for a in ("--calib", f"{t}={d}")]
     merged = work / "merged"
-    run = featcal("merge", "--base", str(fam["base"]), *experts, "--out", str(merged), "--method", "task_arithmetic",
+    run = run_featcal("merge", "--base", str(fam["base"]), *experts, "--out", str(merged), "--method", "task_arithmetic",
                   "--no-progress")
     check(run.returncode == 0 and (merged / "model.safetensors").is_file(), "featcal merge (task_arithmetic)", run)
 
     calibrate = ["calibrate", "--base", str(fam["base"]), "--merged", str(merged), *experts, *calib,
                  "--num-calibration-examples", "4", "--calibration-batch-size", "2", "--no-progress"]
-    run = featcal(*calibrate, "--out", str(work / "calibrated"))
+    run = run_featcal(*calibrate, "--out", str(work / "calibrated"))
     check(run.returncode == 0 and (work / "calibrated" / "model.safetensors").is_file()
           and "calibrated checkpoint" in run.stdout, "featcal calibrate", run)
 
-    run = featcal(*calibrate, "--out", str(work / "plotted"), "--plot")
+    run = run_featcal(*calibrate, "--out", str(work / "plotted"), "--plot")
     check(refused(run, "plot") and not (work / "plotted").exists(),
           "calibrate --plot without matplotlib: one line naming featcal[plot], nothing written", run)
-    run = featcal(*calibrate, "--out", str(work / "one-pass"), "--block-statistics", "sequential_one_pass")
+    run = run_featcal(*calibrate, "--out", str(work / "one-pass"), "--block-statistics", "sequential_one_pass")
     check(refused(run, "one-pass"), "block_statistics sequential_one_pass without greenlet names featcal[one-pass]",
           run)
-    run = featcal("bench", "--preset", "tiny", "--out", str(work / "bench"))
+    run = run_featcal("bench", "--preset", "tiny", "--out", str(work / "bench"))
     check(refused(run, "bench"), "featcal bench without its packages names featcal[bench]", run)
 
 

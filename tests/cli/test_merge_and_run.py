@@ -9,6 +9,7 @@ import yaml
 
 from featcal.cli.main import main
 from featcal.io.checkpoint import CheckpointReader
+from tests.builders.pipeline_family import clip_family
 from tests.builders.tiny import make_family, without_log_lines
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -168,7 +169,6 @@ def test_run_missing_file(tmp_path, capsys):
 
 
 def test_run_calibrate_checks_tasks_before_merging(clip, tmp_path, capsys):
-    pytest.importorskip("featcal.calibration.pipeline")
     base, experts = clip
     run = _write_run(tmp_path / "run.yaml", {
         "merge": {"base": str(base), "experts": {n: str(p) for n, p in experts.items()}},
@@ -181,9 +181,7 @@ def test_run_calibrate_checks_tasks_before_merging(clip, tmp_path, capsys):
 
 
 def test_run_merge_then_calibrate(tmp_path, capsys):
-    pytest.importorskip("featcal.calibration.pipeline")
-    support = pytest.importorskip("test_pipeline_support")
-    fam = support.clip_family(tmp_path / "fam")
+    fam = clip_family(tmp_path / "fam")
     out = tmp_path / "calibrated"
     run = _write_run(tmp_path / "run.yaml", {
         "merge": {"base": str(fam["base"]), "experts": {n: str(p) for n, p in fam["experts"].items()},

@@ -61,3 +61,17 @@ def test_every_relative_link_resolves(page):
 def test_the_anchor_rule():
     page = REPO / "docs" / "bench-vision-real.md"
     assert "surgery--probsurgery-at-seeds-1-and-2-256-per-task-cached-features-2026-12-04" in anchors(page)
+
+
+TEST_PATH = re.compile(r"\btests/(?:[\w]+/)*test_\w+\.py\b")
+NAMING_FILES = [*PAGES, *sorted((REPO / "src" / "featcal").rglob("*.py")), *sorted((REPO / "benchmarks").rglob("*.py"))]
+
+
+def test_every_test_file_named_in_docs_and_code_exists():
+    """A test file named in prose (`tests/calibration/test_prefetch.py`) exists: after tests/ moved into
+    folders, five pages and comments still named the old flat paths."""
+    missing = sorted({f"{p.relative_to(REPO)}: {m}" for p in NAMING_FILES for m in TEST_PATH.findall(p.read_text())
+                      if not (REPO / m).is_file()})
+    assert TEST_PATH.findall("see tests/calibration/test_prefetch.py and tests/test_x.py") == [
+        "tests/calibration/test_prefetch.py", "tests/test_x.py"]
+    assert not missing, missing

@@ -134,3 +134,37 @@ def test_merge_and_calibrate_run_without_any_extra(tmp_path):
     assert (tmp_path / "calibrated" / "model.safetensors").is_file() and not (tmp_path / "plotted").exists()
     errors = [line for line in run.stderr.splitlines() if line.startswith("featcal: error:")]
     assert [re.search(r"featcal\[([a-z-]+)\]", e).group(1) for e in errors] == ["plot", "one-pass", "bench"]
+
+
+def _ci_scripts() -> list[Path]:
+    return sorted((ROOT / ".ci").glob("*.py"))
+
+
+@pytest.mark.parametrize("script", _ci_scripts(), ids=lambda p: p.name)
+def test_ci_scripts_import_what_exists_and_shadow_nothing(script):
+    """The clean-install check runs only in CI, after minutes of installing; a moved test builder or a local
+    import that shadows one of the script's own functions (`import featcal` hiding `def featcal`) failed it there.
+    Here: every `from X import Y` resolves (the project's own names included), and no function binds a name that the
+    module defines at top level."""
+    import ast
+    import importlib
+    import importlib.util
+    import symtable
+
+    source = script.read_text()
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            assert importlib.util.find_spec(node.module.split(".")[0]) is not None, f"{script.name}: {node.module}"
+            if node.module.split(".")[0] not in {"tests", "featcal"}:
+                continue
+            module = importlib.import_module(node.module)
+            for alias in node.names:
+                assert hasattr(module, alias.name), f"{script.name}: {node.module} has no {alias.name}"
+    top = symtable.symtable(source, str(script), "exec")
+    defined = {c.get_name() for c in top.get_children() if c.get_type() in ("function", "class")}
+    for child in top.get_children():
+        if child.get_type() != "function":
+            continue
+        shadowed = {s.get_name() for s in child.get_symbols() if s.is_local() and s.get_name() in defined}
+        assert not shadowed, f"{script.name}: {child.get_name()}() rebinds {sorted(shadowed)}"

@@ -5,7 +5,7 @@ it, read ahead from its files on a background thread (prefetch.py). Resident: ev
 on the calibration device, in the template's dtype, and nothing is offloaded; then the template's parameters are
 pointed at the expert's own tensors (no copy per block, no template-sized second model kept: its own values are
 released as they are replaced). Nothing writes into the template's parameters, so the experts are never modified;
-the forwards read the same values, so the result is bit for bit the streamed one (tests/test_prefetch.py).
+the forwards read the same values, so the result is bit for bit the streamed one (tests/calibration/test_prefetch.py).
 
 The choice is recorded in featcal.json as {"experts": "resident" | "streamed", "why": ...}.
 """

@@ -15,7 +15,7 @@ When every batch of every task waits at stage k, the stage is solved and loaded;
 the stage's modules with the solved weights. What the merged forwards finally return is the calibrated block's
 output, so they are also the propagation; the expert forwards' outputs advance the expert chains. The same
 operations run on the same inputs in the same order as in "sequential", so the solved parameters are the same
-(tests/test_one_pass.py).
+(tests/calibration/test_one_pass.py).
 
 The cost is memory: every batch's two paused forwards are held at once (their live activations: a few block
 inputs' worth per batch and side, more inside an MLP), with one copy of the expert's block per task. The

@@ -118,7 +118,7 @@ def surgery_rows(
     """Surgery/ProbSurgery on top of one merge, trained on FeatCal's calibration batches.
 
     recompute_features (the default) runs the frozen models every step, the authors' procedure and cost;
-    False computes the features once: the same trained modules to round-off (tests/test_baselines_api.py),
+    False computes the features once: the same trained modules to round-off (tests/experiments/test_baselines_api.py),
     in a fraction of the time, for accuracy figures only (--surgery-features cached)."""
     from featcal.experiments.baselines.api import run_baseline
 
