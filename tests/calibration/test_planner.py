@@ -58,7 +58,9 @@ def test_estimate_within_25_percent_of_measured_peak_rss(tmp_path):
     estimated = _mib(plan.stdout)
     models = [float(m) for m in re.findall(r"(?:merged model|expert template)\s+([0-9.]+) MiB", plan.stdout)]
     baseline = float(re.search(r"process baseline\s+([0-9.]+) MiB", plan.stdout).group(1))
-    assert sum(models) > baseline  # the test measures the model, not the interpreter
+    # the test measures the model, not the interpreter: the merged model is most of what is planned beyond the
+    # baseline (the template holds its stems and one block, so a planned second copy would be off by > 25 %)
+    assert models[0] > 0.5 * baseline and models[1] < 0.1 * models[0]
     run = _featcal(*calibrate_argv(fam, tmp_path / "out", "--no-resume"))  # resume adds no memory, only time
     assert run.returncode == 0, run.stderr[-2000:]
     measured = json.loads((tmp_path / "out" / "featcal.json").read_text())["peak_rss_mb"]
@@ -133,7 +135,10 @@ def test_offload_plan_moves_the_block_transients_to_the_device():
     assert capture["stems"] == 2 * 5_000 * 4
     assert off.device_total == max(sum(block.values()), sum(capture.values()))
     saved = parts["statistics"] + parts["activations"] + parts["base anchors"]
-    assert whole.total - off.total == saved - host["tensor in transit"]
+    assert parts["expert template"] == (100_000 - 2 * 10_000 + 10_000) * 4  # all but the blocks, and one block
+    # offloading, the template's current block is on the device ("expert block"), not in the host's template
+    assert host["expert template"] == parts["expert template"] - block["expert block"]
+    assert whole.total - off.total == saved + block["expert block"] - host["tensor in transit"]
 
 
 def test_stem_count_is_what_offloading_moves():

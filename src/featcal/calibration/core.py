@@ -33,6 +33,7 @@ from featcal.calibration.inputs import (
 from featcal.calibration.param_names import needed_param_names
 from featcal.calibration.placement import Placement
 from featcal.calibration.result import CalibrationResult, DriftRow
+from featcal.calibration.template import expert_template
 from featcal.config import FeatCalConfig
 from featcal.data.batch import Batch
 from featcal.io.family import open_family
@@ -181,7 +182,7 @@ def calibrate_setting(
     group = current_group()
     data = _calibration_data(model, adapter, adapter.main_input(model, stacks[0]), experts, calibration, group)
     store = _open_resume_store(config, model, base, experts, data, group, expert_kind)
-    template = copy.deepcopy(model)  # expert t's weights are loaded into this, block by block
+    template = expert_template(model, stacks)  # stems held; each block's storage only while it is calibrated
     final = adapter.final_norm(model, stacks[-1]) if config.calibrate_final_norm else None
     stem = adapter.stem_norm(model, stacks[0]) if config.calibrate_stem_norm else None
     solved_norms = [n for norm in (stem, final) if norm is not None for n in norm.param_names()]

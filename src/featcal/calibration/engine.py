@@ -8,13 +8,13 @@ For each stack (one for encoders and decoders, two for T5) the engine
    batch's full forward checks that the engine's replay is what the model does (replay.py);
 2. calibrates each block with the gatherer `block_statistics` names (gather.py: "as_merged", the paper's,
    and "sequential"; one_pass.py: "sequential_one_pass"): for block l, task by task, expert t's block-l
-   weights are loaded into an expert "template" model and run on he(t) batch by batch (hooks.py keeps, for
-   that batch only, each group's expert input xe or each Linear's expert output ye), the merged block l
-   runs on hm(t) (hooks fold xs, xe / ye and the norms' normalised inputs into float32 sums), and he(t)
-   advances; each finished task is folded into per-task-normalised float64 sums (statistics.py), every
-   Linear / LayerNorm / RMSNorm of the block is solved in closed form (solves.py), the solution loaded,
-   and hm(t) propagated through the CALIBRATED block. The gatherers work through context.py's
-   BlockContext, never through the engine.
+   weights are loaded into an expert "template" model (template.py: its stems held, block l given storage
+   while it is calibrated) and run on he(t) batch by batch (hooks.py keeps, for that batch only, each
+   group's expert input xe or each Linear's expert output ye), the merged block l runs on hm(t) (hooks fold
+   xs, xe / ye and the norms' normalised inputs into float32 sums), and he(t) advances; each finished task
+   is folded into per-task-normalised float64 sums (statistics.py), every Linear / LayerNorm / RMSNorm of
+   the block is solved in closed form (solves.py), the solution loaded, and hm(t) propagated through the
+   CALIBRATED block. The gatherers work through context.py's BlockContext, never through the engine.
 
 With `offload_blocks` (placement.py) the models and chains stay on the host: the stems go to the
 device for step 1, block l of both models for step 2, and each batch's chain entries as they are used.
@@ -57,9 +57,10 @@ from featcal.calibration.placement import Placement
 from featcal.calibration.prefetch import BlockReader
 from featcal.calibration.replay import check_context_replay
 from featcal.calibration.resume import Position, ResumeStateError, ResumeStore, common_position
+from featcal.calibration.template import block_storage
 from featcal.config import FeatCalConfig
 from featcal.data.batch import Batch
-from featcal.io import interrupts
+from featcal.io import host_allocator, interrupts
 from featcal.io.param_sources import ParamSource
 
 log = logging.getLogger("featcal.calibration")
@@ -309,8 +310,10 @@ class FeatCalEngine:
         total = sum(len(self.ctx.batches(t)) for t in self.ctx.tasks) * 2
         bar = tqdm(total=total, desc=f"featcal {stack.name} block {layer}", disable=not self.progress, leave=False)
         block = self.ctx.block(stack, layer, n_blocks)
-        with self.place.blocks(block.merged, block.expert):  # offloading: only these two
-            drift = BLOCK_STATISTICS[self.cfg.block_statistics](block, bar)
+        with self.place.blocks(block.merged, block.expert), block_storage(block.expert, block.merged):
+            drift = BLOCK_STATISTICS[self.cfg.block_statistics](block, bar)  # offloading: only these two on the device
+        if max(p.nbytes for p in block.merged.parameters()) >= host_allocator.MMAP_THRESHOLD_START:
+            host_allocator.release_free_pages()  # what this block freed, not carried into the next one's peak
         bar.close()
         record = {
             "block": self._block_counter, "stack": stack.name, "layer": layer,

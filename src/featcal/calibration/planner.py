@@ -4,7 +4,7 @@ What a `featcal calibrate` process holds at its peak (during a block, models and
 
 - the process baseline: Python + torch + transformers + featcal, measured (RSS of the planning
   process after those imports; `featcal plan` runs in a fresh process, so it sees what calibrate sees);
-- the merged model and one expert "template" of the same architecture, as loaded (float32);
+- the merged model, as loaded (float32), and one expert "template": its stems and one block (template.py);
 - the calibration inputs of every task (pixel values, or token ids + masks at --max-length);
 - the chains: tasks × examples × tokens × hidden × bytes(chain_dtype) × 2 sides (merged, expert),
   plus their block contexts (attention masks; T5's position bias), for this rank's share of the batches;
@@ -255,7 +255,7 @@ def estimate(shape: ModelShape, *, tasks: int, config: FeatCalConfig, baseline_b
     comps = [
         Component("process baseline", baseline_bytes, "python + torch + transformers + featcal (measured)"),
         Component("merged model", model, f"{shape.param_count:,} parameters and buffers, float32"),
-        Component("expert template", model, "a second copy of the architecture, expert weights loaded block by block"),
+        _template(shape, block_params),
         Component("calibration inputs", tasks * n * shape.input_bytes, f"{tasks} task(s) × {n} examples"),
         Component("chains", chains_local, (f"spilled to {config.spill_dir}: one batch in RAM" if spilled else
                   f"2 sides × {tasks} task(s) × {local} examples × {s0.tokens} tokens × {s0.hidden} hidden × "
@@ -279,6 +279,14 @@ def on_accelerator(device: str) -> bool:
 
         return bool(torch.cuda.is_available())
     return device != "cpu"
+
+
+def _template(shape: ModelShape, block_params: int, where: str = "") -> Component:
+    """The expert template (template.py): everything outside the blocks, and `block_params` of storage for the
+    block being calibrated (0 with offloading: that block lives on the device, the "expert block" line)."""
+    in_blocks = sum(b.param_count for s in shape.stacks for b in s.blocks)
+    return Component("expert template", (shape.param_count - in_blocks + block_params) * 4,
+                     f"the merged model's stems and one block, float32, expert weights loaded block by block{where}")
 
 
 READ_AHEAD = "expert blocks read ahead"
@@ -333,7 +341,7 @@ def _offloaded(shape: ModelShape, *, tasks: int, config: FeatCalConfig, baseline
     host = [
         Component("process baseline", baseline_bytes, "python + torch + transformers + featcal (measured)"),
         Component("merged model", model, f"{shape.param_count:,} parameters and buffers, float32, on the host"),
-        Component("expert template", model, "a second copy of the architecture, on the host"),
+        _template(shape, 0, ", on the host (its current block is the device's 'expert block')"),
         Component("calibration inputs", tasks * n * shape.input_bytes, f"{tasks} task(s) × {n} examples"),
         Component("chains", chains_local, (f"spilled to {config.spill_dir}: one batch in RAM" if spilled else
                   f"on the host: 2 sides × {tasks} task(s) × {local} examples × {s0.tokens} tokens × {s0.hidden} "
