@@ -111,9 +111,10 @@ def release_free_pages(at_least: int = RELEASE_AT) -> bool:
 
     Why: with glibc's dynamic mmap threshold, a block's freed statistics and activations stay in the heap,
     fragmented, and were counted in the next block's peak RSS: 900 to 1,226 MiB over four identical runs of
-    the planner's test model (96 small blocks), 896 to 919 MiB over seven trimming after every block. Trimming
-    costs a walk over the heap and faults the pages in again when they are reused, hence the threshold: only
-    when there is enough to give back (callers skip it for work on tensors below MMAP_THRESHOLD_START)."""
+    the planner's test model (96 small blocks); 896 to 919 MiB over seven trimming after every block, 922 to
+    989 MiB over four with the threshold below. Trimming costs a walk over the heap and faults the pages in
+    again when they are reused, hence the threshold: only when there is enough to give back (callers skip it
+    for work on tensors below MMAP_THRESHOLD_START)."""
     if _kept["pages"] or "MALLOC_TRIM_THRESHOLD_" in os.environ:  # `tuned` (or the environment) keeps them
         return False
     free = free_heap_bytes()
