@@ -6,14 +6,14 @@ For every linear layer's weight (nn.Linear; transformers' Conv1D read as out × 
     τ_m = argmin Σ_t (1/‖τ_t‖²_F) ‖(τ_m − τ_t) τ_tᵀ‖²_F
 by Adam from τ_m = Σ_t τ_t: the rows of a task vector span (approximately) the inputs that task
 feeds the layer, so the interference of τ_m with task t is measured on them without data.
-As in the published code: Adam (lr 1e-5, no weight decay), 300 iterations, full objective each
-step; every other tensor (biases, norms, embeddings, tied LM heads) takes the mean task vector.
+As in the published code: Adam (lr 1e-5, no weight decay), 300 iterations, the whole objective's
+gradient each step (here in closed form, `wudi_gradient`: the objective is quadratic); every other tensor (biases, norms, embeddings, tied LM heads) takes the mean task vector.
 The result is θ_0 + τ_m.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -29,41 +29,58 @@ def wudi_objective(merged_tv: torch.Tensor, task_vectors: torch.Tensor) -> torch
     """Σ_t ‖(τ_m − τ_t) τ_tᵀ‖²_F / ‖τ_t‖²_F for task_vectors [T, out, in]; a zero τ_t contributes 0."""
     diff = merged_tv.unsqueeze(0) - task_vectors
     product = torch.matmul(diff, task_vectors.transpose(1, 2))
+    return (product.pow(2).sum(dim=(1, 2)) * inverse_norm_weights(task_vectors)).sum()
+
+
+def inverse_norm_weights(task_vectors: torch.Tensor) -> torch.Tensor:
+    """1/‖τ_t‖²_F per task vector [T, out, in], 0 for a zero τ_t (it contributes nothing)."""
     norms = task_vectors.flatten(1).pow(2).sum(1)
-    weights = torch.where(norms > 0, 1.0 / norms.clamp_min(torch.finfo(norms.dtype).tiny), torch.zeros_like(norms))
-    return (product.pow(2).sum(dim=(1, 2)) * weights).sum()
+    return torch.where(norms > 0, 1.0 / norms.clamp_min(torch.finfo(norms.dtype).tiny), torch.zeros_like(norms))
 
 
-def fast_objective(task_vectors: torch.Tensor):
-    """`wudi_objective` as a closure over precomputed terms, at the cheaper of two equal forms.
+def wudi_gradient(task_vectors: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """∂`wudi_objective`/∂τ_m as a closure, in closed form: the objective is quadratic in τ_m, so
 
-    ‖D τ_tᵀ‖² costs out·in·out directly; through the Gram, tr(D (τ_tᵀτ_t) Dᵀ) costs out·in·in.
+        ∇ = 2 Σ_t w_t (τ_m − τ_t) τ_tᵀτ_t = 2 (τ_m A − B),  A = Σ_t w_t τ_tᵀτ_t,  B = Σ_t w_t τ_t τ_tᵀτ_t,
+
+    with w_t = 1/‖τ_t‖²_F. A and B are built once, so an Adam step costs one out·in·in product where
+    autograd through the objective costs about 3T of them. They are held in float64 because τ_m A and B
+    nearly cancel where the task vectors barely interfere (the case WUDI is for): the difference is the
+    gradient. Where in > 2T·out the per-task form 2 Σ_t w_t ((τ_m − τ_t) τ_tᵀ) τ_t (2T·out·out·in) is cheaper
+    and has no such cancellation; it runs in the task vectors' dtype.
     """
-    norms = task_vectors.flatten(1).pow(2).sum(1)
-    weights = torch.where(norms > 0, 1.0 / norms.clamp_min(torch.finfo(norms.dtype).tiny), torch.zeros_like(norms))
-    out_dim, in_dim = task_vectors.shape[1:]
-    if in_dim >= out_dim:
-        return lambda merged: wudi_objective(merged, task_vectors)
-    grams = task_vectors.transpose(1, 2) @ task_vectors  # [T, in, in]
+    weights = inverse_norm_weights(task_vectors)
+    n_tasks, out_dim, in_dim = task_vectors.shape
+    if in_dim > 2 * n_tasks * out_dim:
+        scaled = task_vectors * weights.view(-1, 1, 1)
 
-    def objective(merged: torch.Tensor) -> torch.Tensor:
-        diff = merged.unsqueeze(0) - task_vectors
-        return ((diff @ grams) * diff).sum(dim=(1, 2)).mul(weights).sum()
+        def per_task(merged: torch.Tensor) -> torch.Tensor:
+            diff = merged.unsqueeze(0) - task_vectors
+            return torch.matmul(torch.matmul(diff, task_vectors.transpose(1, 2)), scaled).sum(0).mul_(2.0)
 
-    return objective
+        return per_task
+    wide = task_vectors.to(torch.float64)
+    grams = torch.matmul(wide.transpose(1, 2), wide).mul_(weights.to(torch.float64).view(-1, 1, 1))  # w_t τ_tᵀτ_t
+    a = grams.sum(0)
+    b = torch.matmul(wide, grams).sum(0)
+    del wide, grams
+
+    def closed_form(merged: torch.Tensor) -> torch.Tensor:
+        return (merged.to(torch.float64) @ a).sub_(b).mul_(2.0).to(merged.dtype)
+
+    return closed_form
 
 
 def wudi_layer(task_vectors: torch.Tensor, steps: int = 300, lr: float = 1e-5) -> torch.Tensor:
-    """The merged task vector of one Linear weight: Adam on `wudi_objective` from Σ_t τ_t."""
+    """The merged task vector of one Linear weight: Adam on `wudi_objective` from Σ_t τ_t, each step's
+    gradient from `wudi_gradient` (the published code differentiates the objective; the same gradient)."""
     tvs = task_vectors.detach()
     merged = torch.nn.Parameter(tvs.sum(0).clone())
     if steps:
-        objective = fast_objective(tvs)
+        gradient = wudi_gradient(tvs)
         opt = torch.optim.Adam([merged], lr=lr, weight_decay=0.0)
         for _ in range(steps):
-            loss = objective(merged)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
+            merged.grad = gradient(merged.detach())
             opt.step()
     return merged.detach()
 
@@ -106,8 +123,7 @@ def wudi_models(
                            for sd in expert_sds])
         if name in linear_weights:
             conv = is_conv1d(linear_weights[name])  # task vectors stored in×out: solved as out×in
-            with torch.enable_grad():
-                tau = wudi_layer(tvs.transpose(1, 2) if conv else tvs, params.steps, params.lr)
+            tau = wudi_layer(tvs.transpose(1, 2) if conv else tvs, params.steps, params.lr)
             tau = tau.T if conv else tau
         else:
             tau = tvs.mean(0)

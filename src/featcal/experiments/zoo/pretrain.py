@@ -22,7 +22,7 @@ from PIL import ImageDraw
 from tqdm import tqdm
 
 import featcal.experiments.zoo.draw as D
-from featcal.experiments.zoo.train import pixel_values, schedule
+from featcal.experiments.zoo.train import optimizer, pixel_values, schedule
 
 
 @dataclass(frozen=True)
@@ -129,7 +129,7 @@ def pretrain(model, settings: PretrainSettings, seed: int, progress: bool = True
     g = torch.Generator().manual_seed(seed)
     head = torch.nn.Linear(model.config.hidden_size, n_classes(settings.categories))
     params = list(model.parameters()) + list(head.parameters())
-    opt = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay)
+    opt = optimizer(params, settings.lr, settings.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule(settings.warmup, settings.steps))
     model.train()
     correct = seen = 0

@@ -39,7 +39,7 @@ from featcal.experiments.zoo.text_sources import (
     model_path,
 )
 from featcal.experiments.zoo.text_tasks import TEXT_TASKS, split_examples, task_examples
-from featcal.experiments.zoo.train import few_shot_rows, frozen_head_steps
+from featcal.experiments.zoo.train import few_shot_rows, frozen_head_steps, optimizer
 from featcal.io.report import peak_rss_mb
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ def finetune_text(model, head: torch.nn.Module, inputs: Inputs, labels: torch.Te
     for p in head.parameters():
         p.requires_grad_(False)
     params = [p for n, p in model.named_parameters() if not n.startswith("pooler.")]  # unused by mean pooling
-    opt = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay)
+    opt = optimizer(params, settings.lr, settings.weight_decay)
     return frozen_head_steps(
         model, opt, params, num_examples(inputs), settings, g, desc, progress,
         lambda idx: torch.nn.functional.cross_entropy(head(features(model, select(inputs, idx), "mean")), labels[idx]),

@@ -31,7 +31,7 @@ from featcal.experiments.zoo.stages import (
     task_vector,
     write_manifest,
 )
-from featcal.experiments.zoo.train import few_shot_rows, frozen_head_steps
+from featcal.experiments.zoo.train import few_shot_rows, frozen_head_steps, optimizer
 from featcal.experiments.zoo.vision_presets import VisionRealPreset
 from featcal.experiments.zoo.vision_sources import SOURCES, backbone_dir, check_sources
 from featcal.experiments.zoo.vision_tasks import VISION_TASKS, imagenet_pixels, task_splits
@@ -85,7 +85,7 @@ def finetune_vision(model, head: torch.nn.Module, images: np.ndarray, labels: np
     for q in head.parameters():
         q.requires_grad_(False)
     params = [q for n, q in model.named_parameters() if n != "embeddings.mask_token"]  # unused without masks
-    opt = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay)
+    opt = optimizer(params, settings.lr, settings.weight_decay)
     x, y = torch.from_numpy(images), torch.from_numpy(labels)
     return frozen_head_steps(
         model, opt, params, len(x), settings, g, desc, progress,
