@@ -148,6 +148,25 @@ def test_lm_eval_prints_the_command_when_the_harness_is_absent(family, tmp_path,
     assert report["lm_eval"]["ran"] is False and command in report["lm_eval"]["commands"]["merged9"]
 
 
+@pytest.mark.parametrize("name", ["ck,trust_remote_code=True", "ck=peft", "a,b"])
+def test_lm_eval_refuses_a_path_that_would_inject_model_args(family, tmp_path, capsys, monkeypatch, name):
+    """lm-eval splits --model_args on ',' and '=': a folder named `ck,trust_remote_code=True` would turn remote
+    code on in the command featcal runs or prints. Refused in one line before any scoring; nothing written."""
+    import shutil
+
+    from featcal.evaluation import lm_eval
+
+    monkeypatch.setattr(lm_eval, "installed", lambda: False)
+    crafted = tmp_path / "o" / name
+    shutil.copytree(family["merged"], crafted)
+    rc, out, err = cli(["eval", "--model", f"x={crafted}", "--lm-eval", "hellaswag", "--out", tmp_path / "e",
+                        "--no-progress"], capsys)
+    assert rc == 2 and "--model_args" in one_line_error(err), err
+    assert "trust_remote_code" not in out and not (tmp_path / "e").exists()
+    with pytest.raises(Exception, match="model_args"):
+        lm_eval.lm_eval_argv(crafted, ["hellaswag"], tmp_path / "x")
+
+
 def test_lm_eval_runs_when_installed_and_its_results_are_read_back(family, tmp_path, capsys, monkeypatch):
     """A stand-in `lm_eval` module (what the harness's CLI does: parse the flags, write a results file)."""
     fake = tmp_path / "site" / "lm_eval"

@@ -67,6 +67,9 @@ def evaluate(
         _check_output(out, overwrite, tasks, models, base, merged, calibrated, experts)
     total = Timer()
     plan = build_plan(tasks, models, base=base, merged=merged, calibrated=calibrated, experts=experts, options=opts)
+    if lm_tasks:
+        for entry in plan.entries:
+            harness.check_checkpoint_path(entry.path.resolve(), entry.name)
     check_metric_packages({m for e in plan.entries for m in e.kind.metrics})
     found = [o for e in plan.entries
              for o in leakage.overlaps(e.name, e.path, [plan.sets[t] for x, t in plan.pairs if x is e],

@@ -35,9 +35,27 @@ def parse_tasks(tasks: str | Sequence[str]) -> tuple[str, ...]:
     return names
 
 
+# lm-eval reads `--model_args` as "k=v,k=v" with no quoting: a ',' in a path starts a new argument and an
+# '=' in one misreads it, so `ck,trust_remote_code=True` would turn remote code on. Such paths are refused.
+MODEL_ARGS_SEPARATORS = ",="
+
+
+def check_checkpoint_path(checkpoint: str | Path, name: str = "") -> None:
+    """Refuse a checkpoint whose path lm-eval's `--model_args` would split into more arguments."""
+    text = str(checkpoint)
+    found = sorted({c for c in text if c in MODEL_ARGS_SEPARATORS})
+    if found:
+        label = f"model {name!r} at " if name else ""
+        raise ConfigError(
+            f"--lm-eval: {label}{text!r} holds {', '.join(map(repr, found))}, which lm-eval's --model_args splits "
+            "on (a path like 'ck,trust_remote_code=True' would pass options to the harness); rename the folder or "
+            "link it under a name without ',' or '=' (ln -s), then give that path")
+
+
 def lm_eval_argv(checkpoint: Path, tasks: Sequence[str], output: Path, *, batch_size: int = 8,
                  dtype: str | None = None, device: str | None = None) -> list[str]:
     """The lm_eval command line scoring `checkpoint` (a transformers folder) on `tasks`, results under `output`."""
+    check_checkpoint_path(checkpoint)
     model_args = f"pretrained={checkpoint}" + (f",dtype={dtype}" if dtype else "")
     argv = ["lm_eval", "--model", "hf", "--model_args", model_args, "--tasks", ",".join(tasks),
             "--batch_size", str(batch_size)]
