@@ -257,7 +257,7 @@ def test_bad_inputs_are_named(tmp_path, models):
     with pytest.raises(CalibrationDataError, match="bad.jsonl, line 2: not valid JSON"):
         _load(bad, models["bert"], n=1)
     blank = write_jsonl(tmp_path / "blank.jsonl", [{"text": "w1"}, {"text": "  "}])
-    with pytest.raises(CalibrationDataError, match="row 1 has no text"):
+    with pytest.raises(CalibrationDataError, match="blank.jsonl, line 2: no text in column"):
         _load(blank, models["bert"], n=2)
     (tmp_path / "data.xlsx").write_bytes(b"PK\x03\x04")  # CSV is read since issue 37; a spreadsheet is not
     with pytest.raises(CalibrationDataError, match="unsupported format .xlsx"):

@@ -29,7 +29,8 @@ def test_an_image_reads_the_same_fingerprint_from_a_folder_a_jsonl_and_a_saved_d
         assert data.fingerprints("image") == recorded, source
         assert [data.label_names[v] if isinstance(v, int) else v for v in data.labels()] == [f.parent.name for f in files]
     assert read_eval_set("t", folder).label_names == ("cat", "dog")
-    assert example_sha256("a text") != example_sha256("a text ")  # exact content, nothing normalised away
+    assert example_sha256("a text", scheme=1) != example_sha256("a text ", scheme=1)  # scheme 1: the exact text
+    assert example_sha256("a text") == example_sha256("a text ")  # now: whitespace the model does not read ignored
 
 
 def test_a_saved_datasetdict_is_read_at_its_evaluation_split_or_names_split(tmp_path):

@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 
 from featcal.config import DEFAULT_MAX_LENGTH
 from featcal.data.batch import Batch, BatchLike, batch_size
-from featcal.data.fingerprint import example_sha256
+from featcal.data.fingerprint import FINGERPRINT_SCHEME, example_sha256
 from featcal.data.packing import documents_in_order, pack
 from featcal.data.preprocess import TextPreprocessor, is_causal_lm, make_preprocessor, model_modality
 from featcal.data.sources import TextSource, open_source
@@ -251,6 +251,7 @@ def load_calibration_batches(
         chunks = [plan.windows[i : i + batch_size] for i in range(0, len(plan.windows), batch_size)]
         if record is not None:
             record["example_sha256"] = plan.packed_sha256  # the documents the windows hold
+            record["example_fingerprint"] = FINGERPRINT_SCHEME
         return [preprocess.windows(c) for c in tqdm(chunks, desc=f"data {name}", unit="batch", disable=not progress)]
     indices = sample_indices(len(plan.source), plan.count, seed)
     chunks = [indices[i : i + batch_size] for i in range(0, len(indices), batch_size)]
@@ -261,6 +262,7 @@ def load_calibration_batches(
         batches.append(preprocess(examples))
     if record is not None:
         record["example_sha256"] = fingerprints
+        record["example_fingerprint"] = FINGERPRINT_SCHEME  # how they were made (older featcal.json: scheme 1)
     return batches
 
 

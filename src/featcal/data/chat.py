@@ -5,11 +5,14 @@ Three layouts are read, the ones fine-tuning data comes in:
 - `prompt` / `completion`: two strings (a user turn and the assistant's answer), or two lists of turns
   (TRL's conversational prompt-completion);
 - `instruction` / `input` / `output` (Alpaca): the user turn is the instruction, followed by the input
-  after a blank line when there is one; the assistant's turn is the output.
+  after a blank line when there is one; the assistant's turn is the output. A table with `instruction` and
+  no `output` column at all is Alpaca prompts (layout `instruction/input`): each record is the user turn
+  alone, the instruction then its input (never the input alone, which is only the instruction's context).
 
 A record in any of them becomes a tuple of turns, each a dict with a `role` among CHAT_ROLES and a string
 `content` (keys that are None, as Arrow fills them for fields other turns have, are dropped, so a chat
-template never sees `name: None`). Anything else is refused naming the record and the turn.
+template never sees `name: None`). Anything else is refused naming the record and the turn, and so is a
+conversation whose every turn is empty (nothing for the model to read).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ CHAT_LAYOUTS: dict[str, tuple[str, ...]] = {
     "messages": ("messages",),
     "prompt/completion": ("prompt", "completion"),
     "instruction/input/output": ("instruction", "output"),
+    "instruction/input": ("instruction",),  # Alpaca prompts without answers: the user turn alone
 }
 
 Conversation = tuple[dict[str, Any], ...]
@@ -53,17 +57,23 @@ def conversation(record: Mapping[str, Any], layout: str, where: str) -> Conversa
             f"{where}: prompt and completion must both be strings or both be lists of chat turns "
             f"(got {type(prompt).__name__} and {type(completion).__name__})"
         )
-    if layout == "instruction/input/output":
-        instruction, extra, output = record.get("instruction"), record.get("input"), record.get("output")
-        for name, value in (("instruction", instruction), ("output", output)):
-            if not isinstance(value, str):
-                raise CalibrationDataError(f"{where}: {name} must be a string, not {type(value).__name__}")
-        _need_text(instruction, "instruction", where)
-        if extra is not None and not isinstance(extra, str):
-            raise CalibrationDataError(f"{where}: input must be a string, not {type(extra).__name__}")
-        user = instruction + (f"\n\n{extra}" if extra and extra.strip() else "")
-        return ({"role": "user", "content": user}, {"role": "assistant", "content": output})
+    if layout in ("instruction/input/output", "instruction/input"):
+        return _alpaca(record, layout == "instruction/input/output", where)
     raise ValueError(f"unknown chat layout {layout!r}")
+
+
+def _alpaca(record: Mapping[str, Any], answered: bool, where: str) -> Conversation:
+    """An Alpaca record: the instruction, then its input after a blank line, as the user turn; the output as
+    the assistant's turn (`answered`), else the user turn alone."""
+    instruction, extra, output = record.get("instruction"), record.get("input"), record.get("output")
+    for name, value in (("instruction", instruction), ("output", output))[: 2 if answered else 1]:
+        if not isinstance(value, str):
+            raise CalibrationDataError(f"{where}: {name} must be a string, not {type(value).__name__}")
+    _need_text(instruction, "instruction", where)
+    if extra is not None and not isinstance(extra, str):
+        raise CalibrationDataError(f"{where}: input must be a string, not {type(extra).__name__}")
+    user = {"role": "user", "content": instruction + (f"\n\n{extra}" if extra and extra.strip() else "")}
+    return (user, {"role": "assistant", "content": output}) if answered else (user,)
 
 
 def turns(value: Any, where: str) -> Conversation:
@@ -84,6 +94,8 @@ def turns(value: Any, where: str) -> Conversation:
                 f"{where}: turn {j} ({role}) has no text content (content is {type(content).__name__})"
             )
         out.append({k: v for k, v in turn.items() if v is not None})
+    if not any(t["content"].strip() for t in out):
+        raise CalibrationDataError(f"{where}: every turn's content is empty; a conversation needs some text")
     return tuple(out)
 
 

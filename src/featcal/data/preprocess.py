@@ -259,7 +259,25 @@ class TextPreprocessor:
                 [bounded_text(self.tokenizer, e.text, self.max_length) for e in examples], padding=True,
                 truncation=True, max_length=self.max_length, return_tensors="pt",
             )
+        self._refuse_empty(enc, examples)
         return self._finish(dict(enc), examples)
+
+    def _refuse_empty(self, enc: Mapping[str, Any], examples: Sequence[Example]) -> None:
+        """An example the tokenizer turns into no tokens (a text of characters it drops, with no special tokens
+        added) is refused, as an empty text is: the model would read nothing of it (a row of padding only)."""
+        ids, mask = enc.get("input_ids"), enc.get("attention_mask")
+        if ids is None or not len(examples):
+            return
+        lengths = mask.sum(dim=1) if mask is not None else torch.full((len(examples),), ids.shape[1])
+        empty = next((i for i, n in enumerate(lengths.tolist()) if n == 0), None)
+        if empty is not None:
+            e = examples[empty]
+            shown = repr(e.text if e.messages is None else list(e.messages))
+            shown = shown if len(shown) <= 80 else shown[:77] + "..."
+            raise CalibrationDataError(
+                f"{self.source} turns a calibration example into no tokens at all: {shown}; the model would read "
+                "nothing of it (drop it from the data, as empty texts must be)"
+            )
 
     def render(self, messages: Sequence[Mapping[str, Any]]) -> str:
         """A conversation rendered with the chat template in use (bounded in time and size; one-line errors)."""
@@ -316,7 +334,7 @@ class TextPreprocessor:
         if self.vocab_size is None:
             return
         for key in ("input_ids", "decoder_input_ids"):
-            if key in batch and int(batch[key].max()) >= self.vocab_size:
+            if key in batch and batch[key].numel() and int(batch[key].max()) >= self.vocab_size:
                 raise CalibrationDataError(
                     f"{self.source} produced token id {int(batch[key].max())}, but the model's "
                     f"vocabulary has {self.vocab_size} entries: tokenizer and checkpoint do not match"

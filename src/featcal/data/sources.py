@@ -14,6 +14,7 @@ both, or text beside data files, is refused naming what it holds, unless `data_f
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -204,7 +205,7 @@ def open_source(
     if not isinstance(source, (str, os.PathLike)):
         return _in_memory(source, text_column=text_column, allow_test_split=allow_test_split, **splits)
     path = Path(source).expanduser()
-    if path.is_dir() and ((path / "dataset_dict.json").exists() or (path / "state.json").exists()):
+    if path.is_dir() and is_saved_dataset(path):
         return saved_dataset(path, text_column=text_column, allow_test_split=allow_test_split, **splits)
     if split is not None and path.exists():
         raise SplitChoiceError(
@@ -215,6 +216,9 @@ def open_source(
         return _folder(path, data_format, modality, text_unit)
     if path.is_file():
         return _file(path, data_format, text_column, text_unit)
+    if path.exists():  # a FIFO, a socket, a device: nothing to read examples from (and a FIFO would block)
+        raise CalibrationDataError(f"calibration data {path} is not a regular file or a folder; give a data file "
+                                   "or a folder")
     hub_id = parse_hub_id(os.fspath(source), TABLE_SUFFIXES + TEXT_SUFFIXES + IMAGE_SUFFIXES)
     if hub_id is None or path.exists():
         raise CalibrationDataError(f"calibration data {path} does not exist")
@@ -227,6 +231,23 @@ def open_source(
     if named is not None:
         source_.split = named
     return source_
+
+
+def is_saved_dataset(path: Path) -> bool:
+    """Whether folder `path` is what datasets' save_to_disk writes: a DatasetDict's `dataset_dict.json` naming
+    its splits, or a Dataset's `dataset_info.json` beside the `state.json` that lists its arrow files (a
+    `state.json` of anything else, in a folder of texts, does not make it a dataset)."""
+    def json_of(name: str) -> Any:
+        try:
+            return json.loads((path / name).read_text(encoding="utf-8")) if (path / name).is_file() else None
+        except (OSError, UnicodeDecodeError, ValueError):
+            return None
+
+    splits = json_of("dataset_dict.json")
+    if isinstance(splits, dict) and isinstance(splits.get("splits"), list):
+        return True
+    state = json_of("state.json")
+    return (path / "dataset_info.json").is_file() and isinstance(state, dict) and "_data_files" in state
 
 
 def _file(path: Path, data_format: str | None, text_column: str | None, text_unit: str | None) -> ExampleSource:

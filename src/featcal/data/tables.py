@@ -54,6 +54,7 @@ class TableSource:
         self.chat_layout = chat_layout(columns) if text_column is None else None
         if self.chat_layout is not None:
             self._text_candidates, self._text_problem = [], None
+            self._refuse_unread_answers()
             self._check_conversations()
         else:
             self._text_candidates, self._text_problem = _text_column(
@@ -154,7 +155,7 @@ class TableSource:
         column = self.text_column
         text = row[column]
         if not isinstance(text, str) or not text.strip():
-            raise CalibrationDataError(f"{self.path}: row {i} has no text in column {column!r}")
+            raise CalibrationDataError(f"{self._locate(i)}: no text in column {column!r}")
         target = row[self.target_column] if self.target_column else None
         return Example(text=text, target=target if isinstance(target, str) else None,
                        fields=_other_fields(row, (column,)))
@@ -170,6 +171,19 @@ class TableSource:
         if image is None:
             raise CalibrationDataError(f"{self.path}: row {i} has no image (column {self.image_column!r} is empty)")
         return Example(image=image, fields=_other_fields(row, (self.image_column,)))
+
+    def _refuse_unread_answers(self) -> None:
+        """Alpaca prompts (`instruction` without `output`) beside another string column that could hold the
+        answers (`response`, `answer`, ...) are refused: read as prompts alone, every answer would be dropped."""
+        if self.chat_layout != "instruction/input":
+            return
+        others = [c for c in self.string_columns() if c not in ("instruction", "input") and c.lower() not in NON_TEXT_COLUMNS]
+        if others:
+            raise CalibrationDataError(
+                f"{self.path}: an 'instruction' column and no 'output', read as Alpaca prompts alone, would leave out "
+                f"the string column(s) {', '.join(map(repr, others))}; name the answers' column 'output', or the "
+                "column to read as plain text with --text-column"
+            )
 
     def _check_conversations(self) -> None:
         """Every record a conversation with known roles and text turns, refused naming the first that is not
@@ -384,14 +398,47 @@ def dataset_source(loaded, name: Path | str, kind: str, *, text_column: str | No
 
 def records_source(records: list[dict], name: Path | str, kind: str, *, text_column: str | None = None,
                    image_root: Path | None = None, locate: Callable[[int], str] | None = None) -> TableSource:
-    """Records (dicts, as JSON objects come) as one table."""
+    """Records (dicts, as JSON objects come) as one table, its columns the union of every record's keys (not
+    the first record's, as `Dataset.from_list` takes them); records of different formats (a chat among plain
+    texts, an Alpaca record without `output` among ones with it) are refused naming the first that differs."""
     import datasets
 
+    locate = locate or (lambda i: f"{name}, record {i + 1}")
+    columns = list(dict.fromkeys(k for r in records for k in r))  # every key, in order of first appearance
+    if text_column is None:
+        _check_one_format(records, columns, locate)
     try:
-        dataset = datasets.Dataset.from_list(records)
+        whole = all(len(r) == len(columns) for r in records)  # every record holds every key: used as they are
+        dataset = datasets.Dataset.from_list(records if whole else [{c: r.get(c) for c in columns} for r in records])
     except Exception as exc:  # mixed types in one field, nested garbage
         raise CalibrationDataError(f"{name}: records cannot be read as one table: {exc}") from None
     return TableSource(dataset, name, kind, text_column=text_column, image_root=image_root, locate=locate)
+
+
+def _check_one_format(records: list[dict], columns: list[str], locate: Callable[[int], str]) -> None:
+    """Refuse records that disagree on their format: the table's chat layout (data/chat.py) is decided from
+    all of its columns, and a record whose own (non-null) keys make another layout, or none, is refused."""
+    expected = chat_layout(columns)
+    if expected is None:
+        return
+    layouts = [chat_layout([k for k, v in r.items() if v is not None]) for r in records]
+    first = next((i for i, own in enumerate(layouts) if own != expected), None)
+    if first is None:
+        return
+    keys = [k for k, v in records[first].items() if v is not None]
+    missing = [c for c in CHAT_LAYOUTS[expected] if c not in keys]
+    hint = f"it has no {' or '.join(map(repr, missing))}" if missing else "its keys make another layout"
+    like = next((i for i, own in enumerate(layouts) if own == expected), None)
+    other = (f"{locate(like)} is {_format_name(expected)}" if like is not None
+             else f"the records' keys together make {_format_name(expected)}")
+    raise CalibrationDataError(
+        f"{locate(first)}: {_format_name(layouts[first])}, but {other}; the records of one table must share one "
+        f"format ({hint}: fill it in, or read one column as plain text with --text-column)"
+    )
+
+
+def _format_name(layout: str | None) -> str:
+    return "a plain record, not a chat" if layout is None else f"a chat record in the {layout} layout"
 
 
 def jsonl_file(path: Path, *, text_column: str | None = None) -> TableSource:
@@ -437,6 +484,7 @@ def csv_file(path: Path, *, text_column: str | None = None) -> TableSource:
         return records_source([], path, kind)
     delimiter = "\t" if tsv else ","
     names = next(csv_module.reader(io.StringIO(text), delimiter=delimiter), [])
+    _refuse_other_delimiter(path, names, tsv)
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:  # which of the two is the text (or the label) cannot be told
         raise CalibrationDataError(f"{path}: the header names the column(s) {', '.join(map(repr, twice))} more than "
@@ -453,6 +501,20 @@ def csv_file(path: Path, *, text_column: str | None = None) -> TableSource:
         raise CalibrationDataError(f"{path}: not a readable {kind.upper()} file ({' '.join(str(exc).split())})") from None
     return TableSource(datasets.Dataset(InMemoryTable(table)), path, kind, text_column=text_column,
                        image_root=path.parent, locate=lambda i: f"{path}, row {i + 1}")
+
+
+def _refuse_other_delimiter(path: Path, names: list[str], tsv: bool) -> None:
+    """A header read as one column that the other delimiter splits (a tab-separated file named .csv, a
+    comma-separated one named .tsv) is refused: read as it is named, every row would become one text column,
+    labels and all, and be calibrated on as text."""
+    other, right = (",", ".csv") if tsv else ("\t", ".tsv")
+    if len(names) != 1 or len([n for n in names[0].split(other) if n.strip()]) < 2:
+        return
+    what = "commas" if tsv else "tabs"
+    raise CalibrationDataError(
+        f"{path}: its header is one column, {names[0]!r}, holding {what}: the file looks {'comma' if tsv else 'tab'}-"
+        f"separated, not {'tab' if tsv else 'comma'}-separated as its suffix says; name it {right}"
+    )
 
 
 def parquet_file(path: Path, *, text_column: str | None = None) -> TableSource:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from featcal.data.examples import Examples, read_examples_by_modality
-from featcal.data.fingerprint import example_sha256
+from featcal.data.fingerprint import FINGERPRINT_SCHEME, example_sha256
 from featcal.errors import CalibrationDataError, ConfigError, EvaluationDataError
 
 LABEL_FIELDS = ("label", "labels")
@@ -125,13 +125,14 @@ class EvalSet:
             self._cache["texts"] = [e.text for e in self._read["text"].take(self.rows)]
         return self._cache["texts"]
 
-    def fingerprints(self, modality: str = "text") -> list[str]:
-        """Each example's content fingerprint (data.fingerprint) of what a model of `modality` ("text": the
-        chat turns or the text; "image": the image) reads, over the Example calibration reads; computed once."""
-        key = f"sha256:{modality}"
+    def fingerprints(self, modality: str = "text", scheme: int = FINGERPRINT_SCHEME) -> list[str]:
+        """Each example's content fingerprint (data.fingerprint, by `scheme`) of what a model of `modality`
+        ("text": the chat turns or the text; "image": the image) reads, over the Example calibration reads;
+        computed once."""
+        key = f"sha256:{modality}:{scheme}"
         if key not in self._cache:
             read = self._read.get(modality)
-            self._cache[key] = [example_sha256(e) for e in read.take(self.rows)] if read is not None else []
+            self._cache[key] = [example_sha256(e, scheme) for e in read.take(self.rows)] if read is not None else []
         return self._cache[key]
 
     def require(self, needed: Sequence[str], what: str, hint: str) -> None:

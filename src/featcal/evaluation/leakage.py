@@ -1,8 +1,10 @@
 """The leakage guard: a model is not scored on the examples it was calibrated on.
 
 A calibrated (or data-merged) checkpoint's featcal.json lists, per calibration task, the fingerprint of
-every example it read (`example_sha256`, data/fingerprint.py). Each evaluation example is fingerprinted
-the same way; any match means the score would measure the calibration set, not held-out data. A
+every example it read (`example_sha256`, data/fingerprint.py, made by the scheme `example_fingerprint`
+names: 2, whitespace- and Unicode-normalised text, or 1 when absent, the exact text, as featcal.json files
+written before it hold). Each evaluation example is fingerprinted the same way, by each scheme a record
+uses; any match means the score would measure the calibration set, not held-out data. A
 featcal.json written before fingerprints were recorded names only its sources: evaluating on one of those
 very files is then taken as overlap (which examples, it cannot say). Overlap is refused unless
 --allow-calibration-overlap, and then flagged in eval.json, the table and the log.
@@ -17,7 +19,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from featcal.errors import CalibrationOverlapError
+from featcal.data.fingerprint import LEGACY_SCHEME, SCHEMES
+from featcal.errors import CalibrationOverlapError, ConfigError
 from featcal.evaluation.data import EvalSet
 
 log = logging.getLogger(__name__)
@@ -72,19 +75,20 @@ def overlaps(model: str, model_dir: Path, sets: Iterable[EvalSet], modality: str
     recorded = calibration_record(model_dir)
     if not recorded:
         return []
-    by_hash: dict[str, set[str]] = {}
+    by_hash: dict[int, dict[str, set[str]]] = {}  # fingerprint scheme -> fingerprint -> calibration tasks
     unfingerprinted: dict[Path, str] = {}
     for task, rec in recorded.items():
         hashes = rec.get("example_sha256")
         if isinstance(hashes, list):
+            scheme = _scheme(rec.get("example_fingerprint"), model_dir, task)
             for h in hashes:
-                by_hash.setdefault(str(h), set()).add(task)
+                by_hash.setdefault(scheme, {}).setdefault(str(h), set()).add(task)
         elif isinstance(rec.get("source"), str):
             unfingerprinted[_resolved(rec["source"])] = task
     found = []
     for data in sets:
         if by_hash:
-            hits = [by_hash[h] for h in data.fingerprints(modality) if h in by_hash]
+            hits = _hits(data, modality, by_hash)
             if hits:
                 tasks = tuple(sorted(set().union(*hits)))
                 found.append(Overlap(model, data.task, len(hits), len(data), tasks))
@@ -93,6 +97,25 @@ def overlaps(model: str, model_dir: Path, sets: Iterable[EvalSet], modality: str
         if same_file is not None:
             found.append(Overlap(model, data.task, None, len(data), (same_file,)))
     return found
+
+
+def _hits(data: EvalSet, modality: str, by_hash: Mapping[int, Mapping[str, set[str]]]) -> list[set[str]]:
+    """For each evaluation example found in the calibration records (by any scheme they use), its tasks."""
+    columns = [[known.get(h, set()) for h in data.fingerprints(modality, scheme)]
+               for scheme, known in sorted(by_hash.items())]
+    return [tasks for tasks in (set().union(*row) for row in zip(*columns, strict=True)) if tasks]
+
+
+def _scheme(value: Any, model_dir: Path, task: str) -> int:
+    """The fingerprint scheme a task's record names (absent: scheme 1, featcal.json written before it was
+    recorded); one this featcal does not know is refused, not compared by another."""
+    if value is None:
+        return LEGACY_SCHEME
+    if isinstance(value, bool) or value not in SCHEMES:
+        raise ConfigError(f"{Path(model_dir) / REPORT_NAME}: calibration task {task!r} has example_fingerprint "
+                          f"{value!r}, a scheme this featcal does not know ({', '.join(map(str, SCHEMES))}); "
+                          "evaluate it with the featcal that calibrated it")
+    return int(value)
 
 
 def _resolved(path: str) -> Path:
