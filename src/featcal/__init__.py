@@ -10,7 +10,6 @@ Public API:
 
 from __future__ import annotations
 
-from featcal.config import FeatCalConfig, MergeConfig
 from featcal.errors import (
     CalibrationDataError,
     CheckpointError,
@@ -37,7 +36,12 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    # Lazy: `import featcal` stays cheap, and each entry point lives in its own module.
+    # Lazy: `import featcal` stays cheap (`featcal --version` imports it: no pydantic schema, no torch), and each
+    # entry point lives in its own module.
+    if name in ("FeatCalConfig", "MergeConfig"):
+        from featcal import config
+
+        return getattr(config, name)
     if name == "merge":
         from featcal.merging.api import merge
 

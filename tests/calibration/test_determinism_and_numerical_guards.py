@@ -15,7 +15,7 @@ import pytest
 import torch
 import yaml
 
-import featcal.calibration.api as calibration_api
+import featcal.calibration.pipeline as calibration_pipeline
 from featcal import FeatCalConfig, calibrate
 from featcal.calibration import solver
 from featcal.config import CALIBRATED_MERGE_METHODS
@@ -147,7 +147,7 @@ def test_a_non_finite_solve_is_refused_naming_the_parameter(clip, tmp_path, caps
 
 
 def test_the_calibrated_model_is_checked_before_writing(clip, tmp_path, capsys, monkeypatch):
-    real = calibration_api.calibrate
+    real = calibration_pipeline.calibrate_models
 
     def overflowing(*args, **kwargs):
         result = real(*args, **kwargs)  # featcal calibrate asks for the CalibrationResult
@@ -155,7 +155,7 @@ def test_the_calibrated_model_is_checked_before_writing(clip, tmp_path, capsys, 
             result.model.embeddings.patch_embedding.weight[0, 0, 0, 0] = float("inf")
         return result
 
-    monkeypatch.setattr(calibration_api, "calibrate", overflowing)
+    monkeypatch.setattr(calibration_pipeline, "calibrate_models", overflowing)
     out = tmp_path / "out"
     rc, _, err = cli(calibrate_argv(clip, out), capsys)
     assert rc == 2

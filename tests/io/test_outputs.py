@@ -37,11 +37,12 @@ def test_merge_card_names_the_base_experts_and_recipe(bert, tmp_path):
     (bert["base"] / "README.md").write_text("---\nlicense: mit\n---\n# The base model's own card\n")
     try:
         out = tmp_path / "m"
-        merge(bert["base"], bert["experts"], "ties", density=0.5, weights={"task0": 0.7}, out=out, progress=False)
+        merge(bert["base"], bert["experts"], "ties", density=0.5, weights={"task0": 0.7}, out=out, progress=False,
+              hub_id={"base": "org/base", **{t: f"org/{t}" for t in bert["experts"]}})
     finally:
         (bert["base"] / "README.md").unlink()
     card = _card(out)
-    assert card.data.base_model == [str(bert["base"]), *map(str, bert["experts"].values())]
+    assert card.data.base_model == ["org/base", *(f"org/{t}" for t in bert["experts"])]  # hub ids, not paths
     assert card.data.library_name == "transformers" and card.data.base_model_relation == "merge"
     assert set(card.data.tags) >= {"merge", "featcal", "ties"}
     assert "The base model's own card" not in card.text and "Method: **ties**" in card.text
@@ -70,7 +71,8 @@ def test_calibrating_a_mergekit_merge_replaces_its_card_and_recipe_file(bert, tm
     assert not (out / "mergekit_config.yml").exists()
     card = _card(out)
     assert "created using mergekit" not in card.text and "mergekit" not in card.data.tags
-    assert str(bert["base"]) in card.data.base_model and "featcal-calibrated" in card.data.tags
+    assert card.data.base_model is None and "featcal-calibrated" in card.data.tags  # no hub id known: no lineage
+    assert str(bert["base"]) not in card.text  # nor a machine's path, the carried recipe's included
     assert "## Calibration (FeatCal)" in card.text and "### Per-block drift" in card.text
     assert "| `task0` |" in card.text and "| 4 |" in card.text  # the data: task, source, format, examples
     assert "merge_method: task_arithmetic" in card.text  # the merge's recipe, said to be the merge's

@@ -30,20 +30,28 @@ The arguments of `calibrate` in full:
   the score (a causal LM's own next-token predictions do without them: `config.tune_next_token`), and
   `merge_scaling` (the s of a task-vector merge θ0 + s·v) lets the search rebuild the merge at other scalings.
 - `expert_kind` (task -> "full" or "adapter"): how to read an expert folder holding both full weights and a
-  LoRA / PEFT adapter (refused without it)."""
+  LoRA / PEFT adapter (refused without it).
+- `out`: the folder `featcal calibrate --out` writes, by the same writer (pipeline.py: the weights in the merge's
+  stored dtype or `dtype`, config and generation config, tokenizer and chat template, task heads, README.md model
+  card, featcal.json), atomically; an existing non-empty folder is refused before any work unless `overwrite`.
+  It takes checkpoints on disk or hub ids for `merged`, `base` and the experts, calibration sources (paths or hub
+  dataset ids) and `heads` as head files (--tune-head), as the CLI does, so that featcal.json can name and hash
+  every input; the data is read with the checkpoints' own tokenizer (`tokenizer` is refused), and the resume state
+  is deleted once the folder is in place (`keep_resume_state` is refused). `hub_id` (role -> hub id; role "base"
+  or an expert's name): how the card names an input whose own record names none (io/card.py). The result's
+  `.model` is the calibrated model as written."""
 
 from __future__ import annotations
 
-import dataclasses
+import os
 import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from featcal.calibration import core, tuning
+from featcal.calibration.in_memory import calibrate_models, checked_config
 from featcal.calibration.inputs import ModelLike, adapter_reader, resolve_device
 from featcal.calibration.result import CalibrationResult
-from featcal.calibration.task_data import resolve_calibration
-from featcal.config import DEFAULT_MAX_LENGTH, FeatCalConfig, check_expert_kinds, run_options
+from featcal.config import DEFAULT_MAX_LENGTH, FeatCalConfig
 from featcal.errors import ConfigError
 
 # re-exported: callers that read a checkpoint as calibrate does, or check a device as it does
@@ -69,49 +77,71 @@ def calibrate(
     tokenizer: Any = None,
     max_length: int = DEFAULT_MAX_LENGTH,
     allow_fewer: bool = False,
+    out: str | os.PathLike | None = None,
+    overwrite: bool = False,
+    dtype: str | None = None,
+    hub_id: Mapping[str, str] | None = None,
 ) -> CalibrationResult:
     """Calibrate a merged model toward its experts with FeatCal (docs/method.md); returns a CalibrationResult,
     whose `.model` is the calibrated model (a copy of a model passed as `merged` unless `inplace=True`).
 
     merged, base, experts: transformers models, or checkpoint paths / hub ids (read block by block from their
     safetensors, never loaded whole). calibration: per task, what `featcal calibrate --calib` takes, or
-    model-ready batches. The module docstring says what every other argument does.
+    model-ready batches. With `out`, also writes the folder `featcal calibrate --out` writes (the module docstring
+    says what it takes, and what every other argument does).
     """
     if return_result is not None:
         _warn_return_result()
-    config = _checked_config(config)
-    kinds = _checked_request(config, base, experts, heads, merge_scaling, expert_kind)
-    calibration, data_records = resolve_calibration(
-        merged, base=base, experts=experts, calibration=calibration, config=config, tokenizer=tokenizer,
-        max_length=max_length, allow_fewer=allow_fewer, progress=progress,
-    )
-    common = dict(base=base, experts=experts, calibration=calibration, config=config, progress=progress,
-                  inplace=inplace, allow_pickle=allow_pickle, keep_resume_state=keep_resume_state,
-                  check_finite=check_finite, expert_kind=kinds)
-    result = _run(merged, config, heads, merge_scaling, common)
-    if data_records:
-        result = dataclasses.replace(result, calibration_data=data_records)
+    config = checked_config(config)
+    if out is not None:
+        return _calibrate_into(merged, out, base=base, experts=experts, calibration=calibration, config=config,
+                               progress=progress, allow_pickle=allow_pickle, check_finite=check_finite, heads=heads,
+                               merge_scaling=merge_scaling, expert_kind=expert_kind, max_length=max_length,
+                               allow_fewer=allow_fewer, overwrite=overwrite, dtype=dtype, hub_id=hub_id,
+                               refused={"tokenizer": tokenizer is not None, "keep_resume_state": keep_resume_state})
+    if dtype is not None or hub_id or overwrite:
+        raise ConfigError("dtype=, hub_id= and overwrite= describe the folder calibrate writes: give out= too")
+    return calibrate_models(merged, base=base, experts=experts, calibration=calibration, config=config,
+                            progress=progress, inplace=inplace, allow_pickle=allow_pickle,
+                            keep_resume_state=keep_resume_state, check_finite=check_finite, heads=heads,
+                            merge_scaling=merge_scaling, expert_kind=expert_kind, tokenizer=tokenizer,
+                            max_length=max_length, allow_fewer=allow_fewer)
+
+
+def _calibrate_into(merged: ModelLike, out: str | os.PathLike, *, base: ModelLike | None,
+                    experts: Mapping[str, ModelLike], calibration: Mapping[str, Any], heads: Mapping[str, Any] | None,
+                    refused: Mapping[str, bool], **options: Any) -> CalibrationResult:
+    """calibrate(..., out=): the CLI's pipeline (calibration/pipeline.py), which checks everything before any
+    work, calibrates and writes the folder; refused (ConfigError) for what it cannot name in featcal.json."""
+    from featcal.calibration.pipeline import calibrate_into
+
+    given = [f"{name}=" for name, on in refused.items() if on]
+    if given:
+        raise ConfigError(f"calibrate(out=...) takes no {' or '.join(given)}: the folder is written as featcal "
+                          "calibrate --out writes it (the data read with the checkpoints' own tokenizer, the resume "
+                          "state deleted once it is in place)")
+    if base is None:
+        raise ConfigError("calibrate(out=...) needs base=: the folder's featcal.json names and hashes it")
+    if not isinstance(experts, Mapping) or not isinstance(calibration, Mapping):
+        raise ConfigError("calibrate(out=...): experts and calibration are mappings task -> checkpoint / data source")
+    _paths_only("merged", {"": merged})
+    _paths_only("base", {"": base})
+    _paths_only("experts", experts)
+    _paths_only("calibration", calibration)
+    _paths_only("heads", heads or {})
+    _, result = calibrate_into(merged, base=base, experts=experts, calibration_sources=calibration, out=out,
+                               heads=heads, **options)
     return result
 
 
-def _checked_request(config: FeatCalConfig, base: ModelLike | None, experts: Mapping[str, ModelLike],
-                     heads: Mapping[str, Any] | None, merge_scaling: float | None,
-                     expert_kind: Mapping[str, str] | None) -> dict[str, str]:
-    """What can be refused before any data is read: the expert kinds (returned, checked against the experts)
-    and the search's own arguments."""
-    kinds = run_options(expert_kind=expert_kind or {}).expert_kind
-    if isinstance(experts, Mapping):
-        check_expert_kinds(kinds, experts)
-    tuning.check_request(config, base, experts, heads, merge_scaling)
-    return kinds
-
-
-def _run(merged: ModelLike, config: FeatCalConfig, heads: Mapping[str, Any] | None, merge_scaling: float | None,
-         common: dict[str, Any]) -> CalibrationResult:
-    """One calibration at `config`'s setting, or (`config.tune`) the search and its refit."""
-    if config.tune:
-        return tuning.calibrate_tuned(merged, heads=heads, merge_scaling=merge_scaling, **common)
-    return core.calibrate_setting(merged, **common)
+def _paths_only(what: str, given: Mapping[str, Any]) -> None:
+    """With out=, each of `given` must be a path or a hub id (featcal.json records and hashes it)."""
+    for name, value in given.items():
+        if not isinstance(value, (str, os.PathLike)):
+            label = f"{what}[{name!r}]" if name else what
+            raise ConfigError(f"calibrate(out=...): {label} is a {type(value).__name__}; out= takes checkpoints, data "
+                              "and heads as paths or hub ids (what featcal.json names and hashes); for models or "
+                              "data in memory, call calibrate without out= and save result.model yourself")
 
 
 _warned: list[bool] = []
@@ -123,10 +153,3 @@ def _warn_return_result() -> None:
         _warned.append(True)
         warnings.warn("featcal.calibrate(return_result=...) is deprecated and does nothing: calibrate always "
                       "returns a CalibrationResult (the model is its .model)", DeprecationWarning, stacklevel=3)
-
-
-def _checked_config(config: FeatCalConfig | None) -> FeatCalConfig:
-    config = config if config is not None else FeatCalConfig()
-    if not isinstance(config, FeatCalConfig):
-        raise ConfigError(f"config must be a FeatCalConfig, not {type(config).__name__}")
-    return config

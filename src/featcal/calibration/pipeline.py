@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from featcal.blocks.support import check_config
-from featcal.calibration import api
 from featcal.calibration.distributed import RankGroup, current_group
+from featcal.calibration.in_memory import calibrate_models
 from featcal.calibration.inputs import check_variant_packages, resolve_device
 from featcal.calibration.result import CalibrationResult
 from featcal.calibration.resume import default_resume_dir, discard_on_error
@@ -49,7 +49,7 @@ from featcal.io.atomic import (
     check_replaceable,
     refuse_output_over_inputs,
 )
-from featcal.io.card import replaced_files, write_card
+from featcal.io.card import check_hub_ids, replaced_files, write_card
 from featcal.io.checkpoint import CheckpointReader, copy_side_files, read_json
 from featcal.io.family import BASE, MERGED, expert_label, is_gguf, open_family
 from featcal.io.models import hf_progress_bars, load_config, load_model
@@ -276,6 +276,7 @@ def calibrate_to_dir(
     heads: Mapping[str, str | Path] | None = None,
     expert_kind: Mapping[str, str] | None = None,
     dtype: str | None = None,
+    hub_id: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """Calibrate the merged checkpoint toward its experts and write the result (+ featcal.json, README.md) to `out`.
 
@@ -287,16 +288,26 @@ def calibrate_to_dir(
     it is read from the merged checkpoint's featcal.json when that ties it to these inputs), and the
     report's `tuning` records every candidate and the choice (tuning/); `heads` (task -> a head saved by
     featcal) add agreement with the experts' predictions to its score. `dtype` ('float32', 'bfloat16',
-    'float16'): the written weights' floating dtype (default: the merged checkpoint's stored one).
+    'float16'): the written weights' floating dtype (default: the merged checkpoint's stored one). `hub_id`
+    (role -> hub id; role "base" or an expert's name): how the model card names an input whose own record names
+    no hub id (io/card.py).
     """
+    return calibrate_into(
+        merged, base=base, experts=experts, calibration_sources=calibration_sources, config=config, out=out,
+        overwrite=overwrite, allow_pickle=allow_pickle, progress=progress, max_length=max_length,
+        allow_fewer=allow_fewer, check_finite=check_finite, merge_scaling=merge_scaling, heads=heads,
+        expert_kind=expert_kind, dtype=dtype, hub_id=hub_id,
+    )[0]
+
+
+def calibrate_into(merged: str | Path, *, progress: bool = True, dtype: str | None = None,
+                   hub_id: Mapping[str, str] | None = None, **kwargs: Any) -> tuple[dict[str, Any], CalibrationResult]:
+    """`calibrate_to_dir` (its arguments), returning the report written and the CalibrationResult, whose model is
+    the calibrated model as written: the one writer of a calibrated folder, behind `featcal calibrate --out`,
+    `featcal run` and `featcal.calibrate(..., out=)`."""
+    options = parse(OutputOptions, {"dtype": dtype, "hub_id": dict(hub_id or {})})
     with hf_progress_bars(progress):
-        return _calibrate_to_dir(
-            merged, base=base, experts=experts, calibration_sources=calibration_sources, config=config, out=out,
-            overwrite=overwrite, allow_pickle=allow_pickle, progress=progress, max_length=max_length,
-            allow_fewer=allow_fewer, check_finite=check_finite, merge_scaling=merge_scaling, heads=heads,
-            expert_kind=expert_kind,
-            dtype=parse(OutputOptions, {"dtype": dtype}).dtype,
-        )
+        return _calibrate_to_dir(merged, progress=progress, dtype=options.dtype, hub_id=options.hub_id, **kwargs)
 
 
 def _calibrate_to_dir(
@@ -304,11 +315,12 @@ def _calibrate_to_dir(
     calibration_sources: Mapping[str, str | Path], config: FeatCalConfig, out: str | Path, overwrite: bool,
     allow_pickle: bool, progress: bool, max_length: int, allow_fewer: bool, check_finite: bool,
     merge_scaling: float | None = None, heads: Mapping[str, str | Path] | None = None,
-    expert_kind: Mapping[str, str] | None = None, dtype: str | None = None,
-) -> dict[str, Any]:
+    expert_kind: Mapping[str, str] | None = None, dtype: str | None = None, hub_id: Mapping[str, str],
+) -> tuple[dict[str, Any], CalibrationResult]:
     total = Timer()
     if merged is None:
         raise ConfigError("calibrate_to_dir needs the merged checkpoint to calibrate")
+    check_hub_ids(hub_id, experts)
     with _WarningLog() as warnings:
         checked = check_calibration_inputs(
             merged, base=base, experts=experts, calibration_sources=calibration_sources, config=config, out=out,
@@ -342,20 +354,20 @@ def _calibrate_to_dir(
 
     group = current_group()
     if not group.is_main:  # under torchrun only rank 0 writes; the others wait for it, then tidy up
-        return _leave_writing_to_rank_0(group, result)
+        return _leave_writing_to_rank_0(group, result), result
     seconds = {"load": load_seconds, "load_data": data_seconds, "calibrate": calibrate_seconds,
                "hash_inputs": hash_seconds}
     report = _write_calibrated(
         result, checked, merged_dir, overwrite,
         params={**config.model_dump(mode="json"), "max_length": max_length, "allow_fewer": allow_fewer},
         inputs_report=inputs_report, warnings=warnings.messages, seconds=seconds, total=total,
-        tuning=_tuning_report(result, scaling_from, heads), tokenizer=tokenizer,
+        tuning=_tuning_report(result, scaling_from, heads), tokenizer=tokenizer, hub_ids=hub_id,
     )
     group.barrier()
     if result.resume_store is not None:  # the checkpoint is safely in place: the resume state has served
         result.resume_store.delete()
     log.info("calibrated checkpoint written to %s (%.1f s)", checked.out, total.seconds)
-    return report
+    return report, result
 
 
 # --- the stages of _calibrate_to_dir, in the order they run ----------------------------------------
@@ -400,7 +412,7 @@ def _calibrate_loaded(
 ) -> CalibrationResult:
     """featcal.calibrate on the loaded merge, in place; base and experts streamed from their files."""
     with torch.no_grad():
-        return api.calibrate(
+        return calibrate_models(
             merged_model, base=str(checked.base), experts={t: str(d) for t, d in checked.experts.items()},
             calibration=calibration, config=config, progress=progress, inplace=True, allow_pickle=allow_pickle,
             keep_resume_state=True,
@@ -468,6 +480,7 @@ def _write_calibrated(
     result: CalibrationResult, checked: CheckedInputs, merged_dir: Path, overwrite: bool, *,
     params: dict[str, Any], inputs_report: dict[str, Any], warnings: list[str], seconds: dict[str, float],
     total: Timer, tuning: dict[str, Any] | None, tokenizer: TokenizerPlan | None = None,
+    hub_ids: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """The calibrated checkpoint, its preprocessing files, task heads, featcal.json and model card, through a
     temporary directory renamed into place; the report written."""
@@ -511,7 +524,7 @@ def _write_calibrated(
         replaced = replaced_files({"merged": merged_dir})
         if replaced:
             report["replaced_input_files"] = replaced
-        write_card(tmp, report, merged_report)
+        write_card(tmp, report, merged_report, hub_ids)  # records each input's hub id in the report too
         write_report(tmp, report)
     return report
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from featcal.cli.commands import HELP
 from featcal.experiments.zoo.presets import PRESETS, get_preset
 
 
@@ -71,7 +72,7 @@ def register(subparsers) -> None:
     from featcal.cli.flags import add_flags
     from featcal.experiments.bench.options import BenchOptions
 
-    p = subparsers.add_parser("bench", help="benchmark merges alone and + FeatCal on the offline zoo")
+    p = subparsers.add_parser("bench", help=HELP["bench"])
     p.add_argument("--out", required=True, help="output directory: bench.json, table.md, drift.png")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     add_flags(p, BenchOptions, prefix="", choices={"preset": sorted(PRESETS)})

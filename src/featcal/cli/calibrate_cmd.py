@@ -19,6 +19,7 @@ from featcal.cli.calibrate_args import (  # noqa: F401  (add_config_flags, parse
     parse_pairs,
     run_options_from_args,
 )
+from featcal.cli.commands import HELP
 from featcal.config import FeatCalConfig
 
 
@@ -74,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         args.merged, base=args.base, experts=parse_pairs(args.expert, "--expert"),
         calibration_sources=parse_pairs(args.calib, "--calib"), config=config, out=args.out,
         progress=not args.no_progress, **options.model_dump(),
-        heads=parse_pairs(args.tune_head, "--tune-head"), dtype=output_options_from_args(args).dtype,
+        heads=parse_pairs(args.tune_head, "--tune-head"), **output_options_from_args(args).model_dump(exclude={"tokenizer_source"}),
     )
     if not group.is_main:
         return 0  # rank 0 wrote the checkpoint and prints the summary
@@ -89,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"drift figure: {write_drift_figure(report, args.out)}")
     s = report["seconds"]
     print(
-        f"calibrated checkpoint: {args.out}  (load {s['load']:.1f} s, calibrate {s['calibrate']:.1f} s, "
+        f"calibrated checkpoint: {Path(args.out)}  (load {s['load']:.1f} s, calibrate {s['calibrate']:.1f} s, "
         f"save {s['save']:.1f} s; peak RSS {report['peak_rss_mb']:.0f} MiB)"
     )
     return 0
@@ -97,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "calibrate", help="calibrate a merged model toward its experts (FeatCal)",
+        "calibrate", help=HELP["calibrate"],
         description="Calibrate a merged checkpoint block by block toward its experts with closed-form "
         "ridge solves, using a small unlabeled calibration set per task. Any block-stacked transformers model "
         "whose structure featcal finds is supported (Llama, Mistral, Qwen, Gemma, Phi, GPT-2, BERT, T5, BART, "
@@ -105,7 +106,7 @@ def register(subparsers) -> None:
         "its config.",
     )
     add_arguments(p)
-    add_output_flags(p)
+    add_output_flags(p, only=("dtype", "hub_id"))
     p.add_argument("--dry-run", action="store_true", help="print the memory plan (featcal plan) and stop")
     p.add_argument("--plot", action="store_true",
                    help="also write the per-block drift figure beside the checkpoint (drift.png; needs "

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
+from featcal.cli.commands import HELP
 from featcal.cli.flags import add_flags, given_values, parse_pairs
 from featcal.evaluation.options import EvalOptions
 
@@ -26,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
               f"{','.join(lm['tasks'])}, run:")
         for command in lm["commands"].values():
             print(f"  {command}")
-    print(f"wrote {args.out}/{EVAL_JSON}")
+    print(f"wrote {Path(args.out) / EVAL_JSON}")  # eval/ or eval: one path, eval/eval.json
     if lm.get("failed"):
         print(f"featcal: error: lm-eval failed on {', '.join(lm['failed'])} (see eval.json)")
         return 1
@@ -35,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "eval", help="score models on tasks (did calibration help?): one table models x tasks",
+        "eval", help=HELP["eval"],
         description="Score any number of models on any number of tasks: causal LMs on held-out text or chat "
         "(token loss, perplexity, next-token accuracy), classifiers on a label column (accuracy, macro-F1), CLIP "
         "zero-shot from class names, text-to-text models on targets (exact match). With --merged, --expert and "

@@ -1,4 +1,10 @@
-"""Entry point of the `featcal` command: dispatches to the sub-command modules."""
+"""Entry point of the `featcal` command: dispatches to the sub-command modules.
+
+Start-up is kept short: only the command named on the line has its module imported and its flags built
+(pydantic's schemas, and transformers / torch, load only where that command needs them), so `featcal --version`,
+`featcal --help` and a mistyped command answer in a fraction of a second (tests/cli/test_start_up.py). An
+argparse error prints two lines: the command's usage in short and the error (`Parser`).
+"""
 
 from __future__ import annotations
 
@@ -11,21 +17,48 @@ import sys
 import threading
 
 from featcal.cli import manners
+from featcal.cli.commands import COMMANDS, HELP
 from featcal.errors import FeatCalError
 from featcal.io import host_allocator, interrupts
 from featcal.io.atomic import os_error_of
 from featcal.io.interrupts import Terminated
 
-# sub-command modules, each with register(subparsers) setting `func` on its parser
-COMMANDS = ("merge", "calibrate", "run", "eval", "zoo", "bench", "reproduce", "plan", "supported")
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, whose error is two lines: `usage: featcal CMD ARGS [options]` and the error, where
+    argparse printed the command's whole usage (24 to 39 lines for calibrate) above it. --help is unchanged."""
+
+    def short_usage(self) -> str:
+        words = [self.prog]
+        for action in self._actions:
+            if action.option_strings:
+                continue
+            if isinstance(action, argparse._SubParsersAction):
+                words.append("COMMAND ...")
+            else:
+                words.append(action.metavar or action.dest)
+        return " ".join([*words, "[options]"])
+
+    def error(self, message: str):
+        self.exit(2, f"usage: {self.short_usage()}  ({self.prog} --help lists every option)\nfeatcal: error: {message}\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def chosen_command(argv: list[str]) -> str | None:
+    """The sub-command named on the line (the first word that is one), None when there is none."""
+    return next((word for word in argv if word in COMMANDS), None)
+
+
+def build_parser(command: str | None = "") -> argparse.ArgumentParser:
+    """The featcal parser. `command` "" (the default): every sub-command with all its flags; a command's
+    name: that one only, the others listed by name and help (what `main` parses with); None: none in full."""
+    parser = Parser(
         prog="featcal", description="Merge fine-tuned transformers and calibrate the merge toward its experts."
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
+        if command not in ("", name):
+            sub.add_parser(name, help=HELP[name])
+            continue
         try:
             module = importlib.import_module(f"featcal.cli.{name}_cmd")
         except ModuleNotFoundError as exc:
@@ -71,8 +104,8 @@ def interrupted_message(args: argparse.Namespace, exc: KeyboardInterrupt) -> str
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(chosen_command(argv)).parse_args(argv)
     try:  # before any model is read: FEATCAL_HOST_ALLOCATOR=tuned keeps and reuses freed pages (io/host_allocator.py)
         applied = host_allocator.apply(host_allocator.requested())
     except ValueError as exc:

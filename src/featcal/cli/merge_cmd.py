@@ -10,6 +10,7 @@ per expert); the data-free methods refuse --calib.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from featcal.cli.calibrate_args import (
     add_base_flag,
@@ -22,6 +23,7 @@ from featcal.cli.calibrate_args import (
     parse_pairs,
     run_options_from_args,
 )
+from featcal.cli.commands import HELP
 from featcal.config import MergeConfig, method_names
 
 
@@ -39,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
         **options.model_dump(), **output_options_from_args(args).model_dump(),
     )
     print(
-        f"merged {len(experts)} experts with {config.method} ({len(merged)} tensors) into {args.out} "
+        f"merged {len(experts)} experts with {config.method} ({len(merged)} tensors) into {Path(args.out)} "
         f"in {timer.seconds:.1f} s"
     )
     return 0
@@ -47,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "merge", help="merge fine-tuned experts into their base (Task Arithmetic, TIES, DARE, RegMean, WUDI, ...)",
+        "merge", help=HELP["merge"],
         description="Merge experts fine-tuned from one base into a single checkpoint, reading the experts "
         "tensor by tensor (RegMean, RegMean++ and WUDI load whole models; RegMean reads --calib data). "
         "The output is an ordinary Hugging Face checkpoint plus featcal.json.",

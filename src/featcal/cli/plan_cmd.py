@@ -14,6 +14,7 @@ import argparse
 import os
 
 from featcal.cli.calibrate_args import add_arguments, config_from_args, parse_pairs, run_options_from_args
+from featcal.cli.commands import HELP
 from featcal.config import FeatCalConfig
 from featcal.errors import ConfigError
 
@@ -158,8 +159,7 @@ def run(args: argparse.Namespace) -> int:
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "plan", help="estimate the peak memory and time of a calibration (same arguments as calibrate, or "
-        "--config and --tasks)",
+        "plan", help=HELP["plan"],
         description="Print the peak memory per process that `featcal calibrate` with these arguments would "
         "need, broken down, and the options (bf16 chains, spilling, smaller batches, more ranks) that "
         "reduce it. Makes every check calibrate makes before its work (checkpoint headers, each task's "

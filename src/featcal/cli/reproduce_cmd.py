@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from featcal.cli.commands import HELP
+
 
 def _settings_help() -> str:
     from featcal.experiments.reproduce.settings import SETTINGS
@@ -19,7 +21,7 @@ def register(subparsers: Any) -> None:
 
     p = subparsers.add_parser(
         "reproduce",
-        help="run one of the paper's settings (merge, FeatCal, evaluation) from hub ids or local copies",
+        help=HELP["reproduce"],
         description="Task Arithmetic (s=0.3) -> FeatCal -> evaluation for one of the paper's settings.\n"
         "Writes DIR/metrics.json (beside the paper's numbers), DIR/metrics.txt and DIR/run_config.json;\n"
         "a rerun with the same parameters reuses the stages already in DIR. All model and dataset ids\n"

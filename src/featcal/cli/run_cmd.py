@@ -31,6 +31,7 @@ import argparse
 import shutil
 from pathlib import Path
 
+from featcal.cli.commands import HELP
 from featcal.config import RunConfig, is_task_vector_merge, read_run_data, run_config
 from featcal.errors import ConfigError
 from featcal.io.atomic import (
@@ -41,7 +42,6 @@ from featcal.io.atomic import (
     refuse_output_over_inputs,
     sweep_stale,
 )
-from featcal.merging.calibration_data import check_calibration_request
 
 
 def _input_path(value: str, root: Path) -> str:
@@ -105,6 +105,7 @@ def load(path: Path, out: str | None = None) -> RunConfig:
 def execute(run: RunConfig, *, progress: bool = True) -> Path:
     """Merge (or take the `merged:` merge), then calibrate if asked; returns the output directory."""
     from featcal.merging.api import merge
+    from featcal.merging.calibration_data import check_calibration_request
 
     if run.merged is not None:
         return _calibrate_existing(run, progress=progress)
@@ -147,7 +148,7 @@ def execute(run: RunConfig, *, progress: bool = True) -> Path:
             **options, progress=progress, check_finite=False,
             merge_scaling=merge_config.scaling if featcal_config.tune and is_task_vector_merge(merge_config.method)
             else None,  # tune may rebuild a task-vector merge at other scalings
-            heads=run.calibrate.heads, dtype=run.dtype,
+            heads=run.calibrate.heads, dtype=run.dtype, hub_id=run.hub_id,
         )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -174,7 +175,7 @@ def _calibrate_existing(run: RunConfig, *, progress: bool) -> Path:
     calibrate_to_dir(
         merged.path, base=merged.base, experts=merged.experts, calibration_sources=run.calibrate.calibration,
         config=run.calibrate.featcal_config(), out=run.out, **run.run_options().model_dump(), progress=progress,
-        heads=run.calibrate.heads, dtype=run.dtype,
+        heads=run.calibrate.heads, dtype=run.dtype, hub_id=run.hub_id,
     )
     return Path(run.out)
 
@@ -194,7 +195,7 @@ def run_file(args: argparse.Namespace) -> int:
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "run", help="merge (and optionally calibrate) as described by a YAML run file",
+        "run", help=HELP["run"],
         description="Run a merge, and a FeatCal calibration when the file has a `calibrate:` section, "
         "from one YAML file validated by the same schema as the CLI flags. Relative paths are relative "
         "to the file's directory.",

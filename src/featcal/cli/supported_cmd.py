@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 
+from featcal.cli.commands import HELP
+
 
 def run(args: argparse.Namespace) -> int:
     from featcal.blocks import catalog
@@ -27,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "supported", help="which models featcal can calibrate (checked from their configs, no weights read)",
+        "supported", help=HELP["supported"],
         description="Check whether featcal can calibrate a model, from its config alone, and show what would be "
         "calibrated (the stacks of blocks, the Linear / Conv1D layers and norms in each block) and what keeps "
         "its merged value. Without arguments: the model types the test suite calibrates end to end. Exit "

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from featcal.cli.commands import HELP
 from featcal.experiments.zoo.presets import PRESETS
 
 
@@ -60,8 +61,8 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("zoo", help="the offline model zoo (base, experts, heads, data)")
-    sub = p.add_subparsers(dest="zoo_command", required=True)
+    p = subparsers.add_parser("zoo", help=HELP["zoo"])
+    sub = p.add_subparsers(dest="zoo_command", required=True, metavar="COMMAND")
     b = sub.add_parser("build", help="build the zoo, or reuse an identical cached build at --out")
     b.add_argument("--preset", choices=sorted(PRESETS), default="default")
     b.add_argument("--seed", type=int, default=0)

@@ -126,8 +126,8 @@ OutputDtype = Literal["float32", "bfloat16", "float16"]
 
 class OutputOptions(StrictModel):
     """What the written checkpoint holds besides the weights' values: `featcal merge` / `calibrate` flags
-    (--dtype, --tokenizer-source), featcal.merge's keywords and a run file's top-level keys (mergekit's dtype,
-    out_dtype and tokenizer_source)."""
+    (--dtype, --tokenizer-source, --hub-id), featcal.merge's and featcal.calibrate's keywords and a run file's
+    top-level keys (mergekit's dtype, out_dtype and tokenizer_source)."""
 
     concern: ClassVar[str] = "the written checkpoint"
 
@@ -139,6 +139,12 @@ class OutputOptions(StrictModel):
         None, min_length=1, description="merge: whose tokenizer the output carries: 'base' or an expert's name; "
         "unset: the base's, completed by what every expert agrees on and the base lacks (a chat template), and a "
         "conflict among the experts is refused (docs/outputs.md)",
+    )
+    hub_id: dict[str, str] = Field(
+        default_factory=dict, description="the hub id the model card names an input by (ROLE: base or an expert's "
+        "name), where its own record (a hub cache path, config.json's _name_or_path) names none; an input without "
+        "one is named by a relative path, not in the card's base_model (docs/outputs.md)",
+        json_schema_extra={"flag": "--hub-id", "metavar": "ROLE=ID"},
     )
 
 

@@ -174,7 +174,7 @@ def _lm_eval(plan: EvalPlan, tasks: Sequence[str], work: Path, opts: EvalOptions
     for n, e in names.items():
         try:
             rows += harness.result_rows(n, harness.run(e.path.resolve(), tasks, work / n, batch_size=opts.batch_size,
-                                                       device=opts.device))
+                                                       device=opts.device, shown=shown / n))
         except FeatCalError as exc:
             failures[n] = str(exc)
             log.error("%s", exc)

@@ -75,16 +75,28 @@ def installed() -> bool:
     return importlib.util.find_spec("lm_eval") is not None
 
 
-def run(checkpoint: Path, tasks: Sequence[str], output: Path, *, batch_size: int, device: str | None) -> dict[str, Any]:
-    """Run the harness on one checkpoint (in a child process) and return its `results` mapping."""
+LOG_NAME = "lm_eval.log"  # the harness's stdout and stderr, beside its results
+
+
+def run(checkpoint: Path, tasks: Sequence[str], output: Path, *, batch_size: int, device: str | None,
+        shown: Path | None = None) -> dict[str, Any]:
+    """Run the harness on one checkpoint (in a child process) and return its `results` mapping.
+
+    Its stdout and stderr go to `output`/lm_eval.log, not the terminal: a failure is one line naming that log
+    (where it will be: under `shown`, when `output` is a temporary folder renamed there later), not the harness's
+    traceback in the middle of featcal's output."""
     argv = lm_eval_argv(checkpoint, tasks, output, batch_size=batch_size, device=device)
     argv = [sys.executable, "-m", "lm_eval", *argv[1:]]
     output.mkdir(parents=True, exist_ok=True)
     log.info("running %s", shlex.join(argv))
-    done = subprocess.run(argv, check=False)
+    with open(output / LOG_NAME, "wb") as harness_log:
+        harness_log.write(f"$ {shlex.join(argv)}\n".encode())
+        harness_log.flush()
+        done = subprocess.run(argv, check=False, stdin=subprocess.DEVNULL, stdout=harness_log,
+                              stderr=subprocess.STDOUT)
     if done.returncode != 0:
-        raise FeatCalError(f"lm-eval failed on {checkpoint} (exit status {done.returncode}): "
-                           f"{shlex.join(argv)}")
+        raise FeatCalError(f"lm-eval failed on {checkpoint} (exit status {done.returncode}); its output is in "
+                           f"{(shown or output) / LOG_NAME}")
     return read_results(output)
 
 

@@ -7,19 +7,36 @@ schema: base_model, base_model_relation, library_name, tags), from what the repo
 (method, parameters, experts), and for a calibration its data, settings and per-block drift. The cards and
 mergekit files an input carried are not copied (CARRIED_FILES); featcal.json keeps their sha256
 (`replaced_input_files`), so the provenance is not lost.
+
+Inputs are named by hub id, never by a machine's path: a card pushed to the hub would leak it, and `base_model`
+metadata that is no hub id breaks the hub's merge lineage. An input's hub id (`find_hub_ids`): the one given
+(`--hub-id ROLE=ID`, a run file's `hub_id:`, `hub_id=`), else the input's own record: a hub cache path
+(`.../models--org--name/snapshots/...`, what a hub id given as the input resolves to), else its config.json's
+`_name_or_path` where that is a hub id `org/name` (an expert's naming the base's id, or another expert's, names
+what it was fine-tuned from, not itself, and is not taken). featcal.json records each id and where it came from.
+`base_model` lists the ids found; an input without one is named in the card's text by its path relative to the
+folder holding the output, or by its folder's name where it lies elsewhere, and the card says so.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+import os
+import re
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from featcal.errors import ConfigError
 from featcal.io.checkpoint import CARRIED_FILES
 from featcal.io.report import file_sha256
 
 CARD_NAME = "README.md"
+BASE_ROLE = "base"  # the --hub-id role of the base; an expert's role is its name
+# a hub snapshot in the cache: HF_HOME/hub/models--ORG--NAME/snapshots/REVISION/...
+_HUB_CACHE = re.compile(r"(?:^|/)models--(?P<id>[^/]+)/snapshots(?:/|$)")
+# an absolute path in a carried mergekit recipe's text (not a URL's //host)
+_ABSOLUTE = re.compile(r"(?:(?<=[\s'\"\[,])|^)(?:/(?!/)|~/)[^\s'\",\]}]*", re.M)
 
 
 def replaced_files(inputs: Mapping[str, Any]) -> dict[str, dict[str, str]]:
@@ -39,27 +56,158 @@ def replaced_files(inputs: Mapping[str, Any]) -> dict[str, dict[str, str]]:
     return out
 
 
-def _name(entry: Any) -> str:
-    if isinstance(entry, Mapping):
-        return str(entry.get("hub_id") or entry.get("path") or entry.get("source") or "?")
-    return str(entry)
+def is_hub_id(text: Any) -> bool:
+    """Whether `text` is a valid hub repository id (`name` or `org/name`)."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if not isinstance(text, str) or not text or text.startswith((".", "~")):
+        return False
+    try:
+        validate_repo_id(text)
+    except HFValidationError:
+        return False
+    return True
 
 
-def _hub_ids(report: Mapping[str, Any]) -> list[str]:
-    """base_model metadata: the base, then the experts (what the hub links a merge's lineage by)."""
-    inputs = report.get("inputs", {})
-    names = [_name(inputs["base"])] if "base" in inputs else []
-    names += [_name(e) for e in inputs.get("experts", {}).values()]
-    return list(dict.fromkeys(names))
+def check_hub_ids(given: Mapping[str, str] | None, experts: Iterable[str]) -> dict[str, str]:
+    """The `--hub-id ROLE=ID` pairs, refused (ConfigError, before any work) for a role that is neither the base
+    nor an expert, an id that is no hub id, or the role `base` where an expert has that name."""
+    given = dict(given or {})
+    experts = list(experts)
+    roles = [BASE_ROLE, *experts]
+    for role, hub_id in given.items():
+        if role not in roles:
+            raise ConfigError(f"--hub-id {role}={hub_id}: {role!r} is neither {BASE_ROLE!r} nor an expert's name "
+                              f"(roles: {', '.join(roles)})")
+        if role == BASE_ROLE and BASE_ROLE in experts:
+            raise ConfigError(f"--hub-id {role}={hub_id}: an expert is named {BASE_ROLE!r} too; rename that task")
+        if not is_hub_id(hub_id):
+            raise ConfigError(f"--hub-id {role}={hub_id}: {hub_id!r} is not a hub id (org/name)")
+    return given
+
+
+def _path_of(entry: Any) -> str | None:
+    path = entry.get("path") if isinstance(entry, Mapping) else entry
+    return None if path is None else str(path)
+
+
+def _cached_hub_id(path: str | None) -> str | None:
+    """ORG/NAME of a path inside the hub cache's models--ORG--NAME/snapshots/ (what a hub id resolves to)."""
+    found = _HUB_CACHE.search(Path(path).as_posix()) if path else None
+    hub_id = found.group("id").replace("--", "/", 1) if found else None
+    return hub_id if is_hub_id(hub_id) else None
+
+
+def _config_hub_id(path: str | None) -> str | None:
+    """config.json's `_name_or_path` where it is a hub id ORG/NAME and no local folder (transformers 4 saved it,
+    e.g. after `from_pretrained("org/name")`; transformers 5 writes none)."""
+    config = Path(path) / "config.json" if path else None
+    if config is None or not config.is_file():
+        return None
+    try:
+        named = json.loads(config.read_text(encoding="utf-8")).get("_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(named, str) or named.count("/") != 1 or not is_hub_id(named) or Path(named).exists():
+        return None
+    return named
+
+
+def _inputs_by_role(inputs: Mapping[str, Any]) -> dict[str, Any]:
+    """The base and the experts of a report's inputs, by --hub-id role."""
+    return {**({BASE_ROLE: inputs[BASE_ROLE]} if BASE_ROLE in inputs else {}), **(inputs.get("experts") or {})}
+
+
+def find_hub_ids(inputs: Mapping[str, Any], given: Mapping[str, str] | None = None) -> dict[str, tuple[str, str]]:
+    """role -> (hub id, where it came from) for the base and each expert of a report's `inputs`, where one is known
+    (the module docstring says how)."""
+    given = given or {}
+    by_role = _inputs_by_role(inputs)
+    found: dict[str, tuple[str, str]] = {}
+    for role, entry in by_role.items():
+        recorded = entry.get("hub_id") if isinstance(entry, Mapping) else None
+        cached = _cached_hub_id(_path_of(entry))
+        if role in given:
+            found[role] = (given[role], "given")
+        elif recorded:
+            found[role] = (recorded, entry.get("hub_id_from", "recorded"))
+        elif cached:
+            found[role] = (cached, "hub cache path")
+    named = {r: _config_hub_id(_path_of(e)) for r, e in by_role.items() if r not in found}
+    if named.get(BASE_ROLE):  # the base's own first: an expert whose config names it names its own base
+        found[BASE_ROLE] = (named[BASE_ROLE], "config _name_or_path")
+    taken = {hub_id for hub_id, _ in found.values()}
+    by_experts = [n for r, n in named.items() if r != BASE_ROLE and n]
+    for role, hub_id in named.items():
+        if role != BASE_ROLE and hub_id and hub_id not in taken and by_experts.count(hub_id) == 1:
+            found[role] = (hub_id, "config _name_or_path")
+    return found
+
+
+def add_hub_ids(report: dict[str, Any], given: Mapping[str, str] | None = None) -> list[str]:
+    """Record in the report's inputs (featcal.json) each input's hub id and where it came from; returns the ids,
+    the base's first (the card's `base_model`)."""
+    entries = _inputs_by_role(report.get("inputs", {}))
+    found = find_hub_ids(report.get("inputs", {}), given)
+    for role, (hub_id, source) in found.items():
+        if isinstance(entries[role], dict):
+            entries[role].update(hub_id=hub_id, hub_id_from=source)
+    return list(dict.fromkeys(found[role][0] for role in entries if role in found))
+
+
+class _Names:
+    """How the card names inputs and data: by hub id, else by a path relative to the folder holding the output,
+    else by the folder's name alone; never by a machine's absolute path. `local` says whether a path was shown."""
+
+    def __init__(self, output: Any) -> None:
+        self.home = Path(output).expanduser().absolute().parent if output else None
+        self.local = False
+
+    def path(self, path: Any) -> str:
+        text = str(path)
+        p = Path(text).expanduser()
+        if not p.is_absolute() and not p.exists():
+            return text  # no local path: a hub (dataset) id as given, or a path relative to another run
+        self.local = True
+        if self.home is not None and p.absolute().is_relative_to(self.home):
+            return Path(os.path.relpath(p.absolute(), self.home)).as_posix()
+        return p.name if p.is_absolute() else Path(os.path.normpath(text)).as_posix()
+
+    def __call__(self, entry: Any) -> str:
+        if isinstance(entry, Mapping):
+            if entry.get("hub_id"):
+                return str(entry["hub_id"])
+            where = entry.get("path") or entry.get("source")
+            return "?" if where is None else self.path(where)
+        return self.path(entry)
+
+    def redact(self, text: str) -> str:
+        """`text` (a carried recipe) with each absolute path named as `path` names it."""
+        return _ABSOLUTE.sub(lambda m: self.path(m.group(0)), text)
+
+
+def _code(text: Any) -> str:
+    """`text` as inline code inside a Markdown table cell or list: on one line, fenced by more backticks than any
+    run of them in it, `|` escaped (GitHub's tables split on it even inside code)."""
+    text = " ".join(str(text).split())
+    fence = "`" * (max((len(run) for run in re.findall(r"`+", text)), default=0) + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    return f"{fence}{pad}{text}{pad}{fence}".replace("|", "\\|")
+
+
+def _cell(value: Any) -> str:
+    """A plain table cell: on one line, `|` escaped."""
+    return " ".join(str(value).split()).replace("|", "\\|")
 
 
 def _table(header: list[str], rows: list[list[Any]]) -> str:
+    """A Markdown table; the cells are written with `_code` or `_cell`, or are numbers."""
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
 
 
-def _recipe(params: Mapping[str, Any], experts: Mapping[str, Any]) -> str:
+def _recipe(params: Mapping[str, Any], experts: Mapping[str, Any], names: _Names) -> str:
     method = params.get("method", "?")
     shown = {k: v for k, v in params.items() if k != "method"}
     weights = shown.pop("weights", {}) or {}
@@ -67,16 +215,16 @@ def _recipe(params: Mapping[str, Any], experts: Mapping[str, Any]) -> str:
     drops = shown.pop("drop_rates", {}) or {}
     rows = []
     for name, entry in experts.items():
-        row = [f"`{name}`", f"`{_name(entry)}`", weights.get(name, 1.0)]
+        row = [_code(name), _code(names(entry)), _cell(weights.get(name, 1.0))]
         if "density" in params:
-            row.append(densities.get(name, params["density"]))
+            row.append(_cell(densities.get(name, params["density"])))
         if "drop_rate" in params:
-            row.append(drops.get(name, params["drop_rate"]))
+            row.append(_cell(drops.get(name, params["drop_rate"])))
         rows.append(row)
     header = ["expert", "checkpoint", "weight"] + (["density"] if "density" in params else []) + (
         ["drop rate"] if "drop_rate" in params else [])
-    settings = "\n".join(f"- `{k}`: `{json.dumps(v)}`" for k, v in shown.items()) or "- (none)"
-    return f"Method: **{method}**\n\nParameters:\n{settings}\n\n{_table(header, rows)}\n"
+    settings = "\n".join(f"- {_code(k)}: {_code(json.dumps(v))}" for k, v in shown.items()) or "- (none)"
+    return f"Method: **{_cell(method)}**\n\nParameters:\n{settings}\n\n{_table(header, rows)}\n"
 
 
 def _drift(drift: list[Mapping[str, Any]] | None) -> str:
@@ -87,14 +235,15 @@ def _drift(drift: list[Mapping[str, Any]] | None) -> str:
         label = f"{r['stack']}.{r['layer']}" if "stack" in r and "layer" in r else str(r.get("block", "?"))
         before, after = float(r["before"]), float(r["after"])
         change = f"{100.0 * (after - before) / before:+.1f} %" if before else "n/a"
-        rows.append([label, f"{before:.4g}", f"{after:.4g}", change])
+        rows.append([_cell(label), f"{before:.4g}", f"{after:.4g}", change])
     return _table(["block", "drift before", "drift after", "change"], rows) + "\n"
 
 
-def _calibration(report: Mapping[str, Any]) -> str:
+def _calibration(report: Mapping[str, Any], names: _Names) -> str:
     inputs, params = report.get("inputs", {}), report.get("params", {})
-    rows = [[f"`{t}`", f"`{d.get('source', '?')}`", d.get("kind", "?"), d.get("examples", "?")]
-            for t, d in inputs.get("calibration", {}).items()]
+    # the data's record (data/): "format" (text, jsonl, csv, ...), "examples"
+    rows = [[_code(t), _code(names.path(d.get("source", "?"))), _cell(d.get("format", "?")),
+             _cell(d.get("examples", "?"))] for t, d in inputs.get("calibration", {}).items()]
     parts = ["## Calibration (FeatCal)\n",
              "The merged model was calibrated toward its experts block by block, in closed form, on the unlabeled "
              "data below (FeatCal, arXiv 2605.13030).\n",
@@ -115,44 +264,27 @@ def _calibration(report: Mapping[str, Any]) -> str:
     return "\n".join(parts)
 
 
-def _merge_of_merged(replaced: Mapping[str, Mapping[str, str]], merged_report: Mapping[str, Any] | None) -> str:
+def _merge_of_merged(replaced: Mapping[str, Mapping[str, str]], merged_report: Mapping[str, Any] | None,
+                     names: _Names) -> str:
     """How the calibrated merge was made: featcal's own report of it, or the mergekit recipe it carried."""
     if merged_report and merged_report.get("command") == "merge":
         return "## The merge\n\n" + _recipe(merged_report.get("params", {}),
-                                            merged_report.get("inputs", {}).get("experts", {}))
+                                            merged_report.get("inputs", {}).get("experts", {}), names)
     recipes = [e for e in replaced.values() if "text" in e]
     if recipes:
         return ("## The merge\n\nThe calibrated merge was made with mergekit from this configuration (its "
                 f"README and configuration file are not carried over; sha256 in featcal.json):\n\n```yaml\n"
-                f"{recipes[0]['text'].rstrip()}\n```\n")
+                f"{names.redact(recipes[0]['text'].rstrip())}\n```\n")
     return ""
 
 
-def build_card(report: Mapping[str, Any], merged_report: Mapping[str, Any] | None = None):
-    """The huggingface_hub ModelCard of an output, from its report (and, for a calibration, the merged input's
-    own featcal.json when it has one)."""
-    from huggingface_hub import ModelCard, ModelCardData
+_LOCAL_NOTE = ("Inputs without a hub id are named by their local path, relative to the folder holding this model's "
+               "folder, or by their folder's name where they lie elsewhere: not hub ids, and not in `base_model`. "
+               "`--hub-id ROLE=ID` (a run file's `hub_id:`) names them by hub id.\n")
 
-    command = report.get("command")
-    params = report.get("params", {})
-    method = params.get("method") if command == "merge" else (merged_report or {}).get("params", {}).get("method")
-    tags = ["merge", "featcal"] + ([str(method)] if method else []) + (["featcal-calibrated"] if command ==
-                                                                       "calibrate" else [])
-    data = ModelCardData(base_model=_hub_ids(report), base_model_relation="merge", library_name="transformers",
-                         tags=list(dict.fromkeys(tags)))
-    inputs = report.get("inputs", {})
-    replaced = report.get("replaced_input_files", {})
-    title = "Calibrated merge" if command == "calibrate" else "Merge"
-    body = [f"# {title}\n",
-            f"Made with [featcal](https://arxiv.org/abs/2605.13030) (`featcal {command}`); the full record, with "
-            "every input's sha256 and the versions used, is in `featcal.json`.\n",
-            f"Base model: `{_name(inputs.get('base', '?'))}`\n"]
-    if command == "merge":
-        body += ["## Recipe\n", _recipe(params, inputs.get("experts", {}))]
-    else:
-        body += [_merge_of_merged(replaced, merged_report),
-                 "## Experts\n", "\n".join(f"- `{t}`: `{_name(e)}`" for t, e in inputs.get("experts", {}).items())
-                 + "\n", _calibration(report)]
+
+def _output_notes(report: Mapping[str, Any]) -> list[str]:
+    """The card's "Output" section: the dtype, the tokenizer's source, the per-task heads."""
     out = report.get("output", {})
     extras = []
     if out.get("dtype"):
@@ -161,19 +293,50 @@ def build_card(report: Mapping[str, Any], merged_report: Mapping[str, Any] | Non
     if tok:
         extras.append(f"- tokenizer from {tok.get('source', 'base')}" + (
             f", chat template from {tok['chat_template_from']}" if tok.get("chat_template_from") else ""))
-    heads = report.get("task_heads")
-    if heads:
+    if report.get("task_heads"):
         extras.append("- the experts' task heads differ (different label sets): each task's head is in `heads/` "
                       "with its label map; the merged model's own head is the method's merge of them "
                       "(docs/outputs.md)")
-    if extras:
-        body += ["## Output\n", "\n".join(extras) + "\n"]
-    return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body))
+    return ["## Output\n", "\n".join(extras) + "\n"] if extras else []
 
 
-def write_card(directory: str | Path, report: Mapping[str, Any], merged_report: Mapping[str, Any] | None = None,
-               ) -> Path:
-    """README.md in `directory` (an output being written: the atomic temporary folder)."""
+def build_card(report: Mapping[str, Any], merged_report: Mapping[str, Any] | None = None,
+               hub_ids: list[str] | None = None):
+    """The huggingface_hub ModelCard of an output, from its report (and, for a calibration, the merged input's
+    own featcal.json when it has one). `hub_ids`: the `base_model` metadata (default: those the report records)."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    command = report.get("command")
+    params = report.get("params", {})
+    method = params.get("method") if command == "merge" else (merged_report or {}).get("params", {}).get("method")
+    tags = ["merge", "featcal"] + ([str(method)] if method else []) + (["featcal-calibrated"] if command ==
+                                                                       "calibrate" else [])
+    inputs = report.get("inputs", {})
+    hub_ids = hub_ids if hub_ids is not None else [hub_id for hub_id, _ in find_hub_ids(inputs).values()]
+    data = ModelCardData(base_model=list(dict.fromkeys(hub_ids)) or None,
+                         base_model_relation="merge" if hub_ids else None, library_name="transformers",
+                         tags=list(dict.fromkeys(tags)))
+    names = _Names(report.get("output", {}).get("path"))
+    title = "Calibrated merge" if command == "calibrate" else "Merge"
+    body = [f"Base model: {_code(names(inputs.get('base', '?')))}\n"]
+    if command == "merge":
+        body += ["## Recipe\n", _recipe(params, inputs.get("experts", {}), names)]
+    else:
+        body += [_merge_of_merged(report.get("replaced_input_files", {}), merged_report, names), "## Experts\n",
+                 "\n".join(f"- {_code(t)}: {_code(names(e))}" for t, e in inputs.get("experts", {}).items()) + "\n",
+                 _calibration(report, names)]
+    intro = [f"# {title}\n",
+             f"Made with [featcal](https://arxiv.org/abs/2605.13030) (`featcal {command}`); the full record, with "
+             "every input's sha256 and the versions used, is in `featcal.json`.\n"] + (
+                 [_LOCAL_NOTE] if names.local else [])
+    return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(intro + body + _output_notes(report)))
+
+
+def write_card(directory: str | Path, report: dict[str, Any], merged_report: Mapping[str, Any] | None = None,
+               hub_ids: Mapping[str, str] | None = None) -> Path:
+    """README.md in `directory` (an output being written: the atomic temporary folder). Records each input's hub
+    id in `report` first (`add_hub_ids`; `hub_ids`: role -> id given), so write the report after the card."""
     path = Path(directory) / CARD_NAME
-    path.write_text(str(build_card(report, merged_report)), encoding="utf-8")
+    ids = add_hub_ids(report, hub_ids)
+    path.write_text(str(build_card(report, merged_report, ids)), encoding="utf-8")
     return path

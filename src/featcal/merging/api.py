@@ -34,7 +34,7 @@ from featcal.io.atomic import (
     check_replaceable,
     refuse_output_over_inputs,
 )
-from featcal.io.card import replaced_files, write_card
+from featcal.io.card import check_hub_ids, replaced_files, write_card
 from featcal.io.checkpoint import CheckpointReader, copy_side_files
 from featcal.io.family import open_family
 from featcal.io.layouts import RenamedSource
@@ -107,6 +107,7 @@ class OutputPlan:
     tokenizer: TokenizerPlan | None = None
     heads: HeadPlan | None = None
     replaced: dict[str, dict[str, str]] = field(default_factory=dict)
+    hub_ids: dict[str, str] = field(default_factory=dict)  # role -> hub id given for the card (io/card.py)
 
 
 def plan_output(base: MergeInput, experts: Mapping[str, MergeInput], base_src, expert_srcs: Mapping[str, Any],
@@ -123,7 +124,7 @@ def plan_output(base: MergeInput, experts: Mapping[str, MergeInput], base_src, e
         tokenizer = plan_tokenizer(base_folder, folders, options.tokenizer_source)
     dtype = getattr(torch, options.dtype) if options.dtype is not None else None
     replaced = replaced_files({"base": base_folder, **{f"expert {n!r}": f for n, f in folders.items()}})
-    return OutputPlan(dtype, tokenizer, plan_heads(base_src, expert_srcs, names), replaced)
+    return OutputPlan(dtype, tokenizer, plan_heads(base_src, expert_srcs, names), replaced, dict(options.hub_id))
 
 
 def cast_floating(state: dict[str, Tensor], dtype: torch.dtype | None) -> dict[str, Tensor]:
@@ -179,7 +180,7 @@ def _write_output(
             report["task_heads"] = heads
         if plan.replaced:
             report["replaced_input_files"] = plan.replaced
-        write_card(tmp, report)
+        write_card(tmp, report, hub_ids=plan.hub_ids)  # records each input's hub id in the report too
         write_report(tmp, report)
     log.info("merged checkpoint written to %s", out)
 
@@ -217,6 +218,7 @@ def merge(
     expert_kind: Mapping[str, str] | None = None,
     dtype: str | None = None,
     tokenizer_source: str | None = None,
+    hub_id: Mapping[str, str] | None = None,
     **params: Any,
 ) -> dict[str, Tensor]:
     """Merge `experts` (name -> checkpoint dir, hub id or nn.Module) into `base` with `method`.
@@ -232,7 +234,9 @@ def merge(
     `dtype` ('float32', 'bfloat16', 'float16'): the floating dtype of the result and the written weights
     (default: the base's). `tokenizer_source` ('base' or an expert's name): whose tokenizer the output carries
     when the experts' disagree where the base lacks one (a chat template; io/tokenizer.py). The output also
-    gets a model card (README.md) and, when the experts' label sets differ, each task's head in heads/.
+    gets a model card (README.md) and, when the experts' label sets differ, each task's head in heads/. `hub_id`
+    (role -> hub id; role "base" or an expert's name): how the card names an input its own record names no hub id
+    for (io/card.py); the card never names an input by an absolute path.
 
     `calibration` (regmean, regmean++ only; data-free methods refuse it): task -> a data source path,
     read like `featcal calibrate` reads it (`num_calibration_examples` drawn with `seed`, in batches of
@@ -246,12 +250,14 @@ def merge(
     cfg = resolve_config(method, config, params)
     kinds = run_options(overwrite=overwrite, allow_pickle=allow_pickle, max_length=max_length,
                         allow_fewer=allow_fewer, expert_kind=expert_kind or {}).expert_kind
-    output_options = parse(OutputOptions, {"dtype": dtype, "tokenizer_source": tokenizer_source})
+    output_options = parse(OutputOptions, {"dtype": dtype, "tokenizer_source": tokenizer_source,
+                                           "hub_id": dict(hub_id or {})})
     if not isinstance(experts, Mapping):
         raise ConfigError(f"experts must be a mapping of task name -> checkpoint, got {type(experts).__name__}")
     validate_expert_names(experts.keys())
     check_expert_kinds(kinds, experts)
     check_expert_options(cfg, experts.keys())
+    check_hub_ids(output_options.hub_id, experts.keys())
     check_calibration_request(cfg.method, experts, calibration)
     if out is not None:
         check_output_dir(out, overwrite)
