@@ -5,14 +5,20 @@ that the data names (a ClassLabel feature, class sub-folders) are checked name b
 when the two maps hold the same names in another order, the data's ids are translated through the
 names. Maps that do not fit are refused, both shown: scoring a model through the wrong label map gives a
 wrong number and no error.
+
+Bare class ids (no names in the data) mean, to each model, what its own id2label says. Where the models
+scored on a task name one id differently, or where a model names its classes with other numbers (class
+'1' at id 0), an id would be a different class to each reading, so the same model could score 67 % with
+ids and 33 % with the same labels written as names: refused (check_same_numbering), naming the fix.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
-from featcal.errors import EvaluationDataError
+from featcal.errors import ConfigError, EvaluationDataError
 
 log = logging.getLogger(__name__)
 
@@ -96,3 +102,38 @@ def _translated(labels: list[int], names: list[str], named: dict[int, str], *, t
     log.warning("task %r: the data numbers its classes %s, model %r %s; labels are translated by class name",
                 task, _shown(names), model, _shown(named))
     return [to_model[v] for v in labels]
+
+
+def check_same_numbering(labels: Sequence, label_names: Sequence[str] | None, configs: Mapping[str, Any], *,
+                         task: str) -> None:
+    """Refuse bare class ids that would not name the same class to every model scored on `task`.
+
+    `configs`: model -> what reads its labels (a config with id2label). Labels given as names, or as ids the
+    data names (a ClassLabel), are looked up by name in each model's map and need no check.
+    """
+    if label_names is not None or not all(isinstance(v, int) and not isinstance(v, bool) for v in labels):
+        return
+    used = sorted(set(labels))
+    named = {m: classes for m, c in configs.items() if (classes := model_classes(c)) is not None}
+    for model, classes in named.items():
+        by_name = {n.strip(): k for k, n in classes.items()}
+        bad = next((i for i in used if by_name.get(str(i), i) != i), None)
+        if bad is not None:
+            raise ConfigError(
+                f"task {task!r}: the labels are class ids, and model {model!r} names its classes with other numbers "
+                f"(id2label: {_shown(classes)}), so the label {bad} could mean id {bad} or the class named '{bad}' (id "
+                f"{by_name[str(bad)]}): give the labels as strings (class names), or rename the classes in its "
+                "config.json"
+            )
+    for i in used:
+        meaning = {m: classes[i].casefold() for m, classes in named.items() if i in classes}
+        first = next(iter(meaning), None)
+        other = next((m for m in meaning if meaning[m] != meaning[first]), None)
+        if other is not None:
+            raise ConfigError(
+                f"task {task!r}: the labels are class ids, but the models number their classes differently "
+                f"({first}: {_shown(named[first])}; {other}: {_shown(named[other])}), so id {i} is a different class "
+                "to each and their scores would not be comparable: give the labels as class names (or a ClassLabel "
+                "feature naming the ids), which each model looks up in its own id2label, or correct the id2label "
+                "that is wrong"
+            )

@@ -95,15 +95,37 @@ def perplexity(mean_token_loss: float) -> float:
         return math.inf
 
 
+# A gap smaller than this share of the metric's scale (max |merged|, |experts|) is no gap: float32 scores hold about
+# seven significant digits, so a difference of 7e-7 nats between losses near 3 is rounding, and a "share" of it
+# printed 11900 %. GAP_ABSOLUTE_FLOOR keeps a metric whose scale is near zero from dividing by rounding too.
+GAP_RELATIVE_TOLERANCE = 1e-6
+GAP_ABSOLUTE_FLOOR = 1e-9
+
+
+def no_gap_reason(merge: float, experts: float, *, higher_is_better: bool = True) -> str | None:
+    """Why there is no merge -> experts gap to close (the experts no better than the merge, or better by no more
+    than GAP_RELATIVE_TOLERANCE of the metric's scale, or a value not finite), None when there is one."""
+    sign = 1.0 if higher_is_better else -1.0
+    gap = sign * (experts - merge)
+    if not (math.isfinite(merge) and math.isfinite(experts)):
+        return f"no gap: merged {merge} or experts {experts} is not a finite score"
+    if gap <= 0:
+        return f"no gap: the experts ({experts:.6g}) are no better than the merge ({merge:.6g})"
+    tolerance = max(GAP_ABSOLUTE_FLOOR, GAP_RELATIVE_TOLERANCE * max(abs(merge), abs(experts)))
+    if gap <= tolerance:
+        return (f"no gap: the experts ({experts:.9g}) beat the merge ({merge:.9g}) by {gap:.2g}, within "
+                f"{GAP_RELATIVE_TOLERANCE:g} of the metric's scale ({tolerance:.2g}): rounding, not a gap")
+    return None
+
+
 def gap_closed(model: float, merge: float, experts: float, *, higher_is_better: bool = True) -> float | None:
     """Share of the merge -> experts gap that `model` closes; None when there is no gap to close.
 
     Experts no better than the merge leave no gap: a "share" of a negative gap would print nonsense
-    (300 % when a model moves away from experts that sit under the merge), so it is None (n/a) too.
-    For a metric where lower is better (a loss), the gap is measured downward.
+    (300 % when a model moves away from experts that sit under the merge), so it is None (n/a) too; so is a
+    gap within rounding of the metric's scale (no_gap_reason). For a metric where lower is better (a loss),
+    the gap is measured downward.
     """
-    sign = 1.0 if higher_is_better else -1.0
-    gap = sign * (experts - merge)
-    if not gap > 1e-12:  # also refuses NaN
+    if no_gap_reason(merge, experts, higher_is_better=higher_is_better) is not None:
         return None
-    return sign * (model - merge) / gap
+    return (model - merge) / (experts - merge)

@@ -4,7 +4,8 @@ The models come by role (--base, --merged, --calibrated, --expert TASK=PATH, eac
 own task only) or by name (--model NAME=PATH); every model is scored on every task. Each model's kind is
 read from its config, each task's data opened and its columns resolved, and every (model, task) pair
 checked by its runner, so a missing column, a label map that does not fit or a model with no task
-head is refused before the first forward.
+head is refused before the first forward; so are bare class ids that the models scored on one task number
+differently (evaluation/labels.py).
 """
 
 from __future__ import annotations
@@ -110,4 +111,16 @@ def build_plan(tasks: Mapping[str, str | Path], models: Mapping[str, str | Path]
     pairs = [(e, t) for e in entries for t in sets if e.role != "expert" or e.task == t]
     for entry, task in pairs:
         runners[entry.name].check(sets[task])
+    _check_label_numbering(sets, runners, pairs)
     return EvalPlan(entries, sets, runners, pairs)
+
+
+def _check_label_numbering(sets: Mapping[str, EvalSet], runners: Mapping[str, Runner],
+                           pairs: list[tuple[ModelEntry, str]]) -> None:
+    """Bare class ids must name one class to every model scored on a task (evaluation/labels.py)."""
+    from featcal.evaluation.labels import check_same_numbering
+
+    for task, data in sets.items():
+        configs = {e.name: c for e, t in pairs if t == task and (c := runners[e.name].label_config(task)) is not None}
+        if configs:
+            check_same_numbering(data.labels(), data.label_names, configs, task=task)

@@ -13,7 +13,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from featcal.evaluation.metrics import gap_closed
+from featcal.evaluation.metrics import GAP_RELATIVE_TOLERANCE, gap_closed, no_gap_reason
 
 GAP = "gap_closed"
 OVERLAP_MARK = " ⚠"
@@ -53,13 +53,22 @@ def gap_rows(results: Sequence[Mapping[str, Any]], primary: Mapping[str, tuple[s
             continue
         shared = [t for t in tasks if t in merged and t in experts and t in mine]
         for t in shared:
-            rows.append({"model": model, "task": t, "metric": metric,
-                         "value": gap_closed(mine[t], merged[t], experts[t], higher_is_better=higher)})
+            rows.append(_gap_row(model, t, metric, (mine[t], merged[t], experts[t]), higher))
         if shared:
             means = [_mean([d[t] for t in shared]) for d in (mine, merged, experts)]
-            rows.append({"model": model, "task": "mean", "metric": metric,
-                         "value": gap_closed(*means, higher_is_better=higher)})
+            rows.append(_gap_row(model, "mean", metric, means, higher))
     return rows
+
+
+def _gap_row(model: str, task: str, metric: str, values: Sequence[float], higher: bool) -> dict[str, Any]:
+    """One gap row; with no gap to close, its value is None and `reason` says why (metrics.no_gap_reason)."""
+    mine, merged, experts = values
+    row = {"model": model, "task": task, "metric": metric,
+           "value": gap_closed(mine, merged, experts, higher_is_better=higher)}
+    reason = no_gap_reason(merged, experts, higher_is_better=higher)
+    if reason is not None:
+        row["reason"] = reason
+    return row
 
 
 def _cell(value: float | None, percent_share: bool = False) -> str:
@@ -70,6 +79,10 @@ def _cell(value: float | None, percent_share: bool = False) -> str:
     if math.isinf(value) or math.isnan(value):
         return str(value)
     return f"{value:.0f}" if abs(value) >= 1000 else f"{value:.4g}"
+
+
+def _gap_cell(row: Mapping[str, Any]) -> str:
+    return "n/a (no gap)" if row["value"] is None and row.get("reason") else _cell(row["value"], True)
 
 
 def eval_table(report: Mapping[str, Any]) -> str:
@@ -93,11 +106,12 @@ def eval_table(report: Mapping[str, Any]) -> str:
         for model in dict.fromkeys(g["model"] for g in gap):
             mine = {g["task"]: g for g in gap if g["model"] == model}
             metric = next(iter(mine.values()))["metric"]
-            cells = [_cell(mine[t]["value"], True) if t in mine else "" for t in tasks]
-            mean = _cell(mine["mean"]["value"], True) if "mean" in mine else ""
+            cells = [_gap_cell(mine[t]) if t in mine else "" for t in tasks]
+            mean = _gap_cell(mine["mean"]) if "mean" in mine else ""
             lines.append(f"| {model} | {metric} | " + " | ".join(cells) + f" | {mean} |")
-        lines += ["", "(model − merged) / (experts − merged) on the metric named; n/a where the experts are no "
-                  "better than the merge.", ""]
+        lines += ["", "(model − merged) / (experts − merged) on the metric named; n/a (no gap) where the experts are "
+                  f"no better than the merge, or better by no more than {GAP_RELATIVE_TOLERANCE:g} of the metric's "
+                  "scale (rounding).", ""]
     if flagged:
         lines += [f"{OVERLAP_MARK.strip()} scored on examples the model was calibrated on "
                   "(--allow-calibration-overlap): not a held-out score.", ""]

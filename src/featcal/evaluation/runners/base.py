@@ -69,6 +69,11 @@ class Runner(ABC):
     def score(self, model: nn.Module, data: EvalSet, *, progress: bool) -> Scored:
         """The model's metrics on every example of `data`."""
 
+    def label_config(self, task: str) -> Any | None:
+        """What reads `task`'s class labels (a config with id2label and num_labels); None for a kind without them."""
+        del task
+        return None
+
     def load_model(self) -> nn.Module:
         from featcal.io.models import load_model
 
