@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -269,6 +270,63 @@ def check_same_tensors(
             )
 
 
+# a stack of numbered layers in a tensor name: model.layers.3., bert.encoder.layer.3., transformer.h.3., blocks.3.
+_LAYER = re.compile(r"(?:^|\.)(layers|layer|h|blocks|block)\.(\d+)\.")
+
+
+def _longest_stack(names: Iterable[str]) -> tuple[str, int] | None:
+    """(stack, layers) of the longest stack of numbered layers among tensor names, None without one."""
+    stacks: dict[str, int] = {}
+    for key in names:
+        m = _LAYER.search(key)
+        if m:
+            prefix = key[: m.end(1)]  # model.layers
+            stacks[prefix] = max(stacks.get(prefix, 0), int(m.group(2)) + 1)
+    return max(stacks.items(), key=lambda kv: kv[1]) if stacks else None
+
+
+def _built_layers(config: Mapping[str, Any]) -> int | None:
+    """How many layers the longest stack of the model transformers builds from `config` has (on the meta
+    device: no memory); None where it cannot build one."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from featcal.io.models import model_class_for
+
+    try:
+        cfg = CONFIG_MAPPING[config["model_type"]].from_dict(dict(config))
+        cls = model_class_for(cfg)
+        with torch.device("meta"):
+            model = transformers.AutoModel.from_config(cfg) if cls is transformers.AutoModel else cls(cfg)
+    except Exception:  # an unknown or unbuildable config: nothing to compare with
+        return None
+    stack = _longest_stack(n for n, _ in model.named_parameters())
+    return stack[1] if stack else None
+
+
+def check_layer_count(label: str, source: TensorSource) -> None:
+    """Refuse a config.json whose `num_hidden_layers` claims more layers than the weights hold: the merge would
+    write it whole, and the model transformers builds from it fills the missing layers at random. Headers only;
+    a count the names suggest is confirmed by the model transformers builds from the config (on the meta device),
+    so a field that counts something else (sub-layers, repeats) is not taken for the blocks."""
+    claimed = source.config.get("num_hidden_layers")
+    if not isinstance(claimed, int) or isinstance(claimed, bool):
+        return
+    stack = _longest_stack(source.keys())
+    if stack is None or claimed <= stack[1]:
+        return
+    prefix, found = stack
+    built = _built_layers(source.config)
+    if built is None or built <= found:
+        return
+    missing = f"layer {found}" if built - found == 1 else f"layers {found} to {built - 1}"
+    raise CheckpointError(
+        f"{label} ({_where(source)}): config.json num_hidden_layers is {claimed}, but the weights hold {found} "
+        f"layer(s) ({prefix}.0 to {prefix}.{found - 1}); a model built from it would have {missing} random: set "
+        f"num_hidden_layers to {found}, or add the missing layers' weights"
+    )
+
+
 def all_finite(t: torch.Tensor) -> bool:
     """Whether floating tensor `t` holds no NaN or Inf, in one reduction pass where it can.
 
@@ -316,11 +374,13 @@ def validate_family(
 ) -> None:
     """Raise CheckpointError (or ConfigError for bad names) unless base + experts can be merged.
 
-    Order: names, then per expert config identity, tensor names, shapes and dtype classes, the other
-    architecture-defining config fields (headers only, cheap), then the finite scan of the base and of each expert (one tensor in memory at a time).
+    Order: names, the base's layer count against its weights, then per expert config identity, tensor names,
+    shapes and dtype classes, the other architecture-defining config fields (headers only, cheap), then the
+    finite scan of the base and of each expert (one tensor in memory at a time).
     A bf16 expert of an fp32 base is accepted: merging computes in float32 and casts back.
     """
     validate_expert_names(experts.keys())
+    check_layer_count("base", base)  # the experts' configs and tensor names must then be the base's
     for name, expert in experts.items():
         check_same_config(base, name, expert)
         check_same_tensors(base, name, expert)
