@@ -1,6 +1,6 @@
 """Issue 36: FeatCal on any block-stacked transformer, found from the model's structure.
 
-For every model type in blocks/catalog.py's VERIFIED (30, built from transformers' own config classes, tiny
+For every model type in blocks/catalog.py's VERIFIED (32, built from transformers' own config classes, tiny
 and random, 1-2 blocks): calibration runs, the end-to-end drift goes down, the output loads with
 from_pretrained, and the calibrated parameters equal the dense reference (tests/builders/reference_featcal.py). Then:
 recurrent / shared-layer models are refused from the config alone in under a second, before any weight is
@@ -48,9 +48,14 @@ FAMILIES = {
     "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM,  # a sliding window on the upper layer: two layer types
               dict(**H, **KV, use_sliding_window=True, sliding_window=4, max_window_layers=1)),
     "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM, dict(**H, **KV, head_dim=8)),  # per-head q/k norms
+    "qwen2_moe": (T.Qwen2MoeConfig, T.Qwen2MoeForCausalLM,  # a shared expert beside the routed ones, on flat tokens
+                  dict(**H, **KV, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+                       shared_expert_intermediate_size=32)),
     "qwen3_moe": (T.Qwen3MoeConfig, T.Qwen3MoeForCausalLM,
                   dict(**H, **KV, head_dim=8, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2)),
     "mixtral": (T.MixtralConfig, T.MixtralForCausalLM, dict(**H, **KV, **IDS, num_local_experts=4, num_experts_per_tok=2)),
+    "phimoe": (T.PhimoeConfig, T.PhimoeForCausalLM,  # a router that is an nn.Linear: kept merged
+               dict(**H, **KV, **IDS, num_local_experts=4, num_experts_per_tok=2)),
     "phi3": (T.Phi3Config, T.Phi3ForCausalLM, dict(**H, **KV, **IDS)),  # fused qkv and gate/up
     "phi": (T.PhiConfig, T.PhiForCausalLM, dict(**H, **IDS)),  # parallel attention and MLP, partial rotary
     "gemma": (T.GemmaConfig, T.GemmaForCausalLM, dict(**H, **KV, head_dim=8)),  # z·(1 + w) norms

@@ -62,13 +62,13 @@ def _capture_stack(adapter, stack, model, module, kwargs):
 
 
 def _modules(block, adapter):
-    from featcal.blocks.discovery import routed_expert_lists
+    from featcal.blocks.discovery import mixtures_of_experts
     from featcal.blocks.norms import norm_form
 
-    experts = routed_expert_lists(block)
+    moe = mixtures_of_experts(block)  # experts and routers keep their merged values
     out = {}
     for name, m in block.named_modules():
-        if any(name == e or name.startswith(e + ".") for e in experts):
+        if moe.holds(name):
             continue
         if isinstance(m, (nn.Linear, Conv1D)):
             out[name] = ("linear", m)

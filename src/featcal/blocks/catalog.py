@@ -3,7 +3,8 @@
 Support is decided by structure (blocks/support.py), for any model. What is listed here are the model types
 the test suite calibrates end to end (tests/blocks/test_families.py builds a tiny random model of each and checks
 that calibration lowers the drift, that the output loads, and where it applies that the result equals the
-dense reference), each described as `check_model` / `describe` see transformers' default config for it,
+dense reference; tests/calibration/test_moe_checkpoints.py calibrates those whose checkpoints transformers
+converts on load from their saved folders through the CLI), each described as `check_model` / `describe` see transformers' default config for it,
 built on the meta device, and a few model types refused, with the reason the check gives.
 """
 
@@ -16,7 +17,8 @@ from featcal.errors import FeatCalError
 
 # the model types tests/blocks/test_families.py calibrates (a test keeps the two lists equal)
 VERIFIED = (
-    "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "phi3", "phi", "gemma", "gemma2", "gemma3_text",
+    "llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "phimoe", "phi3", "phi", "gemma", "gemma2",
+    "gemma3_text",
     "olmo2", "cohere", "gpt2", "gpt_neox", "falcon",
     "bert", "roberta", "xlm-roberta", "deberta-v2", "distilbert", "modernbert", "electra",
     "clip", "siglip", "vit", "dinov2",
@@ -113,8 +115,11 @@ def render_markdown(verified: list[dict[str, Any]], refused: list[dict[str, Any]
         "",
         "## Verified families",
         "",
-        "Calibrated end to end by the test suite on tiny random models (tests/blocks/test_families.py). Described here as",
-        "featcal sees transformers' default config of each model type.",
+        "Calibrated end to end by the test suite on tiny random models (tests/blocks/test_families.py). Those whose",
+        "checkpoints hold tensors transformers converts on load (mixture-of-experts experts, one tensor per expert) are",
+        "also calibrated by `featcal calibrate` from the folders `save_pretrained` writes",
+        "(tests/calibration/test_moe_checkpoints.py). Described here as featcal sees transformers' default config of",
+        "each model type.",
         "",
         "| model type | model | stacks | calibrated per block | layer types | kept merged |",
         "|---|---|---|---|---|---|",

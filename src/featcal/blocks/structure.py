@@ -108,8 +108,23 @@ def candidate_lists(model: nn.Module) -> list[BlockList]:
     return out
 
 
-def _attention_is_causal(block: nn.Module) -> bool:
-    return any(getattr(m, "is_causal", False) is True for m in block.modules())
+def _is_decoder(model: nn.Module, block: nn.Module) -> bool:
+    """Whether a lone stack is a decoder's: its attention says it is causal (`is_causal`, transformers'
+    attention modules); where no module of the block says either way (MPT, BLOOM), whether transformers
+    registers a causal-LM head for the model type and no masked-LM one (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)."""
+    declared = [m.is_causal for m in block.modules() if isinstance(getattr(m, "is_causal", None), bool)]
+    if declared:
+        return any(declared)
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
+
+    config = getattr(model, "config", None)
+    if getattr(config, "is_decoder", False):
+        return True
+    model_type = getattr(config, "model_type", None)
+    return model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
 
 def find_lists(model: nn.Module) -> list[tuple[str, BlockList]]:
@@ -128,7 +143,7 @@ def find_lists(model: nn.Module) -> list[tuple[str, BlockList]]:
         only = lists[0]
         if only.main_input == "pixel_values":
             return [("vision", only)]
-        return [("decoder" if _attention_is_causal(get_path(model, only.path)[0]) else "encoder", only)]
+        return [("decoder" if _is_decoder(model, get_path(model, only.path)[0]) else "encoder", only)]
     vision = [b for b in lists if b.main_input == "pixel_values"]
     if len(vision) == 1:  # a dual encoder (CLIPModel, SiglipModel): its image tower
         return [("vision", vision[0])]

@@ -118,6 +118,15 @@ def _check_stack(model: nn.Module, stack: Stack) -> None:
                                         "Conv1D or norm featcal can calibrate")
 
 
+def _kept_in_any(blocks: list[nn.Module]) -> dict[str, str]:
+    """What any block keeps merged (a mixture of experts may sit in every other block only: Switch Transformers)."""
+    out: dict[str, str] = {}
+    for block in blocks:
+        for name, why in kept_merged(block).items():
+            out.setdefault(name, why)
+    return out
+
+
 def describe(model: nn.Module) -> dict[str, Any]:
     """What calibrating `model` would touch: per stack its blocks, the calibrated modules of its first block
     by kind, the layer types, and what keeps its merged value."""
@@ -138,6 +147,6 @@ def describe(model: nn.Module) -> dict[str, Any]:
             "stack": stack.name, "blocks": stack.blocks_path, "count": len(blocks), "block": type(blocks[0]).__name__,
             "entry": stack.entry_path or "(the model)", "layer_types": sorted(set(stack.layer_types)),
             "class_token": stack.class_token_head, "calibrated": dict(kinds),
-            "kept_merged": kept_merged(blocks[0]),
+            "kept_merged": _kept_in_any(blocks),
         })
     return {"model": type(model).__name__, "stacks": out}

@@ -92,6 +92,9 @@ class ExpertRecorder:
         """Module `name` ran on x and gave y: keep what the plan (or, while planning, the plan's making) needs."""
         if name in self._seen:
             raise FeatCalError(f"module {name} runs more than once per block forward; FeatCal cannot calibrate it")
+        if not isinstance(y, torch.Tensor):  # a Linear subclass computing more than its output (a router's top-k)
+            raise FeatCalError(f"module {name} ({type(self.linears[name]).__name__}) is a linear layer whose forward "
+                               f"returns a {type(y).__name__}, not its output tensor; FeatCal cannot calibrate it")
         self._seen.add(name)
         if self.plan is None:
             self.calls.append((name, x))

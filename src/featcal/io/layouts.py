@@ -97,7 +97,9 @@ def _view(source: Any, label: str, template: torch.nn.Module, config: dict, *, d
 
     keys = source.keys()
     aliases = parameter_aliases(template)  # every name -> all names of that parameter, canonical first
-    found = checkpoint_key_map(template, keys)  # model name (aliases too) -> checkpoint key
+    # model name (aliases too) -> checkpoint key; tensors transformers converts on load (a mixture of experts'
+    # per-expert tensors) keep their checkpoint names below: every input of the family holds them so
+    found = checkpoint_key_map(template, keys, conversions={})
     key_map: dict[str, str] = {}
     for name in sorted(found, key=lambda n: aliases[n].index(n)):  # canonical spellings first
         canonical = aliases[name][0]

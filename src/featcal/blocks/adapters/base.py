@@ -183,12 +183,16 @@ class Adapter(ABC):
 
         The stack's token mask, or for cross-attention k/v the mask of the keys they read; None when
         every token counts. Shared by FeatCal's statistics and RegMean's Grams, so that padding
-        weighs 0 in both. A mask that does not fit x's token shape is refused.
+        weighs 0 in both. Tokens flattened to (B·S, d) (a mixture of experts' block flattens them before its
+        shared expert: Qwen2-MoE) take the mask flattened alike. A mask that does not fit x's token shape is
+        refused.
         """
         mask = self.token_mask(stack, batch, x, cross=self.is_cross_module(stack, module_name))
         if mask is None:
             return None
         lead = tuple(x.shape[:-1])
+        if len(lead) == 1 and mask.dim() == 2 and lead[0] == mask.numel():
+            mask = mask.reshape(-1)
         if tuple(mask.shape) != lead:
             raise CalibrationDataError(
                 f"token mask of shape {tuple(mask.shape)} does not match the input of {module_name} ({lead})"
