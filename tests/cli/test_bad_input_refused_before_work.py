@@ -262,6 +262,8 @@ BAD_FEATCAL = {
     "tune_holdout": [0.0, 0.04, 0.51, math.nan],
     "tune_folds": [0, 11, 1.5, True, "two"],
     "tune_min_evidence": [-0.1, 10.5, math.nan, math.inf],
+    "tune_screen": [0, 1, 1.5, True, "some", -4],
+    "tune_confirm": [0, 11, 1.5, math.nan],
     "tune_tiebreak": ["kl", 1],
     "tune_fixed": ["lambda", ["rho"], "auto,lambda_ratio", 3],
     "tune_head_pooling": ["cls", 1],

@@ -89,11 +89,13 @@ class TunedCandidate(_AsMapping):
     per_task: dict[str, dict[str, float]]
     seconds: float
     soft: float | None = None
+    # "full": fitted on the whole fit part; "screen": on tune_screen's part of it (scores of the two differ in kind)
+    stage: str = "full"
 
     def as_dict(self) -> dict[str, Any]:
         return {"index": self.index, **self.setting.as_dict(), "drift": self.drift, "disagreement": self.disagreement,
                 **({} if self.soft is None else {"soft": self.soft}), "per_task": self.per_task,
-                "seconds": self.seconds}
+                "seconds": self.seconds, "stage": self.stage}
 
 
 @dataclass(frozen=True, eq=False)
@@ -143,6 +145,7 @@ class TuningRecord(_AsMapping):
     tiebreak_why: str
     seconds: dict[str, float]
     next_token: dict[str, Any] | None = None
+    screen: dict[str, Any] | None = None  # tune_screen: what was screened on how many examples, what confirmed
 
     def as_dict(self) -> dict[str, Any]:
         chosen = self.chosen.as_dict()
@@ -150,8 +153,9 @@ class TuningRecord(_AsMapping):
         out.update(start=self.start.as_dict(), candidates=[c.as_dict() for c in self.candidates],
                    comparisons=[c.as_dict() for c in self.comparisons],
                    chosen={k: v for k, v in chosen.items() if k not in ("per_task", "seconds")})
-        if self.next_token is None:
-            del out["next_token"]
+        for optional in ("next_token", "screen"):
+            if out[optional] is None:
+                del out[optional]
         return out
 
 

@@ -128,6 +128,19 @@ class TuneOptions(StrictModel):
         "scored on the fold it did not see, so every example is held out once; 'auto': 2 where one split would "
         "hold out at most 4 examples per task, else 1 (the default; docs/tuning.md)",
     )
+    tune_screen: Literal["auto", "off"] | int = Field(
+        "auto",
+        description="tune: examples per task each candidate of the search is first fitted on (whole batches of the "
+        "fit part, a seeded choice), scored on the whole held-out part; the best tune_confirm settings and the "
+        "configured one are then fitted on the whole fit part and the choice made among them; 'off': every "
+        "candidate on the whole fit part; 'auto': 32 where the smallest task fits at least 64 examples with one "
+        "split, else off (docs/tuning.md)",
+    )
+    tune_confirm: int = Field(
+        2, ge=1, le=10,
+        description="tune, with a screen: how many of the screen's best settings are confirmed on the whole fit part "
+        "(the configured setting is always confirmed too)",
+    )
     tune_min_evidence: float = Field(
         0.0, ge=0.0, le=10.0,
         description="tune: a candidate replaces the best so far only if its held-out improvement is at least this "
@@ -172,6 +185,18 @@ class TuneOptions(StrictModel):
                                  "or 'auto'")
             return tuple(dict.fromkeys(v))
         raise ValueError(f"a comma-separated list of knobs or 'auto', not {v!r}")
+
+    @field_validator("tune_screen", mode="before")
+    @classmethod
+    def _screen(cls, v: Any) -> Any:
+        """At least 2 examples per task, 'auto' or 'off'; the command line's string is read as a number."""
+        if isinstance(v, str) and v.strip() in ("auto", "off"):
+            return v.strip()
+        if isinstance(v, str) and v.strip().isdigit():
+            v = int(v.strip())
+        if isinstance(v, bool) or not isinstance(v, int) or v < 2:
+            raise ValueError(f"a number of examples per task (at least 2), 'auto' or 'off', not {v!r}")
+        return v
 
     @field_validator("tune_folds", mode="before")
     @classmethod

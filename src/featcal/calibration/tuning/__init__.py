@@ -43,8 +43,10 @@ from featcal.calibration.tuning.search import (
     Setting,
     candidate_cost,
     max_candidates,
+    planned_calibrations,
     resolve_fixed,
     resolve_tiebreak,
+    tune_calibrations,
 )
 from featcal.calibration.tuning.split import (
     AUTO_SOFT_MAX_HELD,
@@ -52,6 +54,7 @@ from featcal.calibration.tuning.split import (
     folds_record,
     one_split_held_out,
     resolve_folds,
+    screen_examples,
     split_calibration,
     split_folds,
 )
@@ -60,6 +63,6 @@ __all__ = [
     "AUTO_SOFT_MAX_HELD", "CRITERION", "MAX_MERGE_SCALING", "NEXT_TOKEN", "TASK_VECTOR_METHODS", "Head", "NextToken",
     "Score", "Setting", "Split", "calibrate_tuned", "candidate_cost", "check_request", "combine_folds", "evidence",
     "expert_reference", "folds_record", "has_lm_head", "load_heads", "max_candidates", "merge_scaling_from_report",
-    "one_split_held_out", "pooled_output", "rescale_merge", "resolve_fixed", "resolve_folds", "resolve_tiebreak",
-    "score", "split_calibration", "split_folds", "summary_line",
+    "one_split_held_out", "planned_calibrations", "pooled_output", "rescale_merge", "resolve_fixed", "resolve_folds", "resolve_tiebreak",
+    "score", "screen_examples", "split_calibration", "split_folds", "summary_line", "tune_calibrations",
 ]

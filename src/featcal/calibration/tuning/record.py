@@ -38,10 +38,16 @@ def next_token_record(used: bool, why: str, tasks: list[str] | None = None,
 
 def summary_line(record: Mapping[str, Any]) -> str:
     """One line for the command line: how many candidates, the choice, its held-out score against the start's."""
-    chosen, first = record["chosen"], record["candidates"][0]
+    chosen = record["chosen"]
+    # the configured setting's score at the chosen one's size (with a screen: where it was confirmed)
+    first = next((c for c in record["candidates"] if c.get("stage", "full") == "full"), record["candidates"][0])
     values = ", ".join(f"{k}={chosen[k]:g}" for k in ("merge_scaling", "anchor_blend_rho", "lambda_ratio",
                                                        "teacher_interp_alpha") if chosen.get(k) is not None)
-    line = (f"tune: {len(record['candidates'])} candidate(s) scored on held-out calibration examples; chose "
+    screen = record.get("screen") or {}
+    counted = (f"{screen['screened']} candidate(s) screened on {screen['examples_per_task']} examples per task, "
+               f"{len(screen['confirmed'])} confirmed on the whole fit part" if screen.get("confirmed")
+               else f"{len(record['candidates'])} candidate(s)")
+    line = (f"tune: {counted}, scored on held-out calibration examples; chose "
             f"{values}: held-out drift {chosen['drift']:.4g} (starting setting {first['drift']:.4g})")
     if chosen.get("disagreement") is not None:
         what = "next-token disagreement" if (record.get("next_token") or {}).get("used") else "disagreement"

@@ -21,7 +21,7 @@ from featcal.calibration.inputs import (
     normalise_batches,
     resolve_device,
 )
-from featcal.calibration.result import CalibrationResult, TunedCandidate, TuningRecord
+from featcal.calibration.result import CalibrationResult, TunedCandidate, TuningComparison, TuningRecord
 from featcal.calibration.tuning import record as records
 from featcal.calibration.tuning import search as rules
 from featcal.calibration.tuning.features import NEXT_TOKEN, Head, Reference, expert_reference, has_lm_head
@@ -37,6 +37,8 @@ from featcal.calibration.tuning.split import (
     folds_record,
     make_splits,
     resolve_folds,
+    resolve_screen,
+    screen_split,
 )
 from featcal.config import FeatCalConfig
 from featcal.data.batch import Batch
@@ -80,6 +82,9 @@ class _Plan:
     limit: int
     start: Setting
     knobs: list[str]
+    screen: list[Split] | None = None  # the splits the screen fits candidates on (tune_screen), None: no screen
+    screen_examples: int | None = None
+    screen_why: str = ""
 
 
 def calibrate_tuned(
@@ -97,16 +102,23 @@ def calibrate_tuned(
     request = _Request(merged, base, experts, config, allow_pickle, check_finite, dict(expert_kind or {}))
     plan = _plan(request, calibration, dict(heads or {}), merge_scaling)
     search = Timer()
-    scorer = _CandidateScorer(request, plan)
-    walk = PatternSearch(plan.start, plan.knobs, plan.limit, config.tune_min_evidence, plan.tiebreak, scorer)
-    best, best_score = walk.run()
+    scorer = _CandidateScorer(request, plan, plan.splits, "full")
+    if plan.screen is None:
+        walk = PatternSearch(plan.start, plan.knobs, plan.limit, config.tune_min_evidence, plan.tiebreak, scorer)
+        best, best_score = walk.run()
+        chosen = walk.index_of[best]
+    else:  # screen every candidate on a part of the fit data, confirm the best few on all of it
+        screen = _CandidateScorer(request, plan, plan.screen, "screen", scorer)
+        walk = PatternSearch(plan.start, plan.knobs, plan.limit, config.tune_min_evidence, plan.tiebreak, screen)
+        walk.run()
+        best, best_score, chosen = _confirm(plan, walk, scorer, config)
     search_seconds = search.seconds
     refit = Timer()
     result = _refit(request, plan, scorer, best, progress, inplace, keep_resume_state)
     refit_seconds = refit.seconds
     seconds = {"search": round(search_seconds, 3), "refit": round(refit_seconds, 3),
                "total_over_refit": round((search_seconds + refit_seconds) / max(refit_seconds, 1e-9), 2)}
-    tuning = _record(config, plan, scorer.candidates, walk, walk.index_of[best], seconds)
+    tuning = _record(config, plan, scorer.candidates, walk, chosen, seconds)
     log.info("featcal tune: chose candidate %d of %d %s (held-out drift %.6g, start %.6g); refit on all data",
              tuning.chosen.index, len(scorer.candidates), best.as_dict(), best_score.drift,
              scorer.candidates[0].drift)
@@ -137,13 +149,15 @@ def _plan(request: _Request, calibration: Mapping[str, Iterable[Any]], heads: di
         log.warning("featcal tune: only %d held-out example(s) per task score the candidates: at this size every "
                     "one-split search rule measured fell below the paper's defaults on some preset; cross-fitting "
                     "(tune_folds auto, the default, or 2) scores every example (docs/tuning.md)", fewest_held)
+    screen_examples, screen_why = resolve_screen(config.tune_screen, splits)
+    screen = None if screen_examples is None else [screen_split(sp, screen_examples, config.seed) for sp in splits]
     start = Setting(config.anchor_blend_rho, config.lambda_ratio, config.teacher_interp_alpha,
                     None if merge_scaling is None else float(merge_scaling))
     searchable = (["merge_scaling"] if start.merge_scaling is not None else []) + (
         ["anchor_blend_rho"] if request.base is not None else []) + ["lambda_ratio", "teacher_interp_alpha"]
     return _Plan(model, adapter, data, splits, folds, folds_why, scored, sorted(heads), next_token, tiebreak,
                  tiebreak_why, fixed, fixed_why, rules.max_candidates(config.tune_budget, config.tune_holdout, folds), start,
-                 [k for k in searchable if k not in fixed])
+                 [k for k in searchable if k not in fixed], screen, screen_examples, screen_why)
 
 
 def _scored_heads(config: FeatCalConfig, model: nn.Module, heads: dict[str, Head],
@@ -162,20 +176,23 @@ def _scored_heads(config: FeatCalConfig, model: nn.Module, heads: dict[str, Head
 
 
 class _CandidateScorer:
-    """Scores a setting: calibrates the start merge (rebuilt at the setting's scaling) on each split's fit part,
-    scores it on the held-out part; the experts' references are computed once, after the first calibration
-    (which validated every input)."""
+    """Scores a setting: calibrates the start merge (rebuilt at the setting's scaling) on each of `splits`' fit
+    parts, scores it on the held-out part; the experts' references are computed once, after the first calibration
+    (which validated every input). A screen's scorer (`stage` "screen") fits on a part of the fit data and shares
+    the full scorer's references and list of candidates (`shared`): its held-out parts are the same."""
 
-    def __init__(self, request: _Request, plan: _Plan) -> None:
+    def __init__(self, request: _Request, plan: _Plan, splits: list[Split], stage: str,
+                 shared: _CandidateScorer | None = None) -> None:
         config = request.config
-        self.request, self.plan = request, plan
+        self.request, self.plan, self.splits, self.stage = request, plan, splits, stage
         self.base_src = (base_source(request.base, plan.model, request.allow_pickle)
                          if plan.start.merge_scaling is not None else None)
         # held-out forwards run where calibration runs (calibrate hands its result back where the merge was)
         self.where = torch.device("cpu") if config.offload_blocks else resolve_device(config.device)
         self.search_cfg = config.model_copy(update={"tune": False, "resume": False})
-        self.refs: list[dict[str, Reference]] = [{} for _ in plan.splits]  # per split: the experts' references
-        self.candidates: list[TunedCandidate] = []
+        # per split: the experts' references on its held-out part; and every candidate scored, in order
+        self.refs: list[dict[str, Reference]] = shared.refs if shared else [{} for _ in splits]
+        self.candidates: list[TunedCandidate] = shared.candidates if shared else []
 
     def start_model(self, s: Setting, target: nn.Module | None = None) -> nn.Module:
         """The merge to calibrate for `s`: the given one, or (another scaling) a copy, or `target`, rebuilt there."""
@@ -191,7 +208,7 @@ class _CandidateScorer:
         request, plan = self.request, self.plan
         cfg = self.search_cfg.model_copy(update=s.config_values())
         fold_scores = []
-        for k, split in enumerate(plan.splits):  # one split, or each fold held out in turn (tune_folds)
+        for k, split in enumerate(self.splits):  # one split, or each fold held out in turn (tune_folds)
             first = not self.candidates and k == 0
             m = self.start_model(s)
             out = core.calibrate_setting(m, base=request.base, experts=request.experts, calibration=split.fit,
@@ -205,8 +222,9 @@ class _CandidateScorer:
             del out
         sc = combine_folds(fold_scores)
         self.candidates.append(TunedCandidate(len(self.candidates), s, sc.drift, sc.disagreement, sc.per_task,
-                                              round(clock.seconds, 3), sc.soft))
-        log.info("featcal tune: candidate %d %s: drift %.6g%s", len(self.candidates) - 1, s.as_dict(), sc.drift,
+                                              round(clock.seconds, 3), sc.soft, self.stage))
+        log.info("featcal tune: %s candidate %d %s: drift %.6g%s", self.stage, len(self.candidates) - 1, s.as_dict(),
+                 sc.drift,
                  "" if sc.disagreement is None else f", disagreement {sc.disagreement:.4f}")
         return sc
 
@@ -218,7 +236,7 @@ class _CandidateScorer:
                                    request.expert_kind.get(t))
             if expert is not request.experts[t]:  # featcal's own copy (a caller's model is not moved)
                 expert.to(self.where)
-            for held_refs, held_split in zip(self.refs, plan.splits, strict=True):
+            for held_refs, held_split in zip(self.refs, self.splits, strict=True):
                 held_refs[t] = expert_reference(t, expert, plan.adapter, held_split.held[t], plan.heads.get(t),
                                                 request.config.tune_head_pooling,
                                                 keep_log_probs=plan.tiebreak == "soft")
@@ -227,6 +245,34 @@ class _CandidateScorer:
             plan.next_token["held_out_positions"] = {
                 t: sum(int(p.counts.sum()) for refs in self.refs for p in refs[t].predictions)
                 for t in plan.next_token["tasks"]}
+
+
+def _confirm(plan: _Plan, walk: PatternSearch, scorer: _CandidateScorer,
+             config: FeatCalConfig) -> tuple[Setting, Score, int]:
+    """The screen's best `tune_confirm` settings and the configured one, each fitted on the whole fit part; the
+    choice among them as the walk chooses: from the configured setting, a finalist replaces the best so far only
+    where it scores better (so the choice never scores worse than the configured setting at full size).
+    (the choice, its score, its index among the candidates)."""
+    ranked = sorted(walk.scores, key=lambda s: (_rank_key(walk.scores[s], plan.tiebreak), walk.index_of[s]))
+    finalists = [plan.start] + [s for s in ranked if s != plan.start][:config.tune_confirm]
+    best, best_score = finalists[0], scorer(finalists[0])
+    best_index = len(scorer.candidates) - 1
+    for s in finalists[1:]:
+        sc = scorer(s)
+        index = len(scorer.candidates) - 1
+        better, z = sc.verdict(best_score, config.tune_min_evidence, plan.tiebreak)
+        walk.comparisons.append(TuningComparison(
+            index, best_index, rules.finite_z(z["disagreement"]), plan.tiebreak, rules.finite_z(z[plan.tiebreak]),
+            better, sc.verdict(best_score, 0.0, plan.tiebreak)[0]))
+        if better:
+            best, best_score, best_index = s, sc, index
+    return best, best_score, best_index
+
+
+def _rank_key(sc: Score, tiebreak: str) -> tuple[float, float]:
+    """A screened score's rank: fewer disagreements first (where scored), then the tie-break's score."""
+    second = sc.drift if tiebreak == "drift" or sc.soft is None else sc.soft
+    return (0.0 if sc.disagreement is None else sc.disagreement, second)
 
 
 def _expert_model(task: str, expert: Any, base: Any, template: nn.Module, allow_pickle: bool,
@@ -270,6 +316,7 @@ def _record(config: FeatCalConfig, plan: _Plan, candidates: list[TunedCandidate]
         split=folds_record(plan.splits),
         budget={"calibrations": config.tune_budget, "max_candidates": plan.limit, "candidates": len(candidates),
                 "candidate_cost": round(rules.candidate_cost(config.tune_holdout, plan.folds), 4)},
+        screen=_screen_record(config, plan, candidates),
         searched=plan.knobs, fixed=list(plan.fixed),
         fixed_setting=config.tune_fixed if config.tune_fixed == "auto" else list(config.tune_fixed),
         fixed_why=plan.fixed_why, start=plan.start, candidates=candidates, min_evidence=config.tune_min_evidence,
@@ -277,3 +324,15 @@ def _record(config: FeatCalConfig, plan: _Plan, candidates: list[TunedCandidate]
         tiebreak_setting=config.tune_tiebreak, tiebreak_why=plan.tiebreak_why, seconds=seconds,
         next_token=plan.next_token,
     )
+
+
+def _screen_record(config: FeatCalConfig, plan: _Plan, candidates: list[TunedCandidate]) -> dict[str, Any]:
+    """featcal.json's tuning.screen: whether candidates were screened on part of the fit data, on how many examples
+    per task, why, and how many were screened and confirmed."""
+    out: dict[str, Any] = {"setting": config.tune_screen, "examples_per_task": plan.screen_examples,
+                           "why": plan.screen_why}
+    if plan.screen is not None:
+        out.update(confirm=config.tune_confirm, screened=sum(c.stage == "screen" for c in candidates),
+                   confirmed=[c.index for c in candidates if c.stage == "full"],
+                   fit={t: r["screen_fit"] for t, r in plan.screen[0].record.items()})
+    return out

@@ -51,6 +51,39 @@ def max_candidates(budget: float, holdout: float, folds: int = 1) -> int:
     return max(1, math.floor((budget - fixed) / candidate_cost(holdout, folds) + 1e-9))
 
 
+def tune_calibrations(budget: float, holdout: float, folds: int = 1, screen_share: float | None = None,
+                      confirm: int = 2) -> float:
+    """At most what a tuned calibration costs, in calibrations on all the data: the candidates the budget allows
+    (each fitted on the fit part, or with a screen on `screen_share` of it, and scored on the held-out part), the
+    confirmed finalists (the screen's best `confirm` and the configured setting, on the whole fit part), the
+    experts' held-out references and the refit on all data. The walk may stop before the budget: an upper bound."""
+    limit = max_candidates(budget, holdout, folds)
+    held = holdout if folds == 1 else 1.0
+    fixed = 1.0 + held / FORWARDS_PER_CALIBRATION  # the refit and the experts' references
+    if screen_share is None:
+        return fixed + limit * candidate_cost(holdout, folds)
+    screened = (1.0 - holdout) * screen_share + holdout / FORWARDS_PER_CALIBRATION
+    return fixed + limit * screened + min(confirm + 1, limit) * candidate_cost(holdout, 1)
+
+
+def planned_calibrations(config: Any, examples_per_task: int) -> tuple[float, str]:
+    """(what `config`'s tuned calibration costs at most, in calibrations on all the data, how it was counted) for
+    tasks of `examples_per_task` examples: folds and the screen resolved as the run resolves them."""
+    from featcal.calibration.tuning.split import one_split_held_out, resolve_folds, screen_examples
+
+    folds, _ = resolve_folds(config.tune_folds, examples_per_task, config.tune_holdout)
+    fit = (examples_per_task - one_split_held_out(examples_per_task, config.tune_holdout) if folds == 1
+           else examples_per_task * (folds - 1) // folds)
+    screen, why = screen_examples(config.tune_screen, fit, folds)
+    share = None if screen is None else min(1.0, screen / fit)
+    cost = tune_calibrations(config.tune_budget, config.tune_holdout, folds, share, config.tune_confirm)
+    limit = max_candidates(config.tune_budget, config.tune_holdout, folds)
+    how = (f"{limit} candidates" + ("" if folds == 1 else f" x {folds} folds")
+           + (f" screened on {screen} of {fit} fit examples per task, {min(config.tune_confirm + 1, limit)} confirmed"
+              if screen else " on the whole fit part") + ", the refit on all data")
+    return cost, how
+
+
 # --- the auto rules ----------------------------------------------------------------------------------
 def resolve_tiebreak(setting: str, heads: Mapping[str, Any], tasks: Iterable[str], held_out: int) -> tuple[str, str]:
     """(the tie-break that runs, why) for tune_tiebreak `setting`, given the heads and the fewest held-out examples.

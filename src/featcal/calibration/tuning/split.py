@@ -28,6 +28,10 @@ AUTO_SOFT_MAX_HELD = 4
 # of the nine (vision-real seed 1: 73.8 against 75.1 % of the gap). From 5 held-out examples per task one split
 # runs, as measured at 32 and 256 per task.
 AUTO_FOLDS_SMALL = 2
+# tune_screen "auto": the search's candidates are first fitted on this many examples per task where the smallest
+# task's fit part holds at least AUTO_SCREEN_MIN_FIT (one split); the best are confirmed on the whole fit part.
+AUTO_SCREEN_EXAMPLES = 32
+AUTO_SCREEN_MIN_FIT = 64
 
 
 @dataclass
@@ -167,3 +171,47 @@ def resolve_folds(setting: str | int, fewest_examples: int, holdout: float) -> t
         return AUTO_FOLDS_SMALL, (f"auto: one split would hold out {held} example(s) per task (<= "
                                   f"{AUTO_SOFT_MAX_HELD}): {AUTO_FOLDS_SMALL} folds score every example")
     return 1, f"auto: one split holds out {held} example(s) per task"
+
+
+def resolve_screen(setting: str | int, splits: list[Split]) -> tuple[int | None, str]:
+    """(examples per task the screen fits each candidate on, or None: no screen; why) for tune_screen `setting`."""
+    fewest_fit = min(rec["fit"] for s in splits for rec in s.record.values())
+    return screen_examples(setting, fewest_fit, len(splits))
+
+
+def screen_examples(setting: str | int, fewest_fit: int, folds: int) -> tuple[int | None, str]:
+    """resolve_screen from the numbers alone (what a plan knows before any data is split)."""
+    if setting == "off":
+        return None, "off: every candidate is fitted on the whole fit part"
+    if folds > 1:
+        return None, f"{setting}: cross-fitting (a small set) fits every candidate on its folds: no screen"
+    if setting == "auto":
+        if fewest_fit < AUTO_SCREEN_MIN_FIT:
+            return None, f"auto: the smallest task fits {fewest_fit} example(s) (< {AUTO_SCREEN_MIN_FIT}): no screen"
+        return AUTO_SCREEN_EXAMPLES, (f"auto: the smallest task fits {fewest_fit} examples (>= {AUTO_SCREEN_MIN_FIT}): "
+                                      f"candidates screened on {AUTO_SCREEN_EXAMPLES} per task")
+    if int(setting) >= fewest_fit:
+        return None, f"{setting} per task >= the smallest task's {fewest_fit} fit examples: no screen"
+    return int(setting), "as configured"
+
+
+def screen_split(split: Split, n: int, seed: int) -> Split:
+    """The screen's split: each task's fit part cut to whole batches holding about n examples (a seeded choice of
+    batches, so the engine still sees full batches), the held-out part as it is.
+
+    Whole batches: cutting rows out of every batch would leave many tiny batches, whose per-batch costs then
+    dominate; batches are taken in a seeded order until n examples are held (the last may pass n)."""
+    fit: dict[str, list[Batch]] = {}
+    record: dict[str, dict[str, Any]] = {}
+    for t, batches in split.fit.items():
+        sizes = [batch_size(t, i, b) for i, b in enumerate(batches)]
+        order = torch.randperm(len(batches), generator=torch.Generator().manual_seed(_task_seed(seed, f"screen:{t}")))
+        chosen, held = [], 0
+        for i in order.tolist():
+            if held >= n:
+                break
+            chosen.append(i)
+            held += sizes[i]
+        fit[t] = [batches[i] for i in sorted(chosen)]
+        record[t] = {**split.record[t], "screen_fit": held, "screen_batches": sorted(chosen)}
+    return Split(fit, split.held, record)
