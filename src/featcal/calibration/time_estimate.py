@@ -129,4 +129,16 @@ def time_report(source, *, tasks: int, config: FeatCalConfig, max_length: int, m
     stated = throughput or cost.throughput_for(config.device)
     tp = measured_throughput(probe(shape, config, device=probe_device(config.device)), stated) if measure else stated
     blocks = cost.run_counts(shape, tasks=tasks, config=config, file_bytes=per_param)
-    return cost.render_time(blocks, cost.estimate_time(blocks, tp, model_bytes=shape.param_count * per_param))
+    est = cost.estimate_time(blocks, tp, model_bytes=shape.param_count * per_param)
+    return cost.render_time(blocks, est) + tune_line(config, est.total_s)
+
+
+def tune_line(config: FeatCalConfig, one_calibration_s: float) -> str:
+    """With `tune`: what the search and its refit cost at most, in calibrations on all the data and in time."""
+    if not config.tune:
+        return ""
+    from featcal.calibration.tuning.search import planned_calibrations
+
+    calibrations, how = planned_calibrations(config, config.num_calibration_examples)
+    return (f"\n  --tune: at most {calibrations:.1f} calibrations' work ({how}) ≈ "
+            f"{cost.duration(calibrations * one_calibration_s)}")
