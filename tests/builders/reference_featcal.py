@@ -277,6 +277,16 @@ def noisy_family(kind: str, n_experts: int = 2, scale: float = 0.2, seed: int = 
     return base, experts, merged
 
 
+def ta_merge(base: nn.Module, experts: dict[str, nn.Module], scaling: float) -> nn.Module:
+    """Task Arithmetic of `experts` on `base` at `scaling`, a new model."""
+    merged = copy.deepcopy(base)
+    with torch.no_grad():
+        mp = dict(merged.named_parameters())
+        for name, p0 in base.named_parameters():
+            mp[name].copy_(p0 + scaling * sum(dict(e.named_parameters())[name] - p0 for e in experts.values()))
+    return merged
+
+
 def family_data(kind: str, tasks, n_batches: int = 2, seed: int = 0):
     from tests.builders import tiny
 

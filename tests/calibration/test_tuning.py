@@ -19,23 +19,14 @@ from featcal.cli.main import main
 from featcal.config import parse
 from featcal.errors import CalibrationDataError, ConfigError
 from featcal.io.param_sources import ModelSource
-from tests.builders.reference_featcal import family_data, max_abs_diff, noisy_family
-
-
-def _ta(base, experts, scaling: float):
-    merged = copy.deepcopy(base)
-    with torch.no_grad():
-        mp = dict(merged.named_parameters())
-        for name, p0 in base.named_parameters():
-            mp[name].copy_(p0 + scaling * sum(dict(e.named_parameters())[name] - p0 for e in experts.values()))
-    return merged
+from tests.builders.reference_featcal import family_data, max_abs_diff, noisy_family, ta_merge
 
 
 @pytest.fixture(scope="module")
 def family():
     """A CLIP family whose merge is TA at 0.05, far below where FeatCal does well: defaults are poor here."""
     base, experts, _ = noisy_family("clip", n_experts=2)
-    merged = _ta(base, experts, 0.05)
+    merged = ta_merge(base, experts, 0.05)
     data = family_data("clip", experts, n_batches=3)  # 6 examples per task
     return base, experts, merged, data
 
@@ -375,9 +366,9 @@ def test_min_evidence_zero_takes_every_improvement_and_a_high_bar_takes_fewer(fa
 
 def test_rescaled_merge_is_task_arithmetic_at_the_new_scaling(family):
     base, experts, _, _ = family
-    rebuilt = _ta(base, experts, 0.3)
+    rebuilt = ta_merge(base, experts, 0.3)
     tuning.rescale_merge(rebuilt, ModelSource(base, "base"), 0.7 / 0.3)
-    assert max_abs_diff(rebuilt, _ta(base, experts, 0.7))[0] < 1e-6
+    assert max_abs_diff(rebuilt, ta_merge(base, experts, 0.7))[0] < 1e-6
 
 
 # --- refused before any work ---------------------------------------------------------------------------
@@ -680,7 +671,7 @@ def test_auto_tiebreak_is_soft_on_tiny_held_out_parts_only():
 def test_auto_tiebreak_runs_and_is_recorded(n_batches, expected):
     """6 examples per task hold out 2 (soft); 24 hold out 6 (drift). Without heads auto is drift, no error."""
     base, experts, _ = noisy_family("clip", n_experts=2)
-    merged = _ta(base, experts, 0.05)
+    merged = ta_merge(base, experts, 0.05)
     data = family_data("clip", experts, n_batches=n_batches)
     torch.manual_seed(0)
     heads = {t: torch.nn.Linear(32, 4) for t in experts}
@@ -707,7 +698,7 @@ def test_auto_fixed_runs_and_is_recorded(n_batches, held, caplog):
     """6 examples per task hold out 2: λ is held, and a warning says the held-out part is tiny; 24 hold out 6: λ is
     searched like the rest, no warning."""
     base, experts, _ = noisy_family("clip", n_experts=2)
-    merged = _ta(base, experts, 0.05)
+    merged = ta_merge(base, experts, 0.05)
     data = family_data("clip", experts, n_batches=n_batches)
     cfg = FeatCalConfig(tune=True, tune_budget=4.0, tune_fixed="auto", tune_folds=1)  # one split: 2 held out
     with caplog.at_level("WARNING", logger="featcal"):

@@ -12,23 +12,14 @@ import torch
 from featcal import FeatCalConfig, calibrate
 from featcal.calibration import core, tuning
 from featcal.calibration.tuning.split import resolve_screen, screen_split, split_calibration
-from tests.builders.reference_featcal import family_data, max_abs_diff, noisy_family
+from tests.builders.reference_featcal import family_data, max_abs_diff, noisy_family, ta_merge
 
 KNOBS = ("anchor_blend_rho", "lambda_ratio", "teacher_interp_alpha", "merge_scaling")
 
 
-def _ta(base, experts, scaling: float):
-    merged = copy.deepcopy(base)
-    with torch.no_grad():
-        mp = dict(merged.named_parameters())
-        for name, p0 in base.named_parameters():
-            mp[name].copy_(p0 + scaling * sum(dict(e.named_parameters())[name] - p0 for e in experts.values()))
-    return merged
-
-
 def _family(kind: str, n_batches: int = 8, scaling: float = 0.05):
     base, experts, _ = noisy_family(kind, n_experts=2)
-    return base, experts, _ta(base, experts, scaling), family_data(kind, experts, n_batches=n_batches)
+    return base, experts, ta_merge(base, experts, scaling), family_data(kind, experts, n_batches=n_batches)
 
 
 def _setting(candidate) -> dict:
@@ -100,7 +91,7 @@ def test_screened_candidates_see_screen_batches_confirmed_ones_the_fit_part_and_
     # the choice never scores worse than the configured setting on the held-out part, at the same size
     assert chosen["drift"] <= first_full["drift"]
     # the refit is a plain calibration of the chosen setting on all data, bit for bit
-    start = _ta(base, experts, chosen["merge_scaling"])
+    start = ta_merge(base, experts, chosen["merge_scaling"])
     plain = calibrate(start, base=base, experts=experts, calibration=data, progress=False, config=FeatCalConfig(
         **{k: chosen[k] for k in KNOBS if k != "merge_scaling"})).model
     assert max_abs_diff(result.model, plain)[0] < 1e-5  # the rescaled merge equals TA at that scaling to round-off
@@ -142,7 +133,7 @@ def test_nothing_computed_for_one_starting_merge_is_reused_for_another(clip, mon
     scalings = [c["merge_scaling"] for c in rec["candidates"]]
     assert len(set(scalings)) > 1
     for s, model in zip(scalings, starts, strict=False):
-        assert max_abs_diff(model, _ta(base, experts, s))[0] < 1e-5
+        assert max_abs_diff(model, ta_merge(base, experts, s))[0] < 1e-5
 
 
 def test_the_plan_prices_a_tuned_run_with_and_without_the_screen():
