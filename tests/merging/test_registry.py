@@ -67,7 +67,7 @@ def test_builtin_methods_are_the_registry(registry):
         "dare_ties": "DareTies", "regmean": "RegMean", "regmean++": "RegMeanPlusPlus", "wudi": "Wudi"}
     assert list(method_spec("dare_ties").params.model_fields) == [
         "scaling", "density", "drop_rate", "seed", "weights", "densities", "normalize", "ties_threshold", "drop_rates",
-        "dare_rescale"]
+        "dare_rescale", "mergekit_arithmetic"]
     assert method_spec("regmean").needs_calibration and method_spec("wudi").kind == "whole_model"
     # each built-in method's parameters are MergeConfig's: the same bounds, one declaration
     with pytest.raises(ConfigError, match="density: Input should be greater than 0"):

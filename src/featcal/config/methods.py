@@ -9,7 +9,7 @@ its paper and the paper. Adding a method is one registration: an entry here for 
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, Field, create_model
 from pydantic.fields import FieldInfo
@@ -23,12 +23,26 @@ class MethodParams(StrictModel):
     """Base of a merge method's parameter model."""
 
 
+# the methods' parameters that MergeConfig has no field for: a mergekit YAML's arithmetic (linear, task_arithmetic,
+# ties, dare_ta, dare_ties; featcal.merging.mergekit_arithmetic, docs/mergekit.md)
+METHOD_FIELDS: dict[str, FieldInfo] = {
+    "mergekit_arithmetic": FieldInfo.from_annotated_attribute(
+        Literal["float32", "float16", "bfloat16", "float64", "inputs"] | None,  # type: ignore[arg-type]
+        Field(None, description="compute as mergekit 0.1.x does, in this dtype ('inputs': the inputs' own, "
+              "promoted): its order of operations, its exactly-k per-tensor TIES trim (a descending argsort of "
+              "|τ|), its sign election (a zero sum counts as +); a mergekit YAML sets it to its `dtype:`. Unset: "
+              "featcal's float32 arithmetic (docs/mergekit.md)"),
+    ),
+}
+
+
 def params_model(name: str, *fields: str, base: type[BaseModel] = MethodParams, **changes: Any) -> type[BaseModel]:
-    """A parameter model made of MergeConfig's `fields` (their one declaration: default, bounds, description);
-    `changes` (field -> FieldInfo keywords, e.g. {"description": ...}) adjust a field for this model."""
+    """A parameter model made of MergeConfig's `fields` (their one declaration: default, bounds, description) and
+    METHOD_FIELDS'; `changes` (field -> FieldInfo keywords, e.g. {"description": ...}) adjust a field for this
+    model."""
     made: dict[str, Any] = {}
     for f in fields:
-        info = MergeConfig.model_fields[f]
+        info = METHOD_FIELDS[f] if f in METHOD_FIELDS else MergeConfig.model_fields[f]
         if f in changes:
             info = FieldInfo.merge_field_infos(info, **changes[f])
         made[f] = (info.annotation, info)
@@ -50,7 +64,7 @@ ModulePatterns = Annotated[tuple[str, ...], BeforeValidator(_patterns)]
 # options of a method's own that a report leaves out while at their defaults (recipes that do not use them are
 # reported as before they existed)
 REPORTED_WHEN_SET: tuple[str, ...] = ("weights", "densities", "drop_rates", "normalize", "ties_threshold",
-                                      "dare_rescale", "exclude", "device")
+                                      "dare_rescale", "exclude", "device", "mergekit_arithmetic")
 
 
 class RegMeanParams(MethodParams):
@@ -73,6 +87,7 @@ class WudiParams(MethodParams):
 
 _TIES_OPTIONS = ("weights", "densities", "normalize", "ties_threshold")
 _DARE_OPTIONS = ("weights", "drop_rates", "normalize", "dare_rescale")
+_MERGEKIT = "mergekit_arithmetic"
 _TA = "Ilharco et al., Editing Models with Task Arithmetic, ICLR 2023"
 _TIES = "Yadav et al., TIES-Merging: Resolving Interference When Merging Models, NeurIPS 2023"
 _DARE = "Yu et al., Language Models are Super Mario (DARE), ICML 2024"
@@ -80,17 +95,18 @@ _REGMEAN = "Jin et al., Dataless Knowledge Fusion by Merging Weights of Language
 BUILTIN_METHODS: tuple[MethodSpec, ...] = tuple(add_method(s) for s in (
     MethodSpec("average", "streaming", params_model("AverageParams"), defaults={},
                reference="Wortsman et al., Model soups, ICML 2022"),
-    MethodSpec("linear", "streaming", params_model("LinearParams", "weights", "normalize"),
+    MethodSpec("linear", "streaming", params_model("LinearParams", "weights", "normalize", _MERGEKIT),
                reference="mergekit's linear merge (a weighted average)"),
-    MethodSpec("task_arithmetic", "streaming", params_model("TaskArithmeticParams", "scaling", "weights", "normalize"),
+    MethodSpec("task_arithmetic", "streaming",
+               params_model("TaskArithmeticParams", "scaling", "weights", "normalize", _MERGEKIT),
                task_vector=True, defaults={"scaling": 0.3}, reference=_TA),
-    MethodSpec("ties", "streaming", params_model("TiesParams", "scaling", "density", *_TIES_OPTIONS),
+    MethodSpec("ties", "streaming", params_model("TiesParams", "scaling", "density", *_TIES_OPTIONS, _MERGEKIT),
                task_vector=True, defaults={"density": 0.2, "scaling": 1.0}, reference=_TIES),
     MethodSpec("dare_ta", "streaming", params_model("DareTaskArithmeticParams", "scaling", "drop_rate", "seed",
-                                                    *_DARE_OPTIONS),
+                                                    *_DARE_OPTIONS, _MERGEKIT),
                task_vector=True, defaults={"drop_rate": 0.5, "scaling": 0.3, "seed": 0}, reference=_DARE),
     MethodSpec("dare_ties", "streaming", params_model("DareTiesParams", "scaling", "density", "drop_rate", "seed",
-                                                      *dict.fromkeys(_TIES_OPTIONS + _DARE_OPTIONS)),
+                                                      *dict.fromkeys(_TIES_OPTIONS + _DARE_OPTIONS), _MERGEKIT),
                task_vector=True, defaults={"drop_rate": 0.5, "density": 0.2, "scaling": 1.0, "seed": 0},
                reference=_DARE),
     MethodSpec("regmean", "whole_model", RegMeanParams, needs_calibration=True, defaults={"alpha": 0.9},

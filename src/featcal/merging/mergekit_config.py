@@ -17,18 +17,26 @@ in docs/mergekit.md; in short, for the methods both tools have:
 - dare_ties:        the same drop and rescale, then the TIES sign election (no magnitude trim)
                     -> featcal `dare_ties` at density 1.
 
+The arithmetic is mergekit's too: the methods get `mergekit_arithmetic` = the YAML's `dtype` (else 'inputs'), so
+that a bfloat16 YAML is computed in bfloat16 with mergekit's exactly-k TIES trim (featcal.merging.mergekit_arithmetic).
+What still differs is said at run time, in a log line: DARE's random masks (featcal's seeded ones), and int8_mask
+(read, ignored).
+
 Everything else mergekit can express (another method, slices, per-layer gradients and filters, tokenizer
 surgery, chat templates by name, LoRA references) is refused in one line naming it, before any work.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from pathlib import PurePath
 from typing import Any
 
 from featcal.config import RunOptions
 from featcal.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 # mergekit method -> (featcal method, mergekit's default normalize, its default rescale)
 METHODS: dict[str, tuple[str, bool, bool]] = {
@@ -95,7 +103,9 @@ def translate(data: Mapping[str, Any], source: str = "the mergekit config") -> d
 
     normalize = shared.get("normalize", default_normalize)
     rescale = shared.get("rescale", default_rescale)
-    params: dict[str, Any] = {"weights": weights, "normalize": normalize}
+    params: dict[str, Any] = {"weights": weights, "normalize": normalize,
+                              "mergekit_arithmetic": _arithmetic(data.get("dtype"))}
+    _say_what_differs(method, shared, densities, data.get("seed", 0), source)
     if method != "linear":
         params["scaling"] = shared.get("lambda", 1.0)
     if method == "ties":
@@ -124,6 +134,28 @@ def translate(data: Mapping[str, Any], source: str = "the mergekit config") -> d
     if tokenizer is not None:
         run["tokenizer_source"] = _tokenizer_source(tokenizer, base, inputs, where)
     return run
+
+
+def _arithmetic(dtype: Any) -> Any:
+    """The methods' mergekit_arithmetic: mergekit computes in the YAML's `dtype` (its inputs cast to it), else in
+    the inputs' own dtypes ('inputs'); a name the parameter does not know is refused by its validation."""
+    if dtype is None:
+        return "inputs"
+    return dtype.removeprefix("torch.") if isinstance(dtype, str) else dtype
+
+
+def _say_what_differs(method: str, shared: Mapping[str, Any], densities: Mapping[str, Any], seed: Any,
+                      source: str) -> None:
+    """Log, at run time, what featcal does not do as mergekit does for this YAML: DARE's random masks, and
+    int8_mask (read, ignored)."""
+    if method.startswith("dare_") and any(d != 1.0 for d in densities.values()):
+        log.warning("%s: DARE's random masks are featcal's own (drawn from seed %s per expert and tensor), not "
+                    "mergekit's (torch's global generator): the two tools drop different entries, so this merge "
+                    "differs from mergekit-yaml's output by the random draw (equal in expectation); everything "
+                    "after the mask follows mergekit", source, seed)
+    if "int8_mask" in shared:
+        log.info("%s: int8_mask is ignored: in mergekit it only stores the sign mask in int8 to save memory, and "
+                 "leaves the merge unchanged", source)
 
 
 def _refuse_unsupported(data: Mapping[str, Any], where: str) -> None:

@@ -18,10 +18,18 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from featcal.merging.family import Family
+from featcal.merging.mergekit_arithmetic import (
+    arithmetic_dtype,
+    generalized_task_arithmetic,
+    magnitude_trim,
+    mergekit_linear,
+    random_drop,
+)
 from featcal.merging.method import Merger, register
 from featcal.merging.methods import (
     DisjointMean,
     dare,
+    dare_mask,
     derive_seed,
     floor_keep_count,
     keep_count,
@@ -50,7 +58,16 @@ class Linear(Merger):
     """Σ w_t·θt / Σ w_t (normalize, the default) or Σ w_t·θt: a weighted average of the experts' weights
     (mergekit's linear; the base counts only when it is also given as an expert)."""
 
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.mergekit: str | None = getattr(self.method_params, "mergekit_arithmetic", None)
+
     def merge_tensor(self, name: str, base: Tensor, experts: Iterator[tuple[str, Tensor]]) -> Tensor:
+        if self.mergekit is not None:
+            thetas = list(experts)
+            dtype = arithmetic_dtype(self.mergekit, [theta.dtype for _, theta in thetas])
+            return mergekit_linear([theta.to(dtype) for _, theta in thetas],
+                                   [self.config.weights.get(e, 1.0) for e, _ in thetas], self.config.normalize is not False)
         total = torch.zeros(base.shape, dtype=base.dtype)
         weight_sum = 0.0
         for expert, theta in experts:
@@ -66,6 +83,17 @@ class _TaskVectorMerger(Merger):
 
     drop: bool = False
     normalize_default: bool = False
+    consensus: bool = False  # TIES' sign election (mergekit's arithmetic: merge_as_mergekit)
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.mergekit: str | None = getattr(self.method_params, "mergekit_arithmetic", None)
+        self.base_dtypes: dict[str, torch.dtype] = {}
+
+    def prepare(self, family: Family, *, progress: bool = False) -> None:
+        """The stored dtypes of the base (mergekit's arithmetic dtype 'inputs' promotes them with the experts')."""
+        if self.mergekit is not None:
+            self.base_dtypes = {n: family.base.meta(n)[1] for n in family.floating_names}
 
     @property
     def normalize(self) -> bool:
@@ -74,12 +102,38 @@ class _TaskVectorMerger(Merger):
     def weight(self, expert: str) -> float:
         return self.config.weights.get(expert, 1.0)
 
+    def generator(self, expert: str, name: str) -> torch.Generator:
+        """DARE's mask generator of (seed, expert, tensor)."""
+        return torch.Generator().manual_seed(derive_seed(self.config.seed, expert, name))
+
+    def drop_rate(self, expert: str) -> float:
+        return self.config.drop_rates.get(expert, self.config.drop_rate)
+
     def task_vector(self, expert: str, name: str, theta: Tensor, base: Tensor) -> Tensor:
         tau = task_vector(theta, base)
         if self.drop:
-            g = torch.Generator().manual_seed(derive_seed(self.config.seed, expert, name))
-            tau = dare(tau, self.config.drop_rates.get(expert, self.config.drop_rate), g, self.config.dare_rescale)
+            tau = dare(tau, self.drop_rate(expert), self.generator(expert, name), self.config.dare_rescale)
         return tau
+
+    def mergekit_delta(self, expert: str, name: str, delta: Tensor) -> Tensor:
+        """δt as mergekit sparsifies it (DARE: featcal's seeded mask, mergekit's rescale in its dtype)."""
+        p = self.drop_rate(expert) if self.drop else 0.0
+        if p == 0.0:
+            return delta
+        keep = dare_mask(delta.shape, p, self.generator(expert, name))
+        return random_drop(delta, keep, self.config.dare_rescale, p)
+
+    def merge_as_mergekit(self, name: str, base: Tensor, experts: Iterator[tuple[str, Tensor]]) -> Tensor:
+        """mergekit's generalized task arithmetic on this tensor, in its dtype (featcal.merging.mergekit_arithmetic):
+        every expert's task vector held at once, as mergekit holds them."""
+        thetas = list(experts)
+        stored = [self.base_dtypes.get(name, base.dtype), *(theta.dtype for _, theta in thetas)]
+        theta0 = base.to(arithmetic_dtype(self.mergekit, stored))
+        weights = [self.weight(e) for e, _ in thetas]
+        deltas = [self.mergekit_delta(e, name, theta.to(theta0.dtype) - theta0) for e, theta in thetas]
+        del thetas
+        return generalized_task_arithmetic(theta0, deltas, weights, consensus=self.consensus,
+                                           normalize=self.normalize, scaling=self.config.scaling)
 
 
 def weight_divisor(total_weight: float) -> float:
@@ -92,6 +146,8 @@ class TaskArithmetic(_TaskVectorMerger):
     """θ0 + s · Σt w_t·τt (divided by Σt w_t with normalize)."""
 
     def merge_tensor(self, name: str, base: Tensor, experts: Iterator[tuple[str, Tensor]]) -> Tensor:
+        if self.mergekit is not None:
+            return self.merge_as_mergekit(name, base, experts)
         total = torch.zeros(base.shape, dtype=base.dtype)
         weight_sum = 0.0
         for expert, theta in experts:
@@ -118,6 +174,7 @@ class Ties(_TaskVectorMerger):
     with ties_threshold per_tensor), elect signs, disjoint (weighted) mean."""
 
     normalize_default = True
+    consensus = True
 
     def __init__(self, config) -> None:
         super().__init__(config)
@@ -129,11 +186,13 @@ class Ties(_TaskVectorMerger):
 
     @property
     def per_tensor(self) -> bool:
-        return self.config.ties_threshold == "per_tensor"
+        """Trim each tensor at its own threshold (ties_threshold per_tensor; always in mergekit's arithmetic)."""
+        return self.config.ties_threshold == "per_tensor" or self.mergekit is not None
 
     def prepare(self, family: Family, *, progress: bool = False) -> None:
         """κt = the exact k-th largest |τt| over all of expert t's floating tensors (streamed radix select);
         nothing to prepare for per-tensor thresholds."""
+        super().prepare(family, progress=progress)
         if self.per_tensor:
             return
         self.selection_dtype = family.selection_dtype()
@@ -172,7 +231,13 @@ class Ties(_TaskVectorMerger):
         keep = tau.abs().to(self.selection_dtype) >= self.thresholds[expert]
         return torch.where(keep, tau, torch.zeros((), dtype=tau.dtype))
 
+    def mergekit_delta(self, expert: str, name: str, delta: Tensor) -> Tensor:
+        """DARE's drop (dare_ties), then mergekit's exactly-k magnitude trim at the expert's density."""
+        return magnitude_trim(super().mergekit_delta(expert, name, delta), self.density(expert))
+
     def merge_tensor(self, name: str, base: Tensor, experts: Iterator[tuple[str, Tensor]]) -> Tensor:
+        if self.mergekit is not None:
+            return self.merge_as_mergekit(name, base, experts)
         acc = DisjointMean(base.shape, base.dtype)
         for expert, theta in experts:
             tau = self.task_vector(expert, name, theta, base)
