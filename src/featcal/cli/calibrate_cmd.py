@@ -45,6 +45,16 @@ def end_to_end_line(e2e: dict) -> str:
             f"merged {e2e['merged']:.4g} -> calibrated {e2e['calibrated']:.4g}{worse}")
 
 
+def print_data_lines(report: dict) -> None:
+    """Per task, the examples and tokens the calibration read and how (calibration/data_summary.py), from
+    featcal.json's record of each task's data."""
+    from featcal.calibration.data_summary import task_data_lines
+
+    records = (report.get("inputs") or {}).get("calibration") or {}
+    for line in task_data_lines(records, (report.get("params") or {}).get("max_length")):
+        print(line)
+
+
 def write_drift_figure(report: dict, out: str) -> Path:
     """drift.png beside the checkpoint (written atomically, after it): per block, the drift as merged and after."""
     from featcal.evaluation.drift_plot import PLOT_PNG, calibration_drift_png
@@ -79,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
     )
     if not group.is_main:
         return 0  # rank 0 wrote the checkpoint and prints the summary
+    print_data_lines(report)
     print(drift_table(report.get("drift")))
     if report.get("end_to_end_drift"):
         print(end_to_end_line(report["end_to_end_drift"]))

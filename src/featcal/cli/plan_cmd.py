@@ -37,7 +37,20 @@ def _plan(args: argparse.Namespace, config: FeatCalConfig, check_device: bool):
     world = int(os.environ.get("WORLD_SIZE", "1"))
     plan, alternatives = plan_for_checkpoint(checked.merged, tasks=len(experts), config=config,
                                              max_length=options.max_length, world=world)
-    return plan, alternatives, checked.merged
+    return plan, alternatives, checked
+
+
+def data_lines(args: argparse.Namespace, config: FeatCalConfig, checked) -> list[str]:
+    """Per task, the examples and tokens its data gives the run and how it is read (packed windows, or one example
+    per record): read now as the run will read it (calibration/data_summary.py)."""
+    from featcal.calibration.data_summary import read_task_data, task_data_lines
+
+    options = run_options_from_args(args)
+    sources = parse_pairs(args.calib, "--calib")
+    records = read_task_data({t: sources[t] for t in checked.tasks}, model_dir=checked.data_dir,
+                             experts=checked.experts, config=config, max_length=options.max_length,
+                             allow_fewer=options.allow_fewer)
+    return task_data_lines(records, options.max_length)
 
 
 def check_plan(args: argparse.Namespace, config: FeatCalConfig, show: bool, check_device: bool = True) -> bool:
@@ -47,9 +60,10 @@ def check_plan(args: argparse.Namespace, config: FeatCalConfig, show: bool, chec
     from featcal.calibration.planner import fmt, parse_size, render
 
     limit = parse_size(args.max_memory) if args.max_memory is not None else None
-    plan, options, _ = _plan(args, config, check_device)
+    plan, options, checked = _plan(args, config, check_device)
     if show:
         print(render(plan, options, limit))
+        print("\n".join(data_lines(args, config, checked)))
     elif limit is not None and plan.total > limit:
         good = [name for name, p in options if p.total <= limit]
         hint = f"; these fit: {', '.join(good)}" if good else "; no single memory option fits (see featcal plan)"
@@ -130,8 +144,10 @@ def run(args: argparse.Namespace) -> int:
     measure = _time_source(args, config)
     max_length = run_options_from_args(args).max_length
     if args.config is None:
-        plan, options, merged = _plan(args, config, check_device=False)
+        plan, options, checked = _plan(args, config, check_device=False)
+        merged = checked.merged
         print(render(plan, options, limit))
+        print("\n".join(data_lines(args, config, checked)))
         print(_time(merged, len(args.expert), config, args, measure))
         if args.target:
             print(fit.plan_report(merged, tasks=len(args.expert), config=config, max_length=max_length,

@@ -185,6 +185,11 @@ def run_file(args: argparse.Namespace) -> int:
     run = load(path, args.out)
     refuse_output_over_inputs(run.out, {"run file": path})  # `out: .` with overwrite would delete the file itself
     out = execute(run, progress=not args.no_progress)
+    if run.calibrate is not None:
+        from featcal.cli.calibrate_cmd import print_data_lines
+        from featcal.io.checkpoint import read_json
+
+        print_data_lines(read_json(out / "featcal.json"))
     if run.merged is not None:
         print(f"calibrated {run.merged.path} toward {len(run.merged.experts)} experts into {out}")
         return 0
