@@ -110,6 +110,11 @@ def add_flags(
             _add_flag(group, name, model.model_fields[name], prefix, (choices or {}).get(name))
 
 
+def add_flag(group, name: str, info: FieldInfo, prefix: str = PREFIX, choices: Sequence[str] | None = None) -> None:
+    """One field's flag in `group` (argparse group or parser), as `add_flags` makes them."""
+    _add_flag(group, name, info, prefix, choices)
+
+
 def _add_flag(group, name: str, info: FieldInfo, prefix: str, choices: Sequence[str] | None) -> None:
     default = info.get_default(call_default_factory=True)
     if _is_mapping(info):

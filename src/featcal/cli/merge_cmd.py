@@ -24,7 +24,29 @@ from featcal.cli.calibrate_args import (
     run_options_from_args,
 )
 from featcal.cli.commands import HELP
-from featcal.config import MergeConfig, method_names
+from featcal.cli.flags import PREFIX, add_flag
+from featcal.config import MergeConfig, load_plugins, method_names, own_parameters, registered_methods
+
+
+def _method_values(args: argparse.Namespace) -> dict:
+    """The values given to the methods' own flags (`_add_method_flags`): MergeConfig hands them to the chosen
+    method's parameter model, which refuses those it does not declare."""
+    return {k[len(PREFIX):]: v for k, v in vars(args).items()
+            if k.startswith(PREFIX) and k[len(PREFIX):] not in MergeConfig.model_fields}
+
+
+def _add_method_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per parameter a method declares beyond MergeConfig's (a plugin's own, e.g. --temperature), in one
+    group per method; a name two methods declare is one flag, validated by the chosen method's model."""
+    added: set[str] = set()
+    for spec in registered_methods():
+        own = {n: f for n, f in own_parameters(spec, MergeConfig.model_fields).items() if n not in added}
+        if not own:
+            continue
+        group = p.add_argument_group(f"method {spec.name}: its own parameters")
+        for name, info in own.items():
+            add_flag(group, name, info)
+            added.add(name)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -32,7 +54,8 @@ def run(args: argparse.Namespace) -> int:
     from featcal.merging.api import merge
 
     timer = Timer()
-    config = config_from_args(args, MergeConfig)  # --weight NAME=W etc. included: MergeConfig's per-expert fields
+    # --weight NAME=W etc. included: MergeConfig's per-expert fields; a method's own flags go to its own model
+    config = config_from_args(args, MergeConfig, **_method_values(args))
     options = run_options_from_args(args)
     experts = parse_pairs(args.expert, "--expert")
     calibration = parse_pairs(args.calib, "--calib") or None
@@ -48,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def register(subparsers) -> None:
+    load_plugins()  # installed merge-method plugins: their names in --method, their parameters as flags
     p = subparsers.add_parser(
         "merge", help=HELP["merge"],
         description="Merge experts fine-tuned from one base into a single checkpoint, reading the experts "
@@ -66,4 +90,5 @@ def register(subparsers) -> None:
     add_output_flags(p, only=None)
     add_config_flags(p, MergeConfig, choices={"method": method_names()},
                      titles={"DataOptions": "calibration data of regmean, regmean++ (docs/data.md)"})
+    _add_method_flags(p)
     p.set_defaults(func=run)

@@ -58,6 +58,7 @@ from featcal.config.methods import (
     params_model,
 )
 from featcal.config.registry import (
+    ENTRY_POINT_GROUP,
     MergeMethod,
     MethodKind,
     MethodName,
@@ -65,8 +66,10 @@ from featcal.config.registry import (
     add_method,
     find_method,
     is_task_vector_merge,
+    load_plugins,
     method_names,
     method_spec,
+    own_parameters,
     registered_methods,
     unknown_method_message,
 )
@@ -86,14 +89,14 @@ from featcal.config.run import (
 
 __all__ = [
     "BUILTIN_METHODS", "CALIBRATED_MERGE_METHODS", "DEFAULT_CALIBRATION_EXAMPLES", "DEFAULT_MAX_LENGTH",
-    "DEFAULT_TUNE_BUDGET", "DEFAULT_TUNE_HOLDOUT", "EXPERT_ENTRY_KEYS", "MAX_COVARIANCE_EPS", "MAX_LAMBDA_RATIO",
+    "DEFAULT_TUNE_BUDGET", "DEFAULT_TUNE_HOLDOUT", "ENTRY_POINT_GROUP", "EXPERT_ENTRY_KEYS", "MAX_COVARIANCE_EPS", "MAX_LAMBDA_RATIO",
     "MAX_RUN_FILE_BYTES", "MAX_RUN_FILE_DEPTH", "MAX_RUN_FILE_VALUES", "MAX_SEED", "MERGE_METHODS", "RECIPE_OPTIONS",
     "REPORTED_WHEN_SET", "SECTIONS", "TASK_VECTOR_METHODS", "WHOLE_MODEL_MERGE_METHODS", "CalibrateSpec",
     "DataOptions", "Densities", "Device", "DropRates", "ExecutionOptions", "FeatCalConfig", "FrozenStrictModel",
     "MergeConfig", "MergeMethod", "MergeSpec", "MergedSpec", "MethodKind", "MethodName", "MethodParams",
     "MethodSpec", "ModulePatterns", "OutputDtype", "OutputOptions", "RegMeanParams", "ResumeOptions", "RunConfig",
     "RunOptions", "SolveOptions", "StrictModel", "TuneKnob", "TuneOptions", "Weight", "WudiParams", "add_method",
-    "check_expert_kinds", "check_tune_options", "data_field", "find_method", "is_task_vector_merge", "load_run_file",
-    "merge_field", "method_names", "method_spec", "params_model", "parse", "read_run_data", "registered_methods",
+    "check_expert_kinds", "check_tune_options", "data_field", "find_method", "is_task_vector_merge", "load_plugins", "load_run_file",
+    "merge_field", "method_names", "method_spec", "own_parameters", "params_model", "parse", "read_run_data", "registered_methods",
     "run_config", "run_options", "seed_field", "unknown_method_message",
 ]

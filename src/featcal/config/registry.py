@@ -11,6 +11,7 @@ method is added.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
@@ -20,6 +21,10 @@ from pydantic import AfterValidator, BaseModel
 from featcal.errors import ConfigError
 
 MethodKind = Literal["streaming", "whole_model"]
+# installed packages add merge methods through this entry-point group: each entry names a module (or an object in
+# one) whose import registers its methods with featcal.merging.register (docs/extending.md)
+ENTRY_POINT_GROUP = "featcal.merge_methods"
+log = logging.getLogger("featcal.merging")
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,31 @@ class MethodSpec:
 
 
 _METHODS: dict[str, MethodSpec] = {}
+_PLUGINS: dict[str, str] = {}  # entry-point name -> what its import did ("loaded", or the error), once per process
+
+
+def load_plugins() -> dict[str, str]:
+    """Import every installed plugin of ENTRY_POINT_GROUP once (their imports register their methods); a plugin
+    that fails to import is logged with its error and left out, never stopping featcal. {entry: outcome}."""
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name in _PLUGINS:
+            continue
+        try:
+            ep.load()
+            _PLUGINS[ep.name] = "loaded"
+        except Exception as exc:  # a broken plugin is the plugin's fault: said, and featcal goes on without it
+            _PLUGINS[ep.name] = f"{type(exc).__name__}: {exc}"
+            log.warning("merge-method plugin %r (%s) failed to load and is left out: %s", ep.name, ep.value,
+                        _PLUGINS[ep.name])
+    return dict(_PLUGINS)
+
+
+def own_parameters(spec: MethodSpec, shared: Mapping[str, Any]) -> dict[str, Any]:
+    """The fields of `spec`'s parameter model that `shared` (MergeConfig's fields) does not declare: the method's
+    own parameters, which get flags of their own (`featcal merge --help`)."""
+    return {n: f for n, f in spec.params.model_fields.items() if n not in shared}
 
 
 def method_names() -> list[str]:
@@ -101,6 +131,8 @@ def add_method(spec: MethodSpec) -> MethodSpec:
 
 
 def _registered(method: str) -> str:
+    if method not in _METHODS:
+        load_plugins()  # a method an installed plugin adds, validated before anything imported the merging package
     if method not in _METHODS:
         raise ValueError(unknown_method_message(method))
     return method

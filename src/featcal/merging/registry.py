@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import featcal.merging.mergers  # noqa: F401  (average, task_arithmetic, ties, dare_ta, dare_ties)
 import featcal.merging.model_mergers  # noqa: F401  (regmean, regmean++, wudi)
-from featcal.config import MergeConfig, method_names, method_spec
+from featcal.config import MergeConfig, load_plugins, method_names, method_spec
 from featcal.errors import ConfigError
 from featcal.merging.method import Merger, register
+
+load_plugins()  # installed packages' methods (entry-point group featcal.merge_methods), after the built-in ones
 
 __all__ = ["Merger", "register", "available_methods", "check_method", "make_merger"]
 
