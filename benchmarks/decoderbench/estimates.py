@@ -1,8 +1,9 @@
 """Time estimates for --plan, from per-unit timings recorded by earlier runs (else docs/bench-decoder.md's).
 
 Units: a training step (scaled by the share of blocks trained), a calibration window (all blocks, one
-FeatCal; --tune costs its budget in such calibrations), an evaluated token, a merge, and WUDI's Adam
-iterations (FLOPs, at the rate the recorded training step implies). Rough by construction: CPU timings
+FeatCal; --tune costs what featcal.calibration.tuning.planned_calibrations says its search costs at
+most, in such calibrations), an evaluated token, a merge, and WUDI's Adam iterations (FLOPs of its
+closed-form gradient, at the rate the recorded training step implies). Rough by construction: CPU timings
 move with the machine's load, and these are read from one or two runs; every estimate says where its
 rate came from.
 """
@@ -132,12 +133,21 @@ def step_scale(model: str, trained: int, recorded: int) -> float:
 
 
 def wudi_flops(model: str, steps: int = 300, tasks: int = 4) -> float:
-    """FLOPs of WUDI's Adam: per Linear and iteration, the Gram form costs tasks x out x in x min(out, in),
-    three times over for the backward."""
+    """float32-equivalent FLOPs of featcal's WUDI (merging/wudi.py, its closed-form gradient). Per Linear
+    (out x in): A = sum_t w_t tau_t^T tau_t and B = sum_t w_t tau_t tau_t^T tau_t are built once (2 x tasks x
+    out x in x in each), then every Adam step is one (out x in) @ (in x in) product, all in float64, counted
+    twice (float64 at half the float32 rate the training step measures); where in > 2 x tasks x out, the
+    per-task form instead: 4 x tasks x out x out x in per step in float32, nothing built. Untrained blocks'
+    Linears (zero task vectors) cost the same: featcal does not skip them."""
     layers, h, inter, heads, kv, hd, _ = SHAPES[model]
     shapes = [(heads * hd, h), (kv * hd, h), (kv * hd, h), (h, heads * hd), (inter, h), (inter, h), (h, inter)]
-    per_block = sum(tasks * o * i * min(o, i) * 2 for o, i in shapes)
-    return 3.0 * per_block * layers * steps
+    total = 0.0
+    for o, i in shapes:
+        if i > 2 * tasks * o:
+            total += steps * 4.0 * tasks * o * o * i
+        else:
+            total += 2.0 * (2 * 2.0 * tasks * o * i * i + steps * 2.0 * o * i * i)
+    return total * layers
 
 
 def train_flops(model: str, trained: int, tokens: int) -> float:

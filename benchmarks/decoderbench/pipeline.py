@@ -5,7 +5,8 @@
     merges        featcal merge: TIES (0.2, 1.0), RegMean (main-size windows), WUDI (its defaults)
     selection     featcal eval of each merge alone on the held-out calibration windows (the select part)
     calibrations  featcal calibrate: every merge + FeatCal (paper defaults) at the main size; TA + each
-                  curve variant at every size; TA + --tune at the main size
+                  curve variant at every size; TA + --tune at the main size (costed as featcal's
+                  planned_calibrations counts the search)
     best          the merge whose mean selection loss is lowest, + --tune at the main size (no new stage
                   when that merge is TA: the same command, hence the same key and output)
     evals         featcal eval of every merge and calibrated model on the test windows
@@ -41,6 +42,26 @@ def _common(inputs: SeedInputs, method: str | None = None) -> list[str]:
     return ["--base", str(base), *[a for d, p in inputs.experts.items() for a in ("--expert", f"{d}={p}")]]
 
 
+def tune_args(s: Settings) -> list[str]:
+    """The --tune options the bench passes (none: featcal's defaults)."""
+    return ((["--tune-budget", str(s.tune_budget)] if s.tune_budget else [])
+            + (["--tune-screen", str(s.tune_screen)] if s.tune_screen is not None else []))
+
+
+def tune_cost(s: Settings, windows: int) -> tuple[float, str]:
+    """(what a tuned calibration at `windows` per domain costs at most, in calibrations on all the data, how it
+    was counted): featcal.calibration.tuning.planned_calibrations for the --tune options the stage passes."""
+    from featcal.calibration.tuning import planned_calibrations
+    from featcal.config import FeatCalConfig
+
+    options = {"tune": True}
+    if s.tune_budget:
+        options["tune_budget"] = s.tune_budget
+    if s.tune_screen is not None:
+        options["tune_screen"] = s.tune_screen
+    return planned_calibrations(FeatCalConfig(**options), windows)
+
+
 def _calib_args(inputs: SeedInputs) -> list[str]:
     return [a for d, p in inputs.files["calib"].items() for a in ("--calib", f"{d}={p}")]
 
@@ -69,7 +90,7 @@ class SeedStages:
     def _calib_estimate(self, windows: int, tune: bool) -> float:
         r = self.rates
         per = windows * len(self.s.domains) * r.calib_s_per_window * self.s.seq_len / r.seq_len
-        return r.calib_overhead_s + per * ((self.s.tune_budget or 10.0) if tune else 1.0)
+        return r.calib_overhead_s + per * (tune_cost(self.s, windows)[0] if tune else 1.0)
 
     def _merge_estimate(self, method: str) -> float:
         r = self.rates
@@ -105,10 +126,12 @@ class SeedStages:
         args = ["calibrate", "--merged", str(merged.out), *_common(i), *_calib_args(i),
                 "--num-calibration-examples", str(size), "--calibration-batch-size", str(s.calib_batch),
                 "--max-length", str(s.seq_len), "--seed", str(i.seed), "--no-resume"]
+        units = {"windows": size * len(s.domains), "tune": tune}
         if tune:
-            args += ["--tune"] + (["--tune-budget", str(s.tune_budget)] if s.tune_budget else [])
+            args += ["--tune", *tune_args(s)]
+            units["calibrations"], units["tune_plan"] = tune_cost(s, size)
         stage = self.add(Stage(f"calibrate:{row_id(merge, variant, size)}", "calibrate", args, self.cache,
-                               self._calib_estimate(size, tune), {"windows": size * len(s.domains), "tune": tune}))
+                               self._calib_estimate(size, tune), units))
         self.model_of[row or row_id(merge, variant, size)] = stage.name
         return stage
 

@@ -60,6 +60,7 @@ def _header(r: dict) -> list[str]:
 
     title = f"tiny {TINY_CLASS[arch]}" if s["tiny"] else MODEL_TITLES[model]
     env = r["environment"]
+    screen = f", --tune-screen {s['tune_screen']}" if s.get("tune_screen") is not None else ""
     return [f"# Decoder benchmark ({title})", "", f"Produced by: `{r['command']}`", "",
             f"Base: {b['source']} ({b['layers']} blocks, width {b['hidden']}), read with featcal.io.gguf and saved "
             f"once as safetensors ({b['checkpoint_for_eval']}): `featcal eval` scores that copy, and "
@@ -72,14 +73,57 @@ def _header(r: dict) -> list[str]:
             f"{s['main_size']}). Seeds {', '.join(map(str, s['seeds']))}. TA {s['ta_scaling']}, TIES density "
             f"{s['ties_density']} scaling {s['ties_scaling']}, RegMean on {s['main_size']} windows per domain, WUDI "
             f"{s.get('wudi_steps') or 300} Adam steps, FeatCal's own defaults (--tune budget "
-            f"{s.get('tune_budget') or 'featcal default'}); featcal source {r.get('featcal_source')}. {s['threads']} threads, stages run {env['runner']}; load average "
+            f"{s.get('tune_budget') or 'featcal default'}{screen}); featcal commit {_git(r.get('featcal_git'))}; "
+            f"code digests {r.get('code')}. {s['threads']} threads, stages run {env['runner']}; load average "
             f"at start / end {env['load_average_start']} / {env['load_average_end']} ({env['cpus']} CPUs). "
             f"Total {r['total_seconds']} s.", ""]
 
 
+def _git(g: dict | None) -> str:
+    if not g or not g.get("commit"):
+        return "unknown"
+    return g["commit"][:10] + (" (work tree dirty)" if g.get("dirty") else "")
+
+
+def timing(r: dict) -> dict:
+    """The plan's estimate against the measured time of everything this run computed (cached results cost
+    nothing and are left out): the base's load, each expert trained, each stage run; totals, and the run's
+    whole wall time (which also holds reading the domains and writing the windows)."""
+    rows = [{"what": "base GGUF load", "estimate_s": r["base"]["load_estimate_s"], "measured_s": r["base"]["load_seconds"]}]
+    for x in r["seeds"]:
+        for d, e in x["experts"].items():
+            if not e.get("cached"):
+                rows.append({"what": f"seed {x['seed']} expert:{d}", "estimate_s": e.get("estimate_s"),
+                             "measured_s": e.get("wall_seconds", e.get("train_seconds"))})
+        for st in x["stages"]:
+            if not st["cached"]:
+                rows.append({"what": f"seed {x['seed']} {st['name']}", "estimate_s": st["estimate_s"],
+                             "measured_s": st["wall_seconds"]})
+    est = sum(x["estimate_s"] or 0 for x in rows)
+    got = sum(x["measured_s"] or 0 for x in rows)
+    return {"rows": rows, "estimate_s": round(est), "measured_s": round(got, 1), "run_wall_s": r["total_seconds"],
+            "ratio": round(got / est, 2) if est else None}
+
+
+def timing_lines(r: dict) -> list[str]:
+    t = r.get("timing")
+    if not t:
+        return []
+    lines = ["## The plan's estimate against the measured time", "",
+             f"What this run computed (cached results left out). Rates: {r.get('rates_source', 'see --plan')}.", "",
+             "| what | estimate s | measured s | measured / estimate |", "|---|---|---|---|"]
+    for x in t["rows"]:
+        ratio = f"{x['measured_s'] / x['estimate_s']:.2f}" if x["estimate_s"] and x["measured_s"] is not None else "n/a"
+        lines.append(f"| {x['what']} | {x['estimate_s']} | {x['measured_s']} | {ratio} |")
+    lines += [f"| **total** | **{t['estimate_s']}** | **{t['measured_s']}** | **{t['ratio']}** |", "",
+              f"The run's whole wall time: {t['run_wall_s']} s (also reading the domains, writing the windows and the "
+              "bench's own bookkeeping).", ""]
+    return lines
+
+
 def markdown(r: dict) -> str:
     s = r["settings"]
-    lines = _header(r)
+    lines = _header(r) + timing_lines(r)
     lines += ["## Regime check (held-out loss per domain: base > TA > experts)", ""]
     lines += [f"- {x['regime_line']}" for x in r["seeds"]] + [""]
     if r.get("regime_only"):

@@ -1,12 +1,14 @@
 """The bench's `featcal` stages (merge, calibrate, eval): keyed, cached, run, and recorded.
 
-A stage is a `featcal` command line. Its output folder is named by a hash of its arguments (the paths in
-them already name what they hold: experts and data files by their own keys or content hashes, models by
-the key of the stage that wrote them) and of featcal's own source files, so a rerun under the same code
-finds every finished stage and a killed run resumes at the first unfinished one, while a change to
-featcal recomputes what it could change. featcal writes its outputs atomically, so a folder that exists
-is complete. Beside it, `<folder>.stage.json` keeps what the bench measured when the stage ran (wall
-seconds, the runner), so a cached stage still reports its own cost.
+A stage is a `featcal` command line. Its output folder is named by a key of its arguments (the paths in
+them already name what they hold: experts and the base's copy by their own keys, data files by content
+hashes, models by the key of the stage that wrote them) and of the featcal sources that compute that kind
+of stage (decoderbench/keys.py: merging code for a merge, calibration code for a calibration, evaluation
+code for an eval), so a rerun finds every finished stage, a killed run resumes at the first unfinished
+one, and a change to featcal recomputes only the stages it could change. featcal writes its outputs
+atomically, so a folder that exists is complete. Beside it, `<folder>.stage.json` keeps what the bench
+measured when the stage ran (wall seconds, the runner, featcal's git commit and whether the tree was
+dirty), so a cached stage still reports its own cost and the code it ran under.
 
 Disk: a calibrated checkpoint is needed only by its own evaluation, so once that is done its weights can
 be pruned (`prune`: the *.safetensors files go, featcal.json and a PRUNED.json marker stay); a pruned
@@ -15,7 +17,6 @@ model whose evaluation is missing is calibrated again (`unprune`).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shlex
@@ -24,6 +25,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from decoderbench import keys
 
 FEATCAL_JSON, EVAL_JSON, PRUNED = "featcal.json", "eval.json", "PRUNED.json"
 RUNNERS = ("subprocess", "inprocess")
@@ -44,13 +47,23 @@ class Stage:
     reads: str | None = None  # an eval: the name of the stage whose model it scores
 
     def __post_init__(self) -> None:
-        self.key = hashlib.sha256(json.dumps([self.args, featcal_source_digest()]).encode()).hexdigest()[:12]
-        slug = self.name.split(":", 1)[1].replace("+", "_").replace("@", "_")
-        self.out = self.cache / {"select": "eval"}.get(self.kind, self.kind) / f"{slug}-{self.key}"
+        self.key = keys.stage_key(self.kind, self.args)
+        self.out = self.cache / {"select": "eval"}.get(self.kind, self.kind) / f"{self.slug}-{self.key}"
+
+    @property
+    def slug(self) -> str:
+        return self.name.split(":", 1)[1].replace("+", "_").replace("@", "_")
+
+    @property
+    def area(self) -> str:
+        return keys.KIND_AREA[self.kind]
+
+    def argv_to(self, out: Path) -> list[str]:
+        return [*self.args, "--no-progress", "--out", str(out)]
 
     @property
     def argv(self) -> list[str]:
-        return [*self.args, "--no-progress", "--out", str(self.out)]
+        return self.argv_to(self.out)
 
     @property
     def command(self) -> str:
@@ -69,20 +82,21 @@ class Stage:
         return self.out.with_name(self.out.name + ".stage.json")
 
 
-_SOURCE_DIGEST: list[str] = []
+def execute(argv: list[str], runner: str, threads: int) -> tuple[int, str]:
+    """Run `featcal ARGV` (in this process, or a fresh one with `threads` threads): (exit status, output tail)."""
+    if runner == "inprocess":
+        import contextlib
+        import io
 
+        from featcal.cli.main import main as featcal_main
 
-def featcal_source_digest() -> str:
-    """sha256 (12 hex) of featcal's own .py files: which code a stage ran under (recorded, not keyed)."""
-    if not _SOURCE_DIGEST:
-        import featcal
-
-        root = Path(featcal.__file__).parent
-        h = hashlib.sha256()
-        for f in sorted(root.rglob("*.py")):
-            h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
-        _SOURCE_DIGEST.append(h.hexdigest()[:12])
-    return _SOURCE_DIGEST[0]
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):  # its tables: the bench prints its own
+            rc = featcal_main(argv)
+        return rc, printed.getvalue()[-4000:]
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1")
+    done = subprocess.run([sys.executable, "-m", "featcal", *argv], env=env, capture_output=True, text=True)
+    return done.returncode, done.stdout[-4000:] + done.stderr[-4000:]
 
 
 def run_stage(stage: Stage, runner: str, threads: int, log) -> dict:
@@ -92,27 +106,16 @@ def run_stage(stage: Stage, runner: str, threads: int, log) -> dict:
         return _info(stage, record, cached=True)
     log(stage.command)
     stage.out.parent.mkdir(parents=True, exist_ok=True)
+    git = keys.git_state(stage.area)  # the code it runs under, as it starts
     t = time.perf_counter()
-    if runner == "inprocess":
-        import contextlib
-        import io
-
-        from featcal.cli.main import main as featcal_main
-
-        printed = io.StringIO()
-        with contextlib.redirect_stdout(printed):  # its tables: the bench prints its own
-            rc = featcal_main(stage.argv)
-        tail = printed.getvalue()[-4000:]
-    else:
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1")
-        done = subprocess.run([sys.executable, "-m", "featcal", *stage.argv], env=env, capture_output=True,
-                              text=True)
-        rc, tail = done.returncode, done.stdout[-4000:] + done.stderr[-4000:]
+    rc, tail = execute(stage.argv, runner, threads)
     wall = round(time.perf_counter() - t, 1)
     if rc != 0 or not stage.done:
         sys.stderr.write(tail)
         raise SystemExit(f"failed ({rc}): {stage.command}")
-    record = {"wall_seconds": wall, "runner": runner, "threads": threads, "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    record = {"wall_seconds": wall, "estimate_s": round(stage.estimate_s), "runner": runner, "threads": threads,
+              "finished": time.strftime("%Y-%m-%dT%H:%M:%S"), "key": stage.key,
+              "code": {"area": stage.area, "digest": keys.code_digest(stage.area)}, "featcal_git": git}
     stage.record_path.write_text(json.dumps(record, indent=1) + "\n")
     return _info(stage, record, cached=False)
 
@@ -122,7 +125,8 @@ def _info(stage: Stage, record: dict, cached: bool) -> dict:
     info = {"name": stage.name, "kind": stage.kind, "command": stage.command, "out": str(stage.out),
             "cached": cached, "wall_seconds": record.get("wall_seconds"), "runner": record.get("runner"),
             "seconds": report.get("seconds"),
-            "peak_rss_mb": report.get("peak_rss_mb"), "estimate_s": round(stage.estimate_s)}
+            "peak_rss_mb": report.get("peak_rss_mb"), "estimate_s": round(stage.estimate_s), "key": stage.key,
+            "code": record.get("code"), "featcal_git": record.get("featcal_git")}
     if report.get("drift"):  # calibration: feature drift from the experts, by block, before -> after
         info["blocks_calibrated"] = len(report["drift"])
         info["end_to_end_drift"] = report.get("end_to_end_drift")

@@ -200,6 +200,20 @@ def test_tiny_rows_seeds_and_sizes(tiny):
         for d in s["domains"]:
             e = seed["experts"][d]
             assert len(e["losses"]) == s["steps"] and (Path(e["path"]) / "model.safetensors").is_file()
+            assert Path(e["path"]).name == f"{d}-{e['key']}" and e["key_parts"]["domain"] == d
+        # every result records the featcal commit it was computed under and whether the tree was dirty
+        for rec in [*seed["stages"], *seed["experts"].values()]:
+            git = rec["featcal_git"]
+            assert git["commit"] is None or (len(git["commit"]) == 40 and isinstance(git["dirty"], bool))
+        for st in seed["stages"]:
+            assert st["code"]["area"] == {"select": "eval"}.get(st["kind"], st["kind"])
+            assert st["out"].endswith(f"-{st['key']}") and r["code"][st["code"]["area"]] == st["code"]["digest"]
+    # the plan's estimate against the measured time: every expert and stage this run computed, and the total
+    timing = r["timing"]
+    computed = sum(1 for x in r["seeds"] for st in x["stages"] if not st["cached"])
+    assert len(timing["rows"]) == 1 + len(r["seeds"]) * len(s["domains"]) + computed
+    assert timing["estimate_s"] == round(sum(x["estimate_s"] for x in timing["rows"]))
+    assert "## The plan's estimate against the measured time" in tiny["md"] and f"**{timing['estimate_s']}**" in tiny["md"]
     a, b = r["seeds"]
     assert all(a["experts"][d]["path"] != b["experts"][d]["path"] for d in s["domains"])  # the seed trains anew
     for d in s["domains"]:  # per seed, the test, selection and calibration windows share no text; seeds differ
@@ -277,18 +291,26 @@ def test_tiny_figures_are_recomputed_from_the_eval_json_rows(tiny):
     assert "## The issue's goals" in md and r["goals"]["regime"]["met"] == all(s["regime"]["holds"] for s in r["seeds"])
 
 
-def test_tiny_gemma3_regime_only_then_resume_plan_and_pruned_model(tmp_path):
+def test_tiny_gemma3_regime_only_then_resume_plan_and_pruned_model(frozen_decoder_bench, tmp_path, capsys):
     """--model gemma3 --tiny (a random Gemma3ForCausalLM, 5 sliding-window blocks + 1 global, window 16 < 32
     tokens, written as a gemma3 GGUF with a sentencepiece vocabulary, whose tokenizer starts a text with <bos>):
     --regime-only stops after the regime check; the full run finds those stages cached and runs the rest,
     pruning the calibrated weights once evaluated; with one evaluation lost, --plan lists only it as to run,
-    and the next run calibrates that model again (its weights were pruned) and gets the same figures."""
+    and the next run calibrates that model again (its weights were pruned) and gets the same figures. The four
+    runs are made in this process with the keys read from a copy of the sources (frozen_decoder_bench), so that
+    other work on featcal between them moves no key."""
     _need_sources()
+    bench = frozen_decoder_bench[0]
+
+    def run(*more: str) -> str:
+        assert bench.main([*args, *more, "--sources", str(SOURCES)]) == 0
+        return capsys.readouterr().out
+
     out, cache = tmp_path / "out", tmp_path / "cache"
     args = ["--model", "gemma3", "--tiny", "--seeds", "0", "--domains", "python,french", "--steps", "4",
             "--merges", "task_arithmetic,ties", "--curve", "featcal", "--calib-sizes", "4", "--out", str(out),
             "--cache", str(cache)]
-    _run(*args, "--regime-only")
+    run("--regime-only")
     early = json.loads((out / "bench.json").read_text())
     assert early["regime_only"] and "over_seeds" not in early
     assert early["base"]["class"] == "Gemma3ForCausalLM" and early["base"]["layers"] == 6
@@ -301,7 +323,7 @@ def test_tiny_gemma3_regime_only_then_resume_plan_and_pruned_model(tmp_path):
     assert all(v["tokens"] == 4 * 31 for v in seed["results"]["base"].values())
     assert "seed 0 regime (loss: base > TA > experts): python " in (out / "bench.md").read_text()
 
-    _run(*args)
+    run()
     full = json.loads((out / "bench.json").read_text())
     stages = {st["name"]: st for st in full["seeds"][0]["stages"]}
     assert all(stages[n]["cached"] for n in ("merge:task_arithmetic", "eval:base", "eval:experts"))
@@ -315,13 +337,13 @@ def test_tiny_gemma3_regime_only_then_resume_plan_and_pruned_model(tmp_path):
 
     lost = Path(stages["eval:ties+featcal@4"]["out"])
     shutil.rmtree(lost)
-    plan = _run(*args, "--plan").stdout
+    plan = run("--plan")
     marks = {line.split()[-1]: line.split()[0] for line in plan.splitlines()
              if line.startswith(" ") and not line.startswith("      ")}
     assert set(marks) == set(stages) and all(st["command"] in plan for st in stages.values())
     assert {n for n, m in marks.items() if m != "cached"} == {"eval:ties+featcal@4"}
 
-    _run(*args)
+    run()
     again = json.loads((out / "bench.json").read_text())
     restaged = {st["name"]: st for st in again["seeds"][0]["stages"]}
     assert {n for n, st in restaged.items() if not st["cached"]} == {"calibrate:ties+featcal@4", "eval:ties+featcal@4"}
