@@ -75,8 +75,12 @@ def run(args: argparse.Namespace) -> int:
         require("plot", "--plot")
     config = config_from_args(args, FeatCalConfig)
     options = run_options_from_args(args)
+    outputs = output_options_from_args(args)
     if args.dry_run or args.max_memory is not None:
         from featcal.cli.plan_cmd import check_plan
+        from featcal.io.card import check_hub_ids
+
+        check_hub_ids(outputs.hub_id, parse_pairs(args.expert, "--expert"))  # the run refuses these: so does its plan
 
         if check_plan(args, config, show=args.dry_run):
             return 0  # --dry-run: the plan was the whole job
@@ -85,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
         args.merged, base=args.base, experts=parse_pairs(args.expert, "--expert"),
         calibration_sources=parse_pairs(args.calib, "--calib"), config=config, out=args.out,
         progress=not args.no_progress, **options.model_dump(),
-        heads=parse_pairs(args.tune_head, "--tune-head"), **output_options_from_args(args).model_dump(exclude={"tokenizer_source"}),
+        heads=parse_pairs(args.tune_head, "--tune-head"), **outputs.model_dump(exclude={"tokenizer_source"}),
     )
     if not group.is_main:
         return 0  # rank 0 wrote the checkpoint and prints the summary

@@ -22,18 +22,23 @@ _INPUTS = ("base", "merged", "expert", "calib")  # what names checkpoints and da
 
 
 def _plan(args: argparse.Namespace, config: FeatCalConfig, check_device: bool):
-    from featcal.calibration.pipeline import check_calibration_inputs
+    from featcal.calibration.pipeline import check_calibration_inputs, feature_width
     from featcal.calibration.planner import plan_for_checkpoint
+    from featcal.calibration.tuning import load_heads
+    from featcal.io.models import load_config
 
     experts = parse_pairs(args.expert, "--expert")
     options = run_options_from_args(args)
+    heads = parse_pairs(args.tune_head, "--tune-head")
     # every check the run makes before its work (task names, options, output, checkpoints' headers, each
-    # task's data), so a plan that prints is a run that starts; the NaN scan, which reads all weights, is left
+    # task's data as the run draws and tokenises it, the --tune-head files), so a plan that prints is a run
+    # that starts; the NaN scan, which reads all weights, is left
     checked = check_calibration_inputs(
         args.merged, base=args.base, experts=experts, calibration_sources=parse_pairs(args.calib, "--calib"),
         config=config, out=args.out, **options.model_dump(), check_finite=False, check_device=check_device,
-        heads=parse_pairs(args.tune_head, "--tune-head"),
+        heads=heads,
     )
+    load_heads(heads, checked.tasks, config.tune, feature_width(load_config(checked.merged)))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     plan, alternatives = plan_for_checkpoint(checked.merged, tasks=len(experts), config=config,
                                              max_length=options.max_length, world=world)

@@ -204,7 +204,24 @@ def check_calibration_source(source: Any, *, model_dir: str | Path | None, num_e
     takes, number of examples that will be drawn).
     """
     plan = plan_source(source, model_dir=model_dir, num_examples=num_examples, **options)
+    _preprocess_drawn(plan, options.get("seed", 0))
     return plan.source, plan.modality, plan.count
+
+
+def _preprocess_drawn(plan: SourcePlan, seed: int, chunk: int = 16) -> None:
+    """The texts or conversations the run will draw, preprocessed as `load_calibration_batches` preprocesses them
+    and thrown away: a chat template that raises on one of them ("roles must alternate"), a text the tokenizer
+    turns into no tokens, a token id past the vocabulary are refused by the check (featcal plan, calibrate and run
+    before any work), not once the run reaches them (issue 49). Images are left to the run."""
+    if plan.preprocessor is None:
+        return
+    if plan.windows is not None:  # packing already rendered and tokenised every document the windows hold
+        for i in range(0, len(plan.windows), chunk):
+            plan.preprocessor.windows(plan.windows[i : i + chunk])
+        return
+    indices = sample_indices(len(plan.source), plan.count, seed)
+    for i in range(0, len(indices), chunk):
+        plan.preprocessor(plan.source.examples(indices[i : i + chunk], plan.modality))
 
 
 def load_calibration_batches(
