@@ -176,3 +176,38 @@ def test_a_task_without_a_head_in_heads_is_refused_naming_the_heads(headed, tmp_
                                           r"there.*--task task0=DATA") as e:
         featcal.evaluate({"sst2": data}, merged=headed["merged"], progress=False)
     assert "\n" not in str(e.value)
+
+
+def _edit_meta(heads, **fields) -> None:
+    meta = json.loads((heads / "task0.json").read_text())
+    (heads / "task0.json").write_text(json.dumps({**meta, **fields}))
+
+
+def _body_head(heads) -> None:
+    """task0's "head" names, and holds, the word embeddings of the model's body (bert.*)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    name = "bert.embeddings.word_embeddings.weight"
+    with safe_open(str(heads.parent / "model.safetensors"), "pt") as f:
+        save_file({name: torch.zeros_like(f.get_tensor(name))}, str(heads / "task0.safetensors"))
+    _edit_meta(heads, tensors=[name])
+
+
+@pytest.mark.parametrize(("damage", "error"), [
+    (lambda heads: _edit_meta(heads, id2label={"x": "negative", "1": "positive"}),
+     r"task0\.json: id2label key 'x' is no class id"),  # was a ValueError traceback
+    (_body_head, r"replaces 'bert\.embeddings\.word_embeddings\.weight', a tensor of the model's body \(bert\.\*\)"),
+])  # was scored (50 %) through a model with its embeddings replaced, the row saying head heads/task0.safetensors
+def test_a_heads_file_that_is_no_head_is_refused_before_any_model_runs(headed, tmp_path, damage, error):
+    import shutil
+
+    from featcal.errors import CheckpointError
+
+    merged = tmp_path / "merged"
+    shutil.copytree(headed["merged"], merged)
+    damage(merged / "heads")
+    data = write_jsonl(tmp_path / "d.jsonl", [{"text": t, "label": "negative"} for t in TEXTS["task0"][:4]])
+    with pytest.raises(CheckpointError, match=error) as e:
+        featcal.evaluate({"task0": data}, merged=merged, progress=False)
+    assert "\n" not in str(e.value)

@@ -517,7 +517,7 @@ def _write_calibrated(
         if result.placement is not None:  # where the experts' weights lived (expert_placement.py)
             report["placement"] = result.placement
         merged_report = _merged_report(merged_dir)
-        if merged_report is not None and merged_report.get("task_heads"):
+        if merged_report is not None and merged_report.get("task_heads") and (tmp / HEADS_DIR).is_dir():
             report["task_heads"] = merged_report["task_heads"]
         if tokenizer is not None and tokenizer.template is not None:
             report["tokenizer"] = {**tokenizer.report(tmp), "source": "the merge's"}
@@ -530,9 +530,11 @@ def _write_calibrated(
 
 
 def _merged_report(merged_dir: Path) -> dict[str, Any] | None:
-    """The merged checkpoint's own featcal.json (a featcal merge), None for another tool's merge."""
+    """The merged checkpoint's own featcal.json (a featcal merge), None for another tool's merge, or for one that
+    is no JSON object (read after the calibration: a crafted file must not lose the run to a traceback)."""
     path = merged_dir / "featcal.json"
     try:
-        return read_json(path) if path.is_file() else None
+        report = read_json(path) if path.is_file() else None
     except CheckpointError:
         return None
+    return report if isinstance(report, dict) else None

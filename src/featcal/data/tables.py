@@ -61,7 +61,7 @@ class TableSource:
                 self.dataset, path, text_column, exclude=(self.image_column,)
             )
         self.target_column = next(
-            (c for c in TARGET_COLUMNS if c in columns and _is_string(self.dataset, c)), None
+            (c for c in TARGET_COLUMNS if c in columns and _is_string(self.dataset.features, c)), None
         )
 
     @property
@@ -101,7 +101,8 @@ class TableSource:
 
     def string_columns(self) -> list[str]:
         """Every string column (what a user may pass as the text column)."""
-        return [c for c in self.dataset.column_names if _is_string(self.dataset, c)]
+        features = self.dataset.features  # a copy at each access: taken once (a table may have 10,000 columns)
+        return [c for c in self.dataset.column_names if _is_string(features, c)]
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -205,10 +206,12 @@ def _other_fields(row: dict, used: Sequence[str]) -> dict[str, Any]:
     return {k: v for k, v in row.items() if k not in used}
 
 
-def _is_string(dataset, column: str) -> bool:
+def _is_string(features, column: str) -> bool:
+    """Whether `column` of a table with `features` (`dataset.features`, which copies them all at each access: read
+    it once, not once per column) holds strings."""
     from datasets import Value
 
-    feature = dataset.features.get(column)
+    feature = features.get(column)
     return isinstance(feature, Value) and feature.dtype in ("string", "large_string")
 
 
@@ -280,12 +283,13 @@ def _text_column(
     Several candidates are a problem, not a choice to make silently: calibrating on ids or label words
     instead of the texts gives a wrong model with no error, so the user must name the column.
     """
-    strings = [c for c in dataset.column_names if _is_string(dataset, c)]
+    features = dataset.features
+    strings = [c for c in dataset.column_names if _is_string(features, c)]
     held = ", ".join(repr(c) for c in strings) or "none"
     if chosen is not None:
         if chosen not in dataset.column_names:
             return [], f"{path}: text column {chosen!r} does not exist (string columns: {held})"
-        if not _is_string(dataset, chosen):
+        if not _is_string(features, chosen):
             return [], f"{path}: text column {chosen!r} does not hold strings (string columns: {held})"
         return [chosen], None
     for name in TEXT_COLUMNS:
@@ -294,7 +298,7 @@ def _text_column(
     odd = next((n for n in TEXT_COLUMNS if n in dataset.column_names and n not in exclude), None)
     if odd is not None:  # e.g. pre-tokenised ids under `text`: the texts are not where the name says
         return [], (
-            f"{path}: column {odd!r} does not hold strings ({dataset.features[odd]}); name the column holding "
+            f"{path}: column {odd!r} does not hold strings ({features[odd]}); name the column holding "
             f"the texts with --text-column (string columns: {held})"
         )
     candidates = [c for c in strings if c not in exclude and c not in TARGET_COLUMNS and c.lower() not in NON_TEXT_COLUMNS]
@@ -441,15 +445,40 @@ def _format_name(layout: str | None) -> str:
     return "a plain record, not a chat" if layout is None else f"a chat record in the {layout} layout"
 
 
+class _DuplicateKey(ValueError):
+    """A JSON object naming one key twice."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's pairs as a dict, refused when a key comes twice: `json` would keep the last value silently
+    (`{"text": "a", "text": "b"}` is text "b"; a turn's second "role" its role), and which is meant cannot be told."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        twice = next(k for i, (k, _) in enumerate(pairs) if any(k == other for other, _ in pairs[:i]))
+        raise _DuplicateKey(f"the key {twice!r} comes twice in one object (which value is meant cannot be told)")
+    return out
+
+
+def _loads(text: str, where: str) -> Any:
+    """`text` parsed as JSON; invalid JSON, or an object naming a key twice, refused naming `where`."""
+    try:
+        return json.loads(text, object_pairs_hook=_unique_keys)
+    except _DuplicateKey as exc:
+        raise CalibrationDataError(f"{where}: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise CalibrationDataError(f"{where}: not valid JSON ({exc})") from None
+
+
 def jsonl_file(path: Path, *, text_column: str | None = None) -> TableSource:
     text = read_utf8(path)
     records: list[dict] = []
     lines: list[int] = []
-    if path.suffix.lower() == ".json" and text.lstrip().startswith("["):
-        try:
-            records = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise CalibrationDataError(f"{path} is not valid JSON: {exc}") from None
+    array = text.lstrip().startswith("[")
+    if array and path.suffix.lower() != ".json":
+        raise CalibrationDataError(f"{path} holds a JSON array, not JSON Lines (one object per line) as its suffix "
+                                   "says; name it .json, or write one record per line")
+    if array:
+        records = _loads(text, str(path))
         if not all(isinstance(r, dict) for r in records):
             raise CalibrationDataError(f"{path}: a JSON array of calibration records must hold objects")
     else:
@@ -458,10 +487,7 @@ def jsonl_file(path: Path, *, text_column: str | None = None) -> TableSource:
         for lineno, line in enumerate(text.split("\n"), 1):
             if not line.strip():
                 continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise CalibrationDataError(f"{path}, line {lineno}: not valid JSON ({exc})") from None
+            record = _loads(line, f"{path}, line {lineno}")
             if not isinstance(record, dict):
                 raise CalibrationDataError(f"{path}, line {lineno}: expected a JSON object, got {type(record).__name__}")
             records.append(record)

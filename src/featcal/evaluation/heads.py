@@ -81,6 +81,10 @@ def _read_head(meta_file: Path) -> TaskHead:
     if not file.is_file():
         raise CheckpointError(f"{meta_file} has no {file.name} beside it: the head of task {meta_file.stem!r} is missing")
     labels = meta.get("id2label")
+    if isinstance(labels, Mapping) and any(not str(k).lstrip("-").isdigit() for k in labels):
+        odd = next(k for k in labels if not str(k).lstrip("-").isdigit())
+        raise CheckpointError(f"{meta_file}: id2label key {odd!r} is no class id (an integer): not a head written by "
+                              "featcal merge")
     id2label = {int(k): str(v) for k, v in labels.items()} if isinstance(labels, Mapping) and labels else None
     return TaskHead(meta_file.stem, file, tuple(tensors), id2label)
 
@@ -98,12 +102,20 @@ def head_for(heads: Mapping[str, TaskHead], task: str, *, model: str, path: Path
 
 
 def check_head_shapes(head: TaskHead, path: Path, *, model: str) -> None:
-    """Refuse, from the checkpoint's headers, a head whose tensors the model does not have at these shapes."""
+    """Refuse, from the checkpoint's headers, a head whose tensors the model does not have at these shapes, or
+    that replaces a tensor of the model's body (inside its `base_model_prefix`): a head is what lies outside it
+    (io/task_heads.py), and a "head" replacing the embeddings would score another model under this one's name."""
     from featcal.io.checkpoint import CheckpointReader
+    from featcal.io.task_heads import base_model_prefix
 
     reader = CheckpointReader(path)
     present = set(reader.keys())
+    config = reader.config
+    body = base_model_prefix(config) if isinstance(config, Mapping) else None
     for name, tensor in sorted(head.state().items()):
+        if body and name.startswith(f"{body}."):
+            raise CheckpointError(f"model {model!r}: {head.file} replaces {name!r}, a tensor of the model's body "
+                                  f"({body}.*), not of its head")
         if name not in present:
             raise CheckpointError(f"model {model!r}: {head.file} replaces tensor {name!r}, which {path} does not hold")
         shape = tuple(reader.meta(name)[0])

@@ -167,7 +167,9 @@ def _check_writable(path: Path) -> None:
 
 def refuse_output_over_inputs(out: str | os.PathLike, inputs: Mapping[str, Any], *, what: str = "output directory",
                               flag: str = "--out") -> None:
-    """Refuse an output that is an input or holds one (replacing it with --overwrite would delete the input).
+    """Refuse an output that is an input or holds one (replacing it with --overwrite would delete the input), or
+    that lies inside an input folder (its files would join that input: a checkpoint folder's contents, a data
+    folder's files, read as data the next time it is; issue 49).
 
     `inputs`: label -> path (entries that are not existing paths, e.g. hub ids or in-memory models,
     are skipped). Checked on resolved paths, so symlinks and `..` cannot hide the nesting.
@@ -183,6 +185,11 @@ def refuse_output_over_inputs(out: str | os.PathLike, inputs: Mapping[str, Any],
             raise ConfigError(
                 f"the {what} {out} contains an input ({label}: {item}), which replacing it would delete; "
                 f"choose another {flag}"
+            )
+        if source.is_dir() and source in target.parents:
+            raise ConfigError(
+                f"the {what} {out} lies inside an input ({label}: {item}), whose folder it would add files to "
+                f"(read with that input the next time it is); choose another {flag}"
             )
 
 

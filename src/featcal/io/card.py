@@ -24,7 +24,7 @@ import json
 import os
 import re
 from collections.abc import Iterable, Mapping
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
 from featcal.errors import ConfigError
@@ -35,8 +35,13 @@ CARD_NAME = "README.md"
 BASE_ROLE = "base"  # the --hub-id role of the base; an expert's role is its name
 # a hub snapshot in the cache: HF_HOME/hub/models--ORG--NAME/snapshots/REVISION/...
 _HUB_CACHE = re.compile(r"(?:^|/)models--(?P<id>[^/]+)/snapshots(?:/|$)")
-# an absolute path in a carried mergekit recipe's text (not a URL's //host)
-_ABSOLUTE = re.compile(r"(?:(?<=[\s'\"\[,])|^)(?:/(?!/)|~/)[^\s'\",\]}]*", re.M)
+# an absolute path in a carried mergekit recipe's text: a file:// URL; a POSIX root that starts no URL's //host and
+# follows no name or path (`org/name` is a hub id); ~/ or ~user/; a Windows drive (C:\ or C:/) or a UNC \\server\
+_ABSOLUTE = re.compile(r"file://[^\s'\",\])}]*"
+                       r"|(?<![\w.~/\\-])/(?!/)[^\s'\",\])};:]*"
+                       r"|(?<![\w.~/\\-])~[\w.-]*/[^\s'\",\])};]*"
+                       r"|(?<![\w.])[A-Za-z]:[\\/][^\s'\",\])};]*"
+                       r"|(?<![\w.\\/])\\\\[^\s'\",\])};]*")
 
 
 def replaced_files(inputs: Mapping[str, Any]) -> dict[str, dict[str, str]]:
@@ -126,6 +131,7 @@ def find_hub_ids(inputs: Mapping[str, Any], given: Mapping[str, str] | None = No
     found: dict[str, tuple[str, str]] = {}
     for role, entry in by_role.items():
         recorded = entry.get("hub_id") if isinstance(entry, Mapping) else None
+        recorded = recorded if is_hub_id(recorded) else None  # a record read from an input's featcal.json
         cached = _cached_hub_id(_path_of(entry))
         if role in given:
             found[role] = (given[role], "given")
@@ -175,15 +181,23 @@ class _Names:
 
     def __call__(self, entry: Any) -> str:
         if isinstance(entry, Mapping):
-            if entry.get("hub_id"):
+            if is_hub_id(entry.get("hub_id")):  # an input's featcal.json may say anything
                 return str(entry["hub_id"])
             where = entry.get("path") or entry.get("source")
             return "?" if where is None else self.path(where)
         return self.path(entry)
 
     def redact(self, text: str) -> str:
-        """`text` (a carried recipe) with each absolute path named as `path` names it."""
-        return _ABSOLUTE.sub(lambda m: self.path(m.group(0)), text)
+        """`text` (a carried recipe) with each absolute path named as `path` names it: a POSIX one found here,
+        else by its last component (a Windows or UNC path, ~user/, a file:// URL; issue 49)."""
+        return _ABSOLUTE.sub(lambda m: self._redacted(m.group(0)), text)
+
+    def _redacted(self, found: str) -> str:
+        text = found.removeprefix("file://")
+        if text.startswith("/") and not text.startswith("//") and not text.startswith("~"):
+            return self.path(text)
+        self.local = True
+        return PureWindowsPath(text).name if "\\" in text or re.match(r"[A-Za-z]:", text) else PurePosixPath(text).name
 
 
 def _code(text: Any) -> str:
@@ -207,12 +221,18 @@ def _table(header: list[str], rows: list[list[Any]]) -> str:
     return "\n".join(lines)
 
 
+def _mapping(value: Any) -> Mapping[str, Any]:
+    """`value` where it is a mapping, else an empty one: a merged input's featcal.json is read as it comes."""
+    return value if isinstance(value, Mapping) else {}
+
+
 def _recipe(params: Mapping[str, Any], experts: Mapping[str, Any], names: _Names) -> str:
+    params, experts = _mapping(params), _mapping(experts)
     method = params.get("method", "?")
     shown = {k: v for k, v in params.items() if k != "method"}
-    weights = shown.pop("weights", {}) or {}
-    densities = shown.pop("densities", {}) or {}
-    drops = shown.pop("drop_rates", {}) or {}
+    weights = _mapping(shown.pop("weights", {}))
+    densities = _mapping(shown.pop("densities", {}))
+    drops = _mapping(shown.pop("drop_rates", {}))
     rows = []
     for name, entry in experts.items():
         row = [_code(name), _code(names(entry)), _cell(weights.get(name, 1.0))]
@@ -223,7 +243,8 @@ def _recipe(params: Mapping[str, Any], experts: Mapping[str, Any], names: _Names
         rows.append(row)
     header = ["expert", "checkpoint", "weight"] + (["density"] if "density" in params else []) + (
         ["drop rate"] if "drop_rate" in params else [])
-    settings = "\n".join(f"- {_code(k)}: {_code(json.dumps(v))}" for k, v in shown.items()) or "- (none)"
+    settings = "\n".join(f"- {_code(k)}: {_code(names.redact(json.dumps(v, default=str)))}"
+                         for k, v in shown.items()) or "- (none)"
     return f"Method: **{_cell(method)}**\n\nParameters:\n{settings}\n\n{_table(header, rows)}\n"
 
 
@@ -267,14 +288,16 @@ def _calibration(report: Mapping[str, Any], names: _Names) -> str:
 def _merge_of_merged(replaced: Mapping[str, Mapping[str, str]], merged_report: Mapping[str, Any] | None,
                      names: _Names) -> str:
     """How the calibrated merge was made: featcal's own report of it, or the mergekit recipe it carried."""
-    if merged_report and merged_report.get("command") == "merge":
+    if isinstance(merged_report, Mapping) and merged_report.get("command") == "merge":
         return "## The merge\n\n" + _recipe(merged_report.get("params", {}),
-                                            merged_report.get("inputs", {}).get("experts", {}), names)
+                                            _mapping(merged_report.get("inputs")).get("experts", {}), names)
     recipes = [e for e in replaced.values() if "text" in e]
     if recipes:
+        text = names.redact(recipes[0]["text"].rstrip())
+        fence = "`" * max(3, 1 + max((len(run) for run in re.findall(r"`+", text)), default=0))  # stays shut
         return ("## The merge\n\nThe calibrated merge was made with mergekit from this configuration (its "
-                f"README and configuration file are not carried over; sha256 in featcal.json):\n\n```yaml\n"
-                f"{names.redact(recipes[0]['text'].rstrip())}\n```\n")
+                f"README and configuration file are not carried over; sha256 in featcal.json):\n\n{fence}yaml\n"
+                f"{text}\n{fence}\n")
     return ""
 
 
@@ -308,8 +331,10 @@ def build_card(report: Mapping[str, Any], merged_report: Mapping[str, Any] | Non
 
     command = report.get("command")
     params = report.get("params", {})
-    method = params.get("method") if command == "merge" else (merged_report or {}).get("params", {}).get("method")
-    tags = ["merge", "featcal"] + ([str(method)] if method else []) + (["featcal-calibrated"] if command ==
+    method = params.get("method") if command == "merge" else _mapping(_mapping(merged_report).get("params")).get(
+        "method")
+    method = method if isinstance(method, str) and re.fullmatch(r"[\w.+-]{1,64}", method) else None  # a tag, no text
+    tags = ["merge", "featcal"] + ([method] if method else []) + (["featcal-calibrated"] if command ==
                                                                        "calibrate" else [])
     inputs = report.get("inputs", {})
     hub_ids = hub_ids if hub_ids is not None else [hub_id for hub_id, _ in find_hub_ids(inputs).values()]

@@ -226,6 +226,32 @@ _DTYPES = {
 CARRIED_FILES = ("README.md", "mergekit_config.yml", "mergekit_config.yaml")
 
 
+def check_copied_links(folder: str | os.PathLike, label: str) -> None:
+    """Refuse, before any work, a file featcal copies from an input folder into an output (its config, tokenizer
+    and processor files, anything beside the weights, and heads/) that is a symbolic link leading outside the
+    folder: the file it reaches (a token, a key) would be copied into an output made to be shared (issue 49). A
+    hub cache snapshot's links into its repository's blobs/ are the snapshot's own files."""
+    from featcal.io.task_heads import HEADS_DIR
+
+    root = Path(folder)
+    if not root.is_dir():
+        return
+    real = root.resolve()
+    allowed = [real]
+    if real.parent.name == "snapshots" and real.parent.parent.name.startswith("models--"):
+        allowed.append(real.parent.parent / "blobs")
+    copied = [p for p in root.iterdir() if p.name == HEADS_DIR or not p.name.endswith((*WEIGHT_SUFFIXES, ".index.json"))]
+    heads = root / HEADS_DIR
+    if heads.is_dir():
+        copied += [Path(d) / n for d, dirs, files in os.walk(heads) for n in (*dirs, *files)]
+    for p in copied:
+        target = p.resolve()
+        if not any(target == a or target.is_relative_to(a) for a in allowed):
+            raise CheckpointError(f"{label}: {p} is a symbolic link to {target}, outside {root}; featcal copies it into "
+                                  "its output, which would carry that file from elsewhere on this machine: copy the "
+                                  "file into the folder instead of linking to it")
+
+
 def copy_side_files(src: str | os.PathLike, dst: str | os.PathLike) -> list[str]:
     """Copy a checkpoint's non-weight files (config, tokenizer, processor) into `dst`; not its report, card or
     mergekit recipe (CARRIED_FILES)."""

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from featcal.errors import CheckpointError
-from featcal.io.checkpoint import CheckpointReader
+from featcal.io.checkpoint import CheckpointReader, check_copied_links
 from featcal.io.gguf import GGUFHeader, GGUFSource, gguf_file, open_gguf
 from featcal.io.layouts import RenamedSource, harmonise, load_view
 from featcal.io.lora import LoraSource, kind_record, open_adapter, reads_as_adapter
@@ -38,6 +38,7 @@ from featcal.io.param_sources import CheckpointSource, ModelSource, validate_sou
 from featcal.io.sources import ModuleSource, UnmappedReader
 from featcal.io.tensor_source import TensorSource
 from featcal.io.validate import (
+    check_expert_layout,
     check_same_config,
     check_same_fields,
     check_same_tensors,
@@ -182,6 +183,8 @@ class InputFamily:
                 check_loadable(source.path, self.allow_pickle)
             except CheckpointError as exc:
                 raise CheckpointError(f"{name}: {exc}") from None
+        if isinstance(item, (str, os.PathLike)) and isinstance(getattr(source, "path", None), (str, os.PathLike)):
+            check_copied_links(source.path, name)  # what outputs copy from it stays inside it
         return source
 
     def open_all(self) -> InputFamily:
@@ -252,8 +255,10 @@ class InputFamily:
 
     def check_consistent(self, reference: str) -> None:
         """Headers only: every input has the reference's config class, tensor names, shapes, dtype classes and
-        architecture fields, each compared under one naming and vocabulary size with the reference."""
+        architecture fields, each compared under one naming and vocabulary size with the reference; a reference
+        saved one tensor per expert holds every expert its config makes, once (check_expert_layout)."""
         ref = self.source(reference)
+        check_expert_layout(f"the {reference} model", ref)  # the others must then hold the reference's tensors
         for label in self.items:
             if label == reference:
                 continue

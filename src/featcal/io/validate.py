@@ -285,9 +285,15 @@ def _longest_stack(names: Iterable[str]) -> tuple[str, int] | None:
     return max(stacks.items(), key=lambda kv: kv[1]) if stacks else None
 
 
-def _built_layers(config: Mapping[str, Any]) -> int | None:
-    """How many layers the longest stack of the model transformers builds from `config` has (on the meta
-    device: no memory); None where it cannot build one."""
+def _meta_parameters(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]] | None:
+    """Parameter name -> shape of the model transformers builds from `config` (on the meta device: no memory);
+    None where it cannot build one."""
+    model = _meta_model(config)
+    return None if model is None else {n: tuple(p.shape) for n, p in model.named_parameters()}
+
+
+def _meta_model(config: Mapping[str, Any]) -> Any:
+    """The model transformers builds from `config`, on the meta device; None where it cannot build one."""
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -300,7 +306,14 @@ def _built_layers(config: Mapping[str, Any]) -> int | None:
             model = transformers.AutoModel.from_config(cfg) if cls is transformers.AutoModel else cls(cfg)
     except Exception:  # an unknown or unbuildable config: nothing to compare with
         return None
-    stack = _longest_stack(n for n, _ in model.named_parameters())
+    return model
+
+
+def _built_layers(config: Mapping[str, Any]) -> int | None:
+    """How many layers the longest stack of the model transformers builds from `config` has; None where it
+    cannot build one."""
+    params = _meta_parameters(config)
+    stack = _longest_stack(params) if params else None
     return stack[1] if stack else None
 
 
@@ -325,6 +338,98 @@ def check_layer_count(label: str, source: TensorSource) -> None:
         f"layer(s) ({prefix}.0 to {prefix}.{found - 1}); a model built from it would have {missing} random: set "
         f"num_hidden_layers to {found}, or add the missing layers' weights"
     )
+
+
+# one expert's tensor in a checkpoint that stores a mixture of experts one tensor per expert:
+# model.layers.0.block_sparse_moe.experts.3.w1.weight -> (model.layers.0.block_sparse_moe.experts, 3, w1.weight)
+_EXPERT = re.compile(r"^(?P<module>.*\.experts)\.(?P<index>\d+)\.(?P<rest>.+)$")
+
+
+def _per_expert(names: Iterable[str]) -> dict[str, dict[str, set[int]]]:
+    """experts module -> tensor (`w1.weight`) -> the expert indices holding it, for per-expert tensor names."""
+    found: dict[str, dict[str, set[int]]] = {}
+    for key in names:
+        m = _EXPERT.match(key)
+        if m:
+            found.setdefault(m["module"], {}).setdefault(m["rest"], set()).add(int(m["index"]))
+    return found
+
+
+def _built_expert_count(model: Any) -> int | None:
+    """How many experts each mixture-of-experts layer of `model` (as transformers builds it from the config) has (a
+    fused 3-D parameter's rows, or a list of expert modules); None where it has none, or layers of several counts."""
+    per_module: dict[str, int] = {}
+    for name, shape in ({} if model is None else {n: tuple(p.shape) for n, p in model.named_parameters()}).items():
+        m = _EXPERT.match(name)
+        module = name.rpartition(".")[0]
+        if m:  # a list of expert modules: experts.3.w1.weight
+            per_module[m["module"]] = max(per_module.get(m["module"], 0), int(m["index"]) + 1)
+        elif module.endswith(".experts") and len(shape) == 3:  # fused: experts.gate_up_proj, E × 2I × H
+            per_module[module] = shape[0]
+    values = set(per_module.values())
+    return values.pop() if len(values) == 1 else None
+
+
+def check_expert_layout(label: str, source: TensorSource) -> None:
+    """Refuse a checkpoint that stores a mixture of experts one tensor per expert (`...experts.3.w1.weight`) with
+    an expert missing (a gap in the indices, or one of its tensors), an index past the experts the config makes,
+    or experts of one layer whose same tensor has different shapes: transformers would stack the experts it finds
+    in index order (expert 4 taken for expert 3) or fail to load the merge written from them, after the work.
+    Headers only; the count is the one of the model transformers builds from the config (on the meta device)."""
+    groups = _per_expert(source.keys())
+    if not groups:
+        return
+    where = f"{label} ({_where(source)})"
+    template = _meta_model(source.config)
+    built = _built_expert_count(template)
+    for module, tensors in sorted(groups.items()):
+        held = set().union(*tensors.values())
+        count = built if built is not None else max(held) + 1
+        if max(held) >= count:
+            raise CheckpointError(f"{where}: tensor {module}.{max(held)}.* is expert {max(held)}, past the {count} "
+                                  f"experts its config.json makes (indices 0 to {count - 1}); remove it, or fix the "
+                                  "config's expert count")
+        for rest, indices in sorted(tensors.items()):
+            gone = sorted(set(range(count)) - indices)
+            if gone:
+                raise CheckpointError(f"{where}: tensor {module}.{gone[0]}.{rest} is missing"
+                                      f"{f' (and {len(gone) - 1} more experts)' if len(gone) > 1 else ''}: the "
+                                      f"config makes {count} experts, indices 0 to {count - 1}, and a model would "
+                                      "take the experts it holds for others")
+            shapes = {i: tuple(source.meta(f"{module}.{i}.{rest}")[0]) for i in sorted(indices)}
+            odd = next((i for i in shapes if shapes[i] != shapes[0]), None)
+            if odd is not None:
+                raise CheckpointError(f"{where}: tensor {module}.{odd}.{rest} has shape {shapes[odd]}, expert 0's "
+                                      f"{module}.0.{rest} {shapes[0]}: the experts of one layer must agree")
+    if template is not None:
+        _check_fused_shapes(where, source, template)
+
+
+def _check_fused_shapes(where: str, source: TensorSource, template: Any) -> None:
+    """The fused expert parameters transformers would build from the per-expert tensors (its own converters, on
+    meta tensors: nothing read) have the shapes its config makes; else loading the merge would fail, after the
+    work."""
+    from featcal.io.conversions import Conversion
+    from featcal.io.param_sources import checkpoint_key_map
+
+    conversions: dict[str, Conversion] = {}
+    try:
+        checkpoint_key_map(template, source.keys(), conversions)
+    except Exception:  # names transformers does not convert: the tensor checks name them
+        return
+    params = {n: tuple(p.shape) for n, p in template.named_parameters()}
+    for conv in conversions.values():
+        first = sorted(conv.keys())[0]
+        try:
+            built = conv.shapes(source.meta, template)
+        except Exception as exc:
+            raise CheckpointError(f"{where}: the per-expert tensors of {conv.layer} ({first}, ...) cannot be "
+                                  f"combined as transformers combines them: {' '.join(str(exc).split())[:200]}") from None
+        for name, (shape, _) in sorted(built.items()):
+            if name in params and tuple(shape) != params[name]:
+                raise CheckpointError(f"{where}: the per-expert tensors {first}, ... make {name} of shape "
+                                      f"{tuple(shape)}, but its config.json makes {params[name]}; fix the config, "
+                                      "or the weights")
 
 
 def all_finite(t: torch.Tensor) -> bool:
@@ -381,6 +486,7 @@ def validate_family(
     """
     validate_expert_names(experts.keys())
     check_layer_count("base", base)  # the experts' configs and tensor names must then be the base's
+    check_expert_layout("base", base)  # a mixture of experts saved one tensor per expert: every expert, once
     for name, expert in experts.items():
         check_same_config(base, name, expert)
         check_same_tensors(base, name, expert)
