@@ -151,3 +151,18 @@ def test_the_plan_prices_a_tuned_run_with_and_without_the_screen():
     line = tune_line(at256, 60.0)
     assert f"at most {screened:.1f} calibrations' work" in line and "min" in line
     assert tune_line(FeatCalConfig(), 60.0) == ""
+
+
+@pytest.mark.parametrize("report", [[1, 2], "merge", {"command": "merge", "params": [1]},
+                                    {"command": "merge", "params": {"method": ["ties"], "scaling": 0.3}}])
+def test_a_merged_report_that_is_not_a_featcal_record_only_stops_the_scaling_search(tmp_path, report):
+    """A hand-edited featcal.json (a list, a string, params not an object) is a reason not to search the merge's
+    scaling, never a traceback."""
+    import json
+
+    from featcal.calibration.tuning import merge_scaling_from_report
+
+    (tmp_path / "merged").mkdir()
+    (tmp_path / "merged" / "featcal.json").write_text(json.dumps(report))
+    scaling, why = merge_scaling_from_report(tmp_path / "merged", tmp_path / "base", {"a": tmp_path / "a"})
+    assert scaling is None and why

@@ -36,7 +36,7 @@ def parse_tasks(tasks: str | Sequence[str]) -> tuple[str, ...]:
 
 
 # lm-eval reads `--model_args` as "k=v,k=v" with no quoting: a ',' in a path starts a new argument and an
-# '=' in one misreads it, so `ck,trust_remote_code=True` would turn remote code on. Such paths are refused.
+# '=' in one misreads it, so a folder named `ck,trust_remote_code=...` would pass that option on. Such paths are refused.
 MODEL_ARGS_SEPARATORS = ",="
 
 
@@ -48,7 +48,7 @@ def check_checkpoint_path(checkpoint: str | Path, name: str = "") -> None:
         label = f"model {name!r} at " if name else ""
         raise ConfigError(
             f"--lm-eval: {label}{text!r} holds {', '.join(map(repr, found))}, which lm-eval's --model_args splits "
-            "on (a path like 'ck,trust_remote_code=True' would pass options to the harness); rename the folder or "
+            "on (a path like 'ck,OPTION=VALUE' would pass options to the harness); rename the folder or "
             "link it under a name without ',' or '=' (ln -s), then give that path")
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -46,6 +47,11 @@ def base_source(base: nn.Module | str | os.PathLike, model: nn.Module, allow_pic
                             reader=adapter_reader(base, None, "base", allow_pickle))
 
 
+def _field(record: Any, key: str) -> Any:
+    """record[key] where the record is a JSON object, else None (a hand-edited report may hold anything)."""
+    return record.get(key) if isinstance(record, dict) else None
+
+
 def merge_scaling_from_report(merged_dir: str | os.PathLike, base_dir: str | os.PathLike,
                               expert_dirs: Mapping[str, str | os.PathLike]) -> tuple[float | None, str]:
     """(s, why) when `merged_dir` is a featcal task-vector merge of exactly this base and these experts.
@@ -61,20 +67,23 @@ def merge_scaling_from_report(merged_dir: str | os.PathLike, base_dir: str | os.
         report = read_json(path)
     except Exception as exc:  # an unreadable report only means the scaling is not searched
         return None, f"{path}: {exc}"
-    params = report.get("params") or {}
-    method, scaling = params.get("method"), params.get("scaling")
-    if report.get("command") != "merge" or not is_task_vector_merge(method):
-        return None, f"the merged checkpoint is not a featcal task-vector merge ({report.get('command')}, {method})"
+    if not isinstance(report, dict):
+        return None, f"{path}: not a featcal report (a JSON {type(report).__name__}, not an object)"
+    params = _field(report, "params")
+    method, scaling = _field(params, "method"), _field(params, "scaling")
+    if report.get("command") != "merge" or not isinstance(method, str) or not is_task_vector_merge(method):
+        return None, f"the merged checkpoint is not a featcal task-vector merge ({report.get('command')!r}, {method!r})"
     if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not 0 < scaling <= MAX_MERGE_SCALING:
         return None, f"{path}: no usable scaling ({scaling!r})"
-    recorded_output = (report.get("output") or {}).get("sha256")
+    recorded_output = _field(_field(report, "output"), "sha256")
     current = {k: v for k, v in checkpoint_hashes(merged_dir).items() if k != REPORT_NAME}
     if recorded_output != current:  # rebuilding "the merge at another scaling" needs the merge the report describes
         return None, (f"the merged checkpoint's files are not those its {REPORT_NAME} records (changed after the "
                       "merge), so its scaling is not trusted")
-    inputs = report.get("inputs") or {}
-    recorded_base = (inputs.get("base") or {}).get("sha256")
-    recorded_experts = sorted(repr(e.get("sha256")) for e in (inputs.get("experts") or {}).values())
+    inputs = _field(report, "inputs")
+    recorded_base = _field(_field(inputs, "base"), "sha256")
+    experts = _field(inputs, "experts")
+    recorded_experts = sorted(repr(_field(e, "sha256")) for e in (experts.values() if isinstance(experts, dict) else ()))
     if recorded_base != checkpoint_hashes(base_dir) or recorded_experts != sorted(
         repr(checkpoint_hashes(d)) for d in expert_dirs.values()
     ):
