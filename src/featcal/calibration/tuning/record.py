@@ -45,9 +45,9 @@ def summary_line(record: Mapping[str, Any]) -> str:
                                                        "teacher_interp_alpha") if chosen.get(k) is not None)
     screen = record.get("screen") or {}
     counted = (f"{screen['screened']} candidate(s) screened on {screen['examples_per_task']} examples per task, "
-               f"{len(screen['confirmed'])} confirmed on the whole fit part" if screen.get("confirmed")
+               f"{len(screen['confirmed'])} confirmed on the whole fit part; all" if screen.get("confirmed")
                else f"{len(record['candidates'])} candidate(s)")
-    line = (f"tune: {counted}, scored on held-out calibration examples; chose "
+    line = (f"tune: {counted} scored on held-out calibration examples; chose "
             f"{values}: held-out drift {chosen['drift']:.4g} (starting setting {first['drift']:.4g})")
     if chosen.get("disagreement") is not None:
         what = "next-token disagreement" if (record.get("next_token") or {}).get("used") else "disagreement"
