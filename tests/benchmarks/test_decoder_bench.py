@@ -8,7 +8,6 @@ random tiny Llama written as GGUF, every stage in-process. The figures of bench.
 recomputed here from the eval.json of each row's own `featcal eval` stage.
 """
 
-import importlib.util
 import json
 import math
 import shutil
@@ -19,17 +18,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.benchmarks.conftest import load_decoder_bench
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "decoder_bench.py"
 SOURCES = REPO / "zoo-cache" / "sources"
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("decoder_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("decoder_bench", module)  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_decoder_bench()
 
 
 def _need_sources():

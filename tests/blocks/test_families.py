@@ -358,27 +358,19 @@ def test_docs_supported_is_generated_from_the_code():
 @pytest.mark.parametrize("model_type,module", [("qwen3", "self_attn.q_norm.weight"), ("gpt2", "mlp.c_fc.weight")])
 def test_featcal_calibrate_writes_a_new_family(model_type, module, tmp_path, capsys):
     """Qwen3 (per-head q/k norms) and GPT-2 (Conv1D) through the command line: checked, calibrated, written."""
-    from tests.builders.data_fixtures import save_tokenizer, sentences, write_jsonl
     from tests.builders.guarantees import calibrate_argv, cli
+    from tests.builders.pipeline_family import saved_model_family
 
-    base, experts, merged = family_of(tiny(model_type))
-    dirs = {"base": tmp_path / "base", "merged": tmp_path / "merged"}
-    base.save_pretrained(dirs["base"])
-    merged.save_pretrained(dirs["merged"])
-    save_tokenizer(dirs["merged"], "bert")
-    for t, e in experts.items():
-        e.save_pretrained(tmp_path / t)
-    fam = {**dirs, "experts": {t: tmp_path / t for t in experts},
-           "data": {t: write_jsonl(tmp_path / f"{t}.jsonl", [{"text": s} for s in sentences(6, seed=i)])
-                    for i, t in enumerate(experts)}}
+    model = tiny(model_type)
+    fam = saved_model_family(model, tmp_path)
     rc, _, err = cli(calibrate_argv(fam, tmp_path / "out"), capsys)
     assert rc == 0, err
     report = json.loads((tmp_path / "out" / "featcal.json").read_text())
     assert report["end_to_end_drift"]["calibrated"] < report["end_to_end_drift"]["merged"]
     assert "kept_merged" not in report  # every block parameter of these two is calibrated
-    back = type(merged).from_pretrained(tmp_path / "out")
+    back = type(model).from_pretrained(tmp_path / "out")
     key = f"{adapter_for(back).stacks(back)[0].blocks_path}.0.{module}"
-    assert not torch.equal(back.state_dict()[key], merged.state_dict()[key])
+    assert not torch.equal(back.state_dict()[key], fam["merged_model"].state_dict()[key])
 
 
 def test_featcal_json_records_what_the_blocks_keep_merged(tmp_path, capsys):

@@ -89,3 +89,22 @@ def llama_text_family(root: Path, texts: dict[str, list[str]]) -> dict:
         save_tokenizer(d, "t5")
     data = {t: write_jsonl(root / f"calib-{t}.jsonl", [{"text": s} for s in rows]) for t, rows in texts.items()}
     return {"base": base, "experts": experts, "merged": merged, "data": data}
+
+
+def saved_model_family(model, root: Path) -> dict:
+    """`model` as a base with two perturbed experts and their merge (tiny.family_of), each saved by save_pretrained
+    into `root` (the merged folder with a tokenizer), and a JSONL of six texts per task: what the command line
+    reads; "merged_model" is the merge in memory."""
+    from tests.builders.data_fixtures import save_tokenizer, sentences, write_jsonl
+    from tests.builders.tiny import family_of
+
+    base, experts, merged = family_of(model)
+    dirs = {"base": root / "base", "merged": root / "merged"}
+    base.save_pretrained(dirs["base"])
+    merged.save_pretrained(dirs["merged"])
+    save_tokenizer(dirs["merged"], "bert")
+    for t, e in experts.items():
+        e.save_pretrained(root / t)
+    return {**dirs, "experts": {t: root / t for t in experts}, "merged_model": merged,
+            "data": {t: write_jsonl(root / f"{t}.jsonl", [{"text": s} for s in sentences(6, seed=i)])
+                     for i, t in enumerate(experts)}}

@@ -21,10 +21,9 @@ from safetensors import safe_open
 from featcal import FeatCalConfig, calibrate
 from featcal.io.models import load_model
 from featcal.io.param_sources import CheckpointSource
-from tests.builders.data_fixtures import save_tokenizer, sentences, write_jsonl
 from tests.builders.guarantees import calibrate_argv, cli
+from tests.builders.pipeline_family import saved_model_family
 from tests.builders.reference_featcal import max_abs_diff
-from tests.builders.tiny import family_of
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -54,16 +53,7 @@ def _tiny(model_type: str) -> torch.nn.Module:
 
 def _saved_family(model_type: str, root) -> dict:
     """base, merged (with a tokenizer), two experts: saved by save_pretrained; JSONL texts per task."""
-    base, experts, merged = family_of(_tiny(model_type))
-    dirs = {"base": root / "base", "merged": root / "merged"}
-    base.save_pretrained(dirs["base"])
-    merged.save_pretrained(dirs["merged"])
-    save_tokenizer(dirs["merged"], "bert")
-    for t, e in experts.items():
-        e.save_pretrained(root / t)
-    return {**dirs, "experts": {t: root / t for t in experts},
-            "data": {t: write_jsonl(root / f"{t}.jsonl", [{"text": s} for s in sentences(6, seed=i)])
-                     for i, t in enumerate(experts)}}
+    return saved_model_family(_tiny(model_type), root)
 
 
 def _keys(directory) -> list[str]:
