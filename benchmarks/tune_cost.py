@@ -6,7 +6,7 @@ whether the two searches chose the same setting (issue 50).
 The family is calibration_speed.py's random CLIPVisionModel (base, perturbed experts, their Task Arithmetic merge
 at 0.3, random inputs): the cost does not depend on what the experts learned; which setting is chosen does, so
 the choice here only says whether the screen and the full search agree on this family, not which is better
-(the benches say that: `featcal bench ... --featcal-variants reference,tuned,tuned+unscreened`).
+(the benches say that: `featcal bench ... --featcal-variants reference,tuned,tuned+screened`).
 
     python benchmarks/tune_cost.py --tasks 4 --examples 256 --out runs/tune-cost.json
 """
@@ -63,7 +63,7 @@ def main() -> int:
         rows = {}
         for name, cfg, scaling in (
             ("one calibration (paper defaults)", FeatCalConfig(**common), None),
-            ("tune, screen auto", FeatCalConfig(**common, tune=True), 0.3),
+            ("tune, screen auto", FeatCalConfig(**common, tune=True, tune_screen="auto"), 0.3),
             ("tune, screen off (the search before)", FeatCalConfig(**common, tune=True, tune_screen="off"), 0.3),
         ):
             seconds, record = _timed(family, data, cfg, scaling)

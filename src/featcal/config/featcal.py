@@ -129,12 +129,12 @@ class TuneOptions(StrictModel):
         "hold out at most 4 examples per task, else 1 (the default; docs/tuning.md)",
     )
     tune_screen: Literal["auto", "off"] | int = Field(
-        "auto",
+        "off",
         description="tune: examples per task each candidate of the search is first fitted on (whole batches of the "
         "fit part, a seeded choice), scored on the whole held-out part; the best tune_confirm settings and the "
-        "configured one are then fitted on the whole fit part and the choice made among them; 'off': every "
-        "candidate on the whole fit part; 'auto': 32 where the smallest task fits at least 64 examples with one "
-        "split, else off (docs/tuning.md)",
+        "configured one are then fitted on the whole fit part and the choice made among them; 'off' (the default "
+        "until the benches on real weights have compared the two): every candidate on the whole fit part; 'auto': "
+        "32 where the smallest task fits at least 64 examples with one split, else off (docs/tuning.md)",
     )
     tune_confirm: int = Field(
         2, ge=1, le=10,

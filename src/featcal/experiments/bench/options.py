@@ -41,7 +41,7 @@ class BenchOptions(StrictModel):
         "forward per batch and side), tuned (--tune with its defaults, scored through the zoo's heads), tuned_soft "
         "(--tune --tune-tiebreak soft), tuned_auto (--tune --tune-tiebreak auto), fixed_lambda (with a tuned one: "
         "--tune-fixed lambda_ratio), cross_fit (with a tuned one: --tune-folds 2), one_split (with a tuned one: "
-        "--tune-folds 1), unscreened (with a tuned one: --tune-screen off, every candidate on the whole fit part); join several with '+' (tuned+sequential_one_pass) (docs/variants.md)",
+        "--tune-folds 1), screened (with a tuned one: --tune-screen auto, candidates screened on 32 examples per task, the best confirmed); join several with '+' (tuned+sequential_one_pass) (docs/variants.md)",
     )
     baselines: str = Field(
         "", description="comparison baselines, comma-separated, from surgery, probsurgery and the whole-model merges "

@@ -81,7 +81,7 @@ FEATCAL_VARIANTS: dict[str, dict[str, Any]] = {
     "fixed_lambda": {"tune_fixed": ("lambda_ratio",)},  # with a tuned variant (tuned+fixed_lambda): λ not searched
     "cross_fit": {"tune_folds": 2},  # with a tuned variant (tuned+cross_fit): candidates scored on every example
     "one_split": {"tune_folds": 1},  # with a tuned variant: one held-out split at every size (before tune_folds)
-    "unscreened": {"tune_screen": "off"},  # with a tuned variant: every candidate on the whole fit part (before the screen)
+    "screened": {"tune_screen": "auto"},  # with a tuned variant: candidates screened on 32 per task, the best confirmed
 }
 
 
@@ -194,7 +194,7 @@ def variant_options(variant: str) -> dict[str, Any]:
                                   "different options")
             options[key] = value
     for key, part in (("tune_fixed", "fixed_lambda"), ("tune_folds", "cross_fit or one_split"),
-                      ("tune_screen", "unscreened")):
+                      ("tune_screen", "screened")):
         if key in options and not options.get("tune"):
             raise ConfigError(f"FeatCal variant {variant!r}: {part} changes how a tuned variant searches; "
                               f"combine it with one (tuned+{part.split()[0]})")
