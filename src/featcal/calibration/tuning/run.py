@@ -21,7 +21,7 @@ from featcal.calibration.inputs import (
     normalise_batches,
     resolve_device,
 )
-from featcal.calibration.result import CalibrationResult, TunedCandidate, TuningComparison, TuningRecord
+from featcal.calibration.result import CalibrationResult, TunedCandidate, TuningRecord
 from featcal.calibration.tuning import record as records
 from featcal.calibration.tuning import search as rules
 from featcal.calibration.tuning.features import NEXT_TOKEN, Head, Reference, expert_reference, has_lm_head
@@ -119,9 +119,9 @@ def calibrate_tuned(
     seconds = {"search": round(search_seconds, 3), "refit": round(refit_seconds, 3),
                "total_over_refit": round((search_seconds + refit_seconds) / max(refit_seconds, 1e-9), 2)}
     tuning = _record(config, plan, scorer.candidates, walk, chosen, seconds)
+    start = next(c for c in scorer.candidates if c.stage == "full")  # the configured setting at the choice's size
     log.info("featcal tune: chose candidate %d of %d %s (held-out drift %.6g, start %.6g); refit on all data",
-             tuning.chosen.index, len(scorer.candidates), best.as_dict(), best_score.drift,
-             scorer.candidates[0].drift)
+             tuning.chosen.index, len(scorer.candidates), best.as_dict(), best_score.drift, start.drift)
     return result.with_tuning(tuning)
 
 
@@ -260,10 +260,8 @@ def _confirm(plan: _Plan, walk: PatternSearch, scorer: _CandidateScorer,
     for s in finalists[1:]:
         sc = scorer(s)
         index = len(scorer.candidates) - 1
-        better, z = sc.verdict(best_score, config.tune_min_evidence, plan.tiebreak)
-        walk.comparisons.append(TuningComparison(
-            index, best_index, rules.finite_z(z["disagreement"]), plan.tiebreak, rules.finite_z(z[plan.tiebreak]),
-            better, sc.verdict(best_score, 0.0, plan.tiebreak)[0]))
+        better, record = rules.compare(index, sc, best_index, best_score, config.tune_min_evidence, plan.tiebreak)
+        walk.comparisons.append(record)
         if better:
             best, best_score, best_index = s, sc, index
     return best, best_score, best_index

@@ -15,7 +15,12 @@ from typing import Any
 
 from featcal.calibration.result import TunedSetting, TuningComparison
 from featcal.calibration.tuning.score import Score
-from featcal.calibration.tuning.split import AUTO_SOFT_MAX_HELD
+from featcal.calibration.tuning.split import (
+    AUTO_SOFT_MAX_HELD,
+    one_split_held_out,
+    resolve_folds,
+    screen_examples,
+)
 
 Setting = TunedSetting
 
@@ -69,8 +74,6 @@ def tune_calibrations(budget: float, holdout: float, folds: int = 1, screen_shar
 def planned_calibrations(config: Any, examples_per_task: int) -> tuple[float, str]:
     """(what `config`'s tuned calibration costs at most, in calibrations on all the data, how it was counted) for
     tasks of `examples_per_task` examples: folds and the screen resolved as the run resolves them."""
-    from featcal.calibration.tuning.split import one_split_held_out, resolve_folds, screen_examples
-
     folds, _ = resolve_folds(config.tune_folds, examples_per_task, config.tune_holdout)
     fit = (examples_per_task - one_split_held_out(examples_per_task, config.tune_holdout) if folds == 1
            else examples_per_task * (folds - 1) // folds)
@@ -138,6 +141,15 @@ def finite_z(z: float | None) -> float | str | None:
     return str(z)
 
 
+def compare(candidate: int, sc: Score, against: int, best_score: Score, min_evidence: float,
+            tiebreak: str) -> tuple[bool, TuningComparison]:
+    """Whether candidate `candidate` (scored `sc`) replaces the best so far (`against`, `best_score`), and the
+    record of that step: both z's, the verdict with and without the evidence bar."""
+    better, z = sc.verdict(best_score, min_evidence, tiebreak)
+    return better, TuningComparison(candidate, against, finite_z(z["disagreement"]), tiebreak, finite_z(z[tiebreak]),
+                                    better, sc.verdict(best_score, 0.0, tiebreak)[0])
+
+
 # --- the walk ----------------------------------------------------------------------------------------
 class PatternSearch:
     """The walk over the knobs from `start`; `evaluate(setting)` scores a setting (its index in the order
@@ -197,11 +209,9 @@ class PatternSearch:
 
     def _compare(self, cand: Setting, sc: Score, best: Setting, best_score: Score) -> bool:
         """Whether `cand` replaces `best`; the comparison recorded once per pair."""
-        better, z = sc.verdict(best_score, self.min_evidence, self.tiebreak)
         pair = (self.index_of[cand], self.index_of[best])
+        better, record = compare(pair[0], sc, pair[1], best_score, self.min_evidence, self.tiebreak)
         if pair not in self._compared:  # a later pass meets scored settings again: recorded once
             self._compared.add(pair)
-            self.comparisons.append(TuningComparison(
-                pair[0], pair[1], finite_z(z["disagreement"]), self.tiebreak, finite_z(z[self.tiebreak]), better,
-                sc.verdict(best_score, 0.0, self.tiebreak)[0]))
+            self.comparisons.append(record)
         return better
