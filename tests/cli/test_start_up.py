@@ -1,7 +1,9 @@
 """Start-up and argparse's errors (issue 53, items 5 and 7): `featcal --version` and `--help` import neither
 torch nor transformers (they took 4.6 s), a sub-command's --help imports what that command needs and no other
 command's module, and an argparse error is two lines (the command's usage in short, then the error), not the
-command's 24 to 39 lines of usage."""
+command's 24 to 39 lines of usage. `featcal supported` refuses a folder without a config.json or an unknown
+name without torch; its other answers need torch (transformers 5's config classes import it where it is installed,
+and the structure is checked on a model built on the meta device)."""
 
 from __future__ import annotations
 
@@ -52,6 +54,33 @@ def test_a_commands_help_imports_its_own_module_and_no_torch(command):
     assert "torch" not in heavy and "transformers" not in heavy, imported
     assert commands == f"['featcal.cli.{command}_cmd']", imported
     assert f"featcal {command}" in shown
+
+
+def test_supported_refuses_a_folder_without_config_and_an_unknown_name_without_torch(tmp_path):
+    # the two refusals given before any config is read; every other answer needs torch (blocks/catalog.py:
+    # transformers 5's config classes import it, and the check builds the model on the meta device)
+    for name, why in ((str(tmp_path), "has no config.json"), ("nosuchtype", "nor a transformers model type")):
+        imported, shown = _probe(["supported", name])
+        heavy, commands = imported.split("] ")
+        assert "torch" not in heavy and "featcal.config" not in heavy, imported
+        assert commands == "['featcal.cli.supported_cmd']", imported
+        assert shown.startswith(f"{name}: NOT SUPPORTED: ") and why in shown, shown
+
+
+def test_supported_on_a_checkpoint_folder_prints_its_blocks(tmp_path):
+    from transformers import LlamaConfig
+
+    folder = tmp_path / "llama"
+    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=256).save_pretrained(folder)
+    imported, shown = _probe(["supported", str(folder)])
+    assert "featcal.config" not in imported, imported  # calibrate's flags and schemas: not for this command
+    assert shown == (
+        f"{folder}: supported (LlamaModel)\n"
+        "  decoder: 2 × LlamaDecoderLayer at layers (entry (the model); one layer type)\n"
+        "    calibrated per block: 7 Linear, 2 rmsnorm\n"
+        "    kept merged: nothing\n\n"
+    ), shown
 
 
 def test_the_command_is_found_on_the_line():

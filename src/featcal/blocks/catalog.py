@@ -10,6 +10,7 @@ built on the meta device, and a few model types refused, with the reason the che
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -29,29 +30,51 @@ REFUSED = ("mamba", "rwkv", "jamba", "albert")
 
 
 def config_of(name: str | Path) -> Any:
-    """The transformers config of a checkpoint directory (its config.json), or the default config of a model type."""
-    import transformers
+    """The transformers config of a checkpoint directory (its config.json), or the default config of a model type.
 
-    from featcal.io.models import load_config
+    A folder without a config.json, and a name transformers has no model type for, are refused before any
+    config class is imported (each imports torch: io/configs.py)."""
+    from featcal.io.configs import load_config
 
     if Path(name).expanduser().is_dir():
         return load_config(Path(name).expanduser())
+    if not _may_be_model_type(str(name)):
+        raise FeatCalError(f"{name!r} is neither a checkpoint directory nor a transformers model type")
+    import transformers
+
     try:
         return transformers.AutoConfig.for_model(str(name))
     except ValueError:
         raise FeatCalError(f"{name!r} is neither a checkpoint directory nor a transformers model type") from None
 
 
-def verdict(name: str | Path) -> dict[str, Any]:
-    """{"name", "supported": True, **describe(...)} or {"name", "supported": False, "why"}, from the config alone."""
-    from transformers.utils import logging as hf_logging
+def _may_be_model_type(name: str) -> bool:
+    """False when `name` is surely no transformers model type: not in transformers' table of them (read without
+    importing a config class, where the installed transformers has that table apart) and nothing could have
+    registered one (AutoConfig.register needs configuration_auto imported). True otherwise: AutoConfig decides."""
+    if "transformers.models.auto.configuration_auto" in sys.modules:
+        return True
+    try:
+        from transformers.models.auto.auto_mappings import CONFIG_MAPPING_NAMES
+    except ImportError:  # a transformers without the table apart
+        return True
+    return name in CONFIG_MAPPING_NAMES
 
-    from featcal.blocks.support import check_config, describe
+
+def verdict(name: str | Path) -> dict[str, Any]:
+    """{"name", "supported": True, **describe(...)} or {"name", "supported": False, "why"}, from the config alone.
+
+    The structural check builds the model on the meta device, so torch is imported for every answer but the two
+    refusals config_of gives before reading a config."""
+    from transformers.utils import logging as hf_logging
 
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # default configs warn of token ids past their own defaults: noise here
     try:
-        model = check_config(config_of(name))
+        config = config_of(name)
+        from featcal.blocks.support import check_config, describe  # torch
+
+        model = check_config(config)
         return {"name": str(name), "supported": True, **describe(model)}
     except FeatCalError as exc:
         return {"name": str(name), "supported": False, "why": " ".join(str(exc).split())}

@@ -209,7 +209,6 @@ def _no_library_bars() -> Iterator[None]:
 @contextlib.contextmanager
 def applied(args: argparse.Namespace) -> Iterator[None]:
     """The global flags in force while the command runs (ConfigError on a bad combination, before any work)."""
-    from featcal.cli.calibrate_args import apply_threads
     from featcal.io.extras import require
 
     level = log_level(args)
@@ -218,7 +217,10 @@ def applied(args: argparse.Namespace) -> Iterator[None]:
     extra = command_extra(args)
     if extra:
         require(extra, f"featcal {' '.join(v for v in (args.command, getattr(args, 'zoo_command', None)) if v)}")
-    apply_threads(args.threads)
+    if args.threads:  # its module builds calibrate's flags (pydantic's schemas): imported where it has work
+        from featcal.cli.calibrate_args import apply_threads
+
+        apply_threads(args.threads)
     with contextlib.ExitStack() as stack:
         stack.enter_context(_logging(level))
         if args.no_progress:

@@ -3,6 +3,10 @@
 Without arguments it lists the model types the test suite calibrates end to end; with model types or
 checkpoint directories it checks those, as `featcal calibrate` would before loading anything. `--markdown`
 prints docs/supported.md. Everything it prints comes from blocks/support.py and blocks/catalog.py.
+
+Start-up: a folder without a config.json and a name transformers has no model type for are refused without
+importing torch; any other answer imports it, because transformers 5's config classes do wherever torch is
+installed and because the structure is read from the model built on the meta device (blocks/support.py).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from featcal.errors import CheckpointError, FeatCalError
+from featcal.errors import CheckpointError
 from featcal.io.checkpoint import (
     PICKLE_INDEX,
     PICKLE_SINGLE,
@@ -18,6 +18,7 @@ from featcal.io.checkpoint import (
     CheckpointReader,
     resolve_checkpoint,
 )
+from featcal.io.configs import load_config  # callers import it from here (torch-free: io/configs.py)
 
 
 @contextlib.contextmanager
@@ -60,27 +61,6 @@ def model_class_for(config) -> type:
             "lost: set architectures to the transformers class the weights are for"
         )
     return transformers.AutoModel
-
-
-def load_config(path: str | os.PathLike, *, error: type[FeatCalError] = CheckpointError):
-    """The transformers config of a local checkpoint directory, never running code shipped with it.
-
-    Every caller reads a model's config through here (its architecture, modality, input sizes). `error`:
-    the exception a failure raises (the calibration-data loaders raise CalibrationDataError, since there the
-    config is what decides how to preprocess the data).
-    """
-    import transformers
-
-    if Path(path).is_dir() and not (Path(path) / "config.json").is_file():
-        raise error(f"model directory {Path(path)} has no config.json: cannot tell the model's architecture "
-                    "(nor how to preprocess data for it)")
-    try:
-        return transformers.AutoConfig.from_pretrained(path, trust_remote_code=False)
-    except Exception as exc:  # unknown model_type, custom code (auto_map), broken config.json
-        reason = " ".join(str(exc).split())
-        if "trust_remote_code" in reason:
-            reason = "its config needs custom code shipped with the checkpoint, and featcal never runs such code"
-        raise error(f"cannot load the config of {Path(path)}: {reason}") from None
 
 
 def check_loadable(path: str | os.PathLike, allow_pickle: bool = False) -> None:
