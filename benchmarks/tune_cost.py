@@ -1,6 +1,6 @@
 #!/usr/bin/env python
-"""What `--tune` costs against one calibration, with the screen (tune_screen auto) and without it (off), side by
-side in one process on one family: seconds, the ratio to one paper-default calibration, the candidates, and
+"""What `--tune` costs against one calibration, with the screen (tune_screen auto), without it (off) and per block
+(tune_scope block), side by side in one process on one family: seconds, the ratio to one paper-default calibration, the candidates, and
 whether the two searches chose the same setting (issue 50).
 
 The family is calibration_speed.py's random CLIPVisionModel (base, perturbed experts, their Task Arithmetic merge
@@ -65,6 +65,7 @@ def main() -> int:
             ("one calibration (paper defaults)", FeatCalConfig(**common), None),
             ("tune, screen auto", FeatCalConfig(**common, tune=True, tune_screen="auto"), 0.3),
             ("tune, screen off (the search before)", FeatCalConfig(**common, tune=True, tune_screen="off"), 0.3),
+            ("tune per block (tune_scope block)", FeatCalConfig(**common, tune=True, tune_scope="block"), None),
         ):
             seconds, record = _timed(family, data, cfg, scaling)
             rows[name] = {"seconds": round(seconds, 2), "tuning": record}
@@ -73,6 +74,7 @@ def main() -> int:
             print(f"{name}: {seconds:.1f} s", flush=True)
     one = rows["one calibration (paper defaults)"]["seconds"]
     screened, full = rows["tune, screen auto"], rows["tune, screen off (the search before)"]
+    blockwise = rows["tune per block (tune_scope block)"]
     summary = {
         "command": " ".join(sys.argv), "threads": args.threads, "tasks": args.tasks, "examples": args.examples,
         "preset": args.preset,
@@ -82,6 +84,9 @@ def main() -> int:
         "chosen_unscreened": {k: full["tuning"]["chosen"][k] for k in KNOBS},
         "candidates_screened": len(screened["tuning"]["candidates"]),
         "candidates_unscreened": len(full["tuning"]["candidates"]),
+        "ratio_blockwise": round(blockwise["seconds"] / one, 2), "planned_blockwise": blockwise["planned_calibrations"],
+        "blockwise_settings_scored": sum(len(b["candidates"]) for b in blockwise["tuning"]["blocks"]),
+        "blockwise_chosen": [b["chosen"] for b in blockwise["tuning"]["blocks"]],
     }
     summary["same_choice"] = summary["chosen_screened"] == summary["chosen_unscreened"]
     args.out.parent.mkdir(parents=True, exist_ok=True)

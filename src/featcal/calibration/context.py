@@ -75,6 +75,7 @@ class RunContext:
         self.reader: BlockReader | None = None  # the engine's background reads of the next blocks (prefetch.py)
         self.check_as_read: set[str] = set()  # tasks whose tensors are checked for NaN / Inf as they are read
         self.resident = False  # expert_placement.py: the template's parameters point at the experts' own tensors
+        self.block_tuning: Any = None  # tune_scope "block" (block_tuning.BlockTuning): what each block chose
 
     def batches(self, task: str) -> list[tuple[int, Batch]]:
         """(global batch index, batch) of this rank's share of `task`."""

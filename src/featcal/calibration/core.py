@@ -17,6 +17,7 @@ from torch import nn
 from featcal.blocks.adapters import Adapter, Stack, adapter_for
 from featcal.calibration import expert_placement
 from featcal.calibration import resume as resume_mod
+from featcal.calibration.block_tuning import BlockTuning
 from featcal.calibration.distributed import RankGroup, current_group
 from featcal.calibration.engine import FeatCalEngine
 from featcal.calibration.inputs import (
@@ -129,6 +130,7 @@ def _run_engine(
     base_src: ParamSource | None, data: dict[str, list[Batch]], config: FeatCalConfig, device: torch.device,
     progress: bool, group: RankGroup, store: resume_mod.ResumeStore | None, keep_resume_state: bool,
     prefetch: bool = True, check_as_read: set[str] | None = None, resident: bool = False,
+    block_tuning: BlockTuning | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, Any] | None, dict[str, Any] | None, dict[str, Any] | None, dict]:
     """Calibrate block by block on `device`; the model goes back where it was. (drift, end-to-end drift, final
     norm record, stem norm record, what the blocks keep merged)."""
@@ -139,7 +141,7 @@ def _run_engine(
     template.eval()
     engine = FeatCalEngine(model, template, adapter, sources, base_src, data, config, device, progress,
                            group=group, resume=store, placement=placement, prefetch=prefetch,
-                           check_as_read=check_as_read, resident=resident)
+                           check_as_read=check_as_read, resident=resident, block_tuning=block_tuning)
     log.info(
         "featcal: %s (%s adapter), %d task(s), %d batch(es), device %s",
         type(model).__name__, adapter.name, len(data), sum(len(v) for v in data.values()), device,
@@ -167,6 +169,7 @@ def calibrate_setting(
     expert_kind: Mapping[str, str] | None = None,
     prefetch: bool = True,
     resident: bool = True,
+    block_tuning: BlockTuning | None = None,
 ) -> CalibrationResult:
     """Calibrate `merged` toward its experts at `config`'s setting (its `tune` is not looked at); see
     `featcal.calibrate` for the arguments. Every input is checked before any work, except that with `prefetch`
@@ -192,7 +195,8 @@ def calibrate_setting(
     log.info("featcal: experts %s (%s)", where.experts, where.why)
     drift, end_to_end, final_norm, stem_norm, kept = _run_engine(model, template, adapter, sources, base_src, data,
                                                                  config, device, progress, group, store,
-                                                                 keep_resume_state, prefetch, as_read, where.resident)
+                                                                 keep_resume_state, prefetch, as_read, where.resident,
+                                                                 block_tuning)
     del template
     return CalibrationResult(model=model, drift=[DriftRow.from_dict(r) for r in drift], end_to_end=end_to_end,
                              final_norm=final_norm,

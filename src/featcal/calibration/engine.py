@@ -48,7 +48,8 @@ from tqdm.auto import tqdm
 
 from featcal.blocks.adapters import Adapter, Stack
 from featcal.blocks.discovery import ROUTED_EXPERTS, kept_merged
-from featcal.calibration import gather, one_pass, outer_norms
+from featcal.calibration import block_tuning, gather, one_pass, outer_norms
+from featcal.calibration.block_tuning import BlockTuning
 from featcal.calibration.context import RunContext
 from featcal.calibration.distributed import RankGroup, current_group
 from featcal.calibration.drift import DriftSums
@@ -115,6 +116,7 @@ class FeatCalEngine:
         prefetch: bool = True,
         check_as_read: set[str] | None = None,
         resident: bool = False,
+        block_tuning: BlockTuning | None = None,
     ) -> None:
         """`prefetch`: read the experts' next block on a background thread (prefetch.py); off, every read is made
         on the main thread when the block needs it (the same values, later). `check_as_read`: the tasks whose
@@ -131,6 +133,7 @@ class FeatCalEngine:
                               self.place)
         self.ctx.check_as_read = set(check_as_read or ())
         self.ctx.resident = resident
+        self.ctx.block_tuning = block_tuning  # tune_scope "block": ρ and λ chosen per block (block_tuning.py)
         self.chains = self.ctx.chains
         self.progress = progress and self.group.is_main
         self.stacks = adapter.stacks(merged)
@@ -311,7 +314,9 @@ class FeatCalEngine:
         bar = tqdm(total=total, desc=f"featcal {stack.name} block {layer}", disable=not self.progress, leave=False)
         block = self.ctx.block(stack, layer, n_blocks)
         with self.place.blocks(block.merged, block.expert), block_storage(block.expert, block.merged):
-            drift = BLOCK_STATISTICS[self.cfg.block_statistics](block, bar)  # offloading: only these two on the device
+            gatherer = (block_tuning.tuned_as_merged if self.ctx.block_tuning is not None
+                        else BLOCK_STATISTICS[self.cfg.block_statistics])
+            drift = gatherer(block, bar)  # offloading: only these two on the device
         if max(p.nbytes for p in block.merged.parameters()) >= host_allocator.MMAP_THRESHOLD_START:
             host_allocator.release_free_pages()  # what this block freed, not carried into the next one's peak
         bar.close()

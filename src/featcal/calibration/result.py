@@ -159,6 +159,26 @@ class TuningRecord(_AsMapping):
         return out
 
 
+@dataclass(frozen=True, eq=False)
+class BlockTuningRecord(_AsMapping):
+    """What `tune` with tune_scope "block" did (block_tuning.py): the split, the knobs, and per block the setting
+    chosen on the held-out examples with every setting scored; featcal.json's "tuning" is `as_dict()`."""
+
+    criterion: str
+    holdout: float
+    seed: int
+    split: dict[str, dict[str, Any]]
+    searched: list[str]
+    start: dict[str, float]
+    limit_per_block: int
+    blocks: list[dict[str, Any]]
+    seconds: dict[str, float]
+    scope: str = "block"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
 @dataclass(frozen=True)
 class CalibrationResult:
     """What `featcal.calibrate` returns.
@@ -179,7 +199,7 @@ class CalibrationResult:
     drift: list[DriftRow]
     end_to_end: dict[str, Any] | None = None
     resume_store: ResumeStore | None = None
-    tuning: TuningRecord | None = None
+    tuning: TuningRecord | BlockTuningRecord | None = None
     final_norm: dict[str, Any] | None = None
     stem_norm: dict[str, Any] | None = None  # with `config.calibrate_stem_norm`: as final_norm, for the stem's norm
     # per stack, the modules of its blocks that keep their merged values and why (a mixture of experts' experts
@@ -190,7 +210,7 @@ class CalibrationResult:
     # in featcal.json under "placement"
     placement: dict[str, str] | None = None
 
-    def with_tuning(self, record: TuningRecord) -> CalibrationResult:
+    def with_tuning(self, record: TuningRecord | BlockTuningRecord) -> CalibrationResult:
         """The same result carrying the tuning search's record."""
         return dataclasses.replace(self, tuning=record)
 

@@ -128,6 +128,11 @@ class TuneOptions(StrictModel):
         "scored on the fold it did not see, so every example is held out once; 'auto': 2 where one split would "
         "hold out at most 4 examples per task, else 1 (the default; docs/tuning.md)",
     )
+    tune_scope: Literal["model", "block"] = Field(
+        "model", description="tune: 'model' searches one setting for the whole model, each candidate a calibration "
+        "(about ten in all); 'block' chooses anchor_blend_rho and lambda_ratio block by block inside one calibration's "
+        "pass, each candidate a solve and one block forward over the held-out examples (docs/tuning.md)",
+    )
     tune_screen: Literal["auto", "off"] | int = Field(
         "off",
         description="tune: examples per task each candidate of the search is first fitted on (whole batches of the "

@@ -38,6 +38,8 @@ def next_token_record(used: bool, why: str, tasks: list[str] | None = None,
 
 def summary_line(record: Mapping[str, Any]) -> str:
     """One line for the command line: how many candidates, the choice, its held-out score against the start's."""
+    if record.get("scope") == "block":
+        return block_summary_line(record)
     chosen = record["chosen"]
     # the configured setting's score at the chosen one's size (with a screen: where it was confirmed)
     first = next((c for c in record["candidates"] if c.get("stage", "full") == "full"), record["candidates"][0])
@@ -57,3 +59,19 @@ def summary_line(record: Mapping[str, Any]) -> str:
         line += (f"; {unbacked} step(s) that scored better were not taken (under {record['min_evidence']:g} standard "
                  "errors)")
     return line + f"; search {record['seconds']['search']:.1f} s, refit on all data {record['seconds']['refit']:.1f} s"
+
+
+def block_summary_line(record: Mapping[str, Any]) -> str:
+    """tune_scope "block": how many settings the blocks scored, the choices' spread, the held-out drift of the last
+    block against the configured setting's there."""
+    blocks = record["blocks"]
+    if not blocks:
+        return "tune (per block): no block was calibrated"
+    spread = ", ".join(f"{k} {min(b['chosen'][k] for b in blocks):g}..{max(b['chosen'][k] for b in blocks):g}"
+                       for k in record["searched"])
+    last = blocks[-1]
+    kept = sum(1 for b in blocks if b["chosen"] == record["start"])
+    return (f"tune (per block): {sum(len(b['candidates']) for b in blocks)} setting(s) scored on held-out calibration "
+            f"examples over {len(blocks)} block(s); chose {spread or 'the configured setting'} ({kept} block(s) kept "
+            f"the configured one); last block's held-out drift {last['held_out_drift']:.4g} (configured setting "
+            f"{last['start_drift']:.4g}); calibration {record['seconds']['calibration']:.1f} s")

@@ -27,6 +27,7 @@ from featcal.calibration.tuning import search as rules
 from featcal.calibration.tuning.features import NEXT_TOKEN, Head, Reference, expert_reference, has_lm_head
 from featcal.calibration.tuning.heads import check_request, check_soft_tiebreak
 from featcal.calibration.tuning.merges import base_source, rescale_merge
+from featcal.calibration.tuning.per_block import calibrate_per_block, check_block_scope
 from featcal.calibration.tuning.score import Score, combine_folds, score
 from featcal.calibration.tuning.search import PatternSearch, Setting
 from featcal.calibration.tuning.split import (
@@ -99,6 +100,11 @@ def calibrate_tuned(
     and score, the choice, and the seconds spent.
     """
     check_request(config, base, experts, heads, merge_scaling)
+    if config.tune_scope == "block":  # one calibration, each block choosing its own ρ and λ (per_block.py)
+        check_block_scope(config, heads)
+        return calibrate_per_block(merged, base=base, experts=experts, calibration=calibration, config=config,
+                                   progress=progress, inplace=inplace, allow_pickle=allow_pickle,
+                                   check_finite=check_finite, expert_kind=expert_kind)
     request = _Request(merged, base, experts, config, allow_pickle, check_finite, dict(expert_kind or {}))
     plan = _plan(request, calibration, dict(heads or {}), merge_scaling)
     search = Timer()

@@ -13,6 +13,7 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from featcal.calibration.block_tuning import BLOCK_CANDIDATES, LADDERS
 from featcal.calibration.result import TunedSetting, TuningComparison
 from featcal.calibration.tuning.score import Score
 from featcal.calibration.tuning.split import (
@@ -26,11 +27,6 @@ Setting = TunedSetting
 
 # the ladders the search steps along (the configured value is inserted where it is not on one)
 SCALING_FACTORS: tuple[float, ...] = (0.5, 0.75, 1.0, 1.5, 2.25, 3.4)  # × the merge's own scaling
-LADDERS: dict[str, tuple[float, ...]] = {
-    "anchor_blend_rho": (0.0, 0.5, 1.0, 1.6, 2.2, 3.0, 4.0, 6.0, 8.0, 10.0),
-    "lambda_ratio": (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0),
-    "teacher_interp_alpha": (0.0, 0.25, 0.5, 0.75, 1.0),
-}
 MAX_MERGE_SCALING = 10.0  # MergeConfig.scaling's bound
 # a calibration runs about three block forwards per example (expert, merged as merged, calibrated);
 # scoring a candidate runs one forward of the model over the held-out examples
@@ -71,9 +67,19 @@ def tune_calibrations(budget: float, holdout: float, folds: int = 1, screen_shar
     return fixed + limit * screened + min(confirm + 1, limit) * candidate_cost(holdout, 1)
 
 
+def block_calibrations(holdout: float, per_block: int) -> float:
+    """At most what tune_scope "block" costs, in calibrations on all the data: the calibration, and per block up to
+    `per_block` forwards of the merged block over the held-out part (the solves not counted)."""
+    return 1.0 + per_block * holdout / FORWARDS_PER_CALIBRATION
+
+
 def planned_calibrations(config: Any, examples_per_task: int) -> tuple[float, str]:
     """(what `config`'s tuned calibration costs at most, in calibrations on all the data, how it was counted) for
     tasks of `examples_per_task` examples: folds and the screen resolved as the run resolves them."""
+    if getattr(config, "tune_scope", "model") == "block":
+        return block_calibrations(config.tune_holdout, BLOCK_CANDIDATES), (
+            f"one calibration; per block at most {BLOCK_CANDIDATES} settings, each a solve and one block forward over "
+            f"the held-out {config.tune_holdout:g} of the examples")
     folds, _ = resolve_folds(config.tune_folds, examples_per_task, config.tune_holdout)
     fit = (examples_per_task - one_split_held_out(examples_per_task, config.tune_holdout) if folds == 1
            else examples_per_task * (folds - 1) // folds)

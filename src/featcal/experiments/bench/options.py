@@ -39,7 +39,8 @@ class BenchOptions(StrictModel):
         "reference (the paper's method), joint_bias (bias_solve joint), final_norm (calibrate_final_norm), stem_norm "
         "(calibrate_stem_norm), sequential (block_statistics sequential), sequential_one_pass (the same solution, one "
         "forward per batch and side), tuned (--tune with its defaults, scored through the zoo's heads), tuned_soft "
-        "(--tune --tune-tiebreak soft), tuned_auto (--tune --tune-tiebreak auto), fixed_lambda (with a tuned one: "
+        "(--tune --tune-tiebreak soft), tuned_auto (--tune --tune-tiebreak auto), blockwise (--tune --tune-scope block: ρ and λ "
+        "chosen per block in one calibration), fixed_lambda (with a tuned one: "
         "--tune-fixed lambda_ratio), cross_fit (with a tuned one: --tune-folds 2), one_split (with a tuned one: "
         "--tune-folds 1), screened (with a tuned one: --tune-screen auto, candidates screened on 32 examples per task, the best confirmed); join several with '+' (tuned+sequential_one_pass) (docs/variants.md)",
     )

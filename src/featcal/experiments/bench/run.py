@@ -78,6 +78,7 @@ FEATCAL_VARIANTS: dict[str, dict[str, Any]] = {
     "tuned": {"tune": True},
     "tuned_soft": {"tune": True, "tune_tiebreak": "soft"},  # agreement ties broken by the heads' KL, not the drift
     "tuned_auto": {"tune": True, "tune_tiebreak": "auto"},  # soft on tiny held-out parts, else drift
+    "blockwise": {"tune": True, "tune_scope": "block"},  # ρ and λ chosen per block inside one calibration's pass
     "fixed_lambda": {"tune_fixed": ("lambda_ratio",)},  # with a tuned variant (tuned+fixed_lambda): λ not searched
     "cross_fit": {"tune_folds": 2},  # with a tuned variant (tuned+cross_fit): candidates scored on every example
     "one_split": {"tune_folds": 1},  # with a tuned variant: one held-out split at every size (before tune_folds)
@@ -619,7 +620,10 @@ def _variant_record(variant: str, result) -> dict[str, Any]:
         out["final_norm"] = result.final_norm
     if options.get("calibrate_stem_norm"):
         out["stem_norm"] = result.stem_norm
-    if result.tuning is not None:  # the tuned variants
+    if result.tuning is not None and result.tuning.get("scope") == "block":  # blockwise: each block's choice
+        out["tuning_blocks"] = [{k: b[k] for k in ("stack", "layer", "chosen", "held_out_drift", "start_drift")}
+                                for b in result.tuning["blocks"]]
+    elif result.tuning is not None:  # the tuned variants
         rec = result.tuning
         out.update({"tuning_chosen": rec["chosen"], "tuning_criterion": rec.get("criterion"),
                     "tuning_min_evidence": rec.get("min_evidence"),
@@ -637,7 +641,7 @@ def _featcal_row(run: _Run, method: str, params: dict[str, Any], merged, n: int,
 
     cfg = run.settings.featcal.model_copy(update={"num_calibration_examples": n, **variant_options(variant)})
     calibration = {t: _batches(head_rows(pools[t], n), cfg.calibration_batch_size) for t in run.tasks}
-    tune = _tune_arguments(run, method, params) if cfg.tune else {}
+    tune = _tune_arguments(run, method, params) if cfg.tune and cfg.tune_scope == "model" else {}
     floor = forward_floor_seconds(merged, run.experts, calibration)
     with PeakRSS() as rss:
         timer = Timer()
