@@ -561,7 +561,10 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument("--" + name.replace("_", "-"), type=int, default=None)
     for name in ("lr", "ta_scaling", "ties_density", "ties_scaling", "tune_budget"):
         p.add_argument("--" + name.replace("_", "-"), type=float, default=None)
-    p.add_argument("--tune-screen", default=None, help="passed to featcal calibrate --tune (default: featcal's auto)")
+    p.add_argument("--tune-screen", default=None, help="passed to featcal calibrate --tune (default: featcal's, off)")
+    p.add_argument("--tune-scope", choices=("model", "block"), default=None,
+                   help="passed to featcal calibrate --tune (default: featcal's, model; block: rho and lambda chosen "
+                        "per block inside one calibration, docs/tuning.md)")
     return p
 
 

@@ -45,7 +45,8 @@ def _common(inputs: SeedInputs, method: str | None = None) -> list[str]:
 def tune_args(s: Settings) -> list[str]:
     """The --tune options the bench passes (none: featcal's defaults)."""
     return ((["--tune-budget", str(s.tune_budget)] if s.tune_budget else [])
-            + (["--tune-screen", str(s.tune_screen)] if s.tune_screen is not None else []))
+            + (["--tune-screen", str(s.tune_screen)] if s.tune_screen is not None else [])
+            + (["--tune-scope", s.tune_scope] if s.tune_scope is not None else []))
 
 
 def tune_cost(s: Settings, windows: int) -> tuple[float, str]:
@@ -59,6 +60,8 @@ def tune_cost(s: Settings, windows: int) -> tuple[float, str]:
         options["tune_budget"] = s.tune_budget
     if s.tune_screen is not None:
         options["tune_screen"] = s.tune_screen
+    if s.tune_scope is not None:
+        options["tune_scope"] = s.tune_scope
     return planned_calibrations(FeatCalConfig(**options), windows)
 
 

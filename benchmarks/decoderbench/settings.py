@@ -43,7 +43,8 @@ class Settings:
     curve: tuple[str, ...] = ("featcal",)  # TA + these at every calib size (the cheap rows only)
     tune_every_merge: bool = False  # also --tune on TIES, RegMean and WUDI at the main size
     tune_budget: float | None = 6.0  # --tune-budget (None: featcal's default, 10)
-    tune_screen: str | None = None  # --tune-screen (None: featcal's default, auto)
+    tune_screen: str | None = None  # --tune-screen (None: featcal's default, off)
+    tune_scope: str | None = None  # --tune-scope (None: featcal's default, model; block: rho and lambda per block)
     keep_models: bool = False  # else a calibrated checkpoint's weights are deleted once it is evaluated
     base_from_gguf: bool = False  # merges and calibrations read the .gguf (else its safetensors copy)
     threads: int = 2
