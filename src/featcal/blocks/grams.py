@@ -4,7 +4,7 @@ statistics and RegMean's.
 Σ w·x xᵀ is symmetric, so from SYM_MIN_D features on only its block-upper triangle is accumulated: d is
 split into `gram_chunks(d)` column chunks and chunk i adds its rows' products with chunks i..k, (k+1)/(2k) of
 the plain product's multiply-adds. The lower triangle is filled once, when the sums are read (`full_sxx`).
-SYM_MIN_D and SYM_CHUNK were timed with benchmarks/gram_micro.py (docs/scaling.md: 1.2–1.7× faster at 2 threads).
+SYM_MIN_D and SYM_CHUNK were timed with benchmarks/gram_micro.py (docs/bench-scaling.md: 1.2–1.7× faster at 2 threads).
 """
 
 from __future__ import annotations

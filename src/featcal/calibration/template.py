@@ -5,7 +5,7 @@ block's parameters are loaded whole, for each task, inside that block's calibrat
 blocks carried nothing. The template keeps storage for its stems (embeddings, final norms, heads: what the
 forwards to block 0 and the outer norms read) for the whole run; a block's parameters get storage while that
 block is calibrated and give it back after, so the template costs the stems and one block instead of a second
-whole model (for the 1B decoder's plan in float32: 1.2 instead of 4.6 GiB; docs/scaling.md).
+whole model (for the 1B decoder's plan in float32: 1.2 instead of 4.6 GiB; docs/bench-scaling.md).
 """
 
 from __future__ import annotations
