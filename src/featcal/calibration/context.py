@@ -50,7 +50,7 @@ def masks_to_device(stack: Stack, batch: Batch, device: torch.device) -> Batch:
     """What block-level statistics read of a batch, on `device`: its token masks, nothing else.
 
     The model inputs (pixels, token ids) feed the stem alone; moving a whole batch again for every block
-    took ~40 % of a ViT-B/32 calibration's wall time on a GPU (docs/scaling.md, "GPU check").
+    took ~40 % of a ViT-B/32 calibration's wall time on a GPU (docs/bench-scaling.md, the GPU check).
     """
     return {k: batch[k].to(device) for k in stack.mask_keys if isinstance(batch.get(k), torch.Tensor)}
 
