@@ -6,6 +6,11 @@ Public API:
                                                                  -> CalibrationResult (.model, .drift, ...)
     evaluate(tasks, models, base=..., merged=..., calibrated=..., experts=..., out=None)
                                                                  -> eval.json's content (models x tasks)
+    run(file, out=None, progress=True)                           -> RunResult (`featcal run FILE.yaml`)
+    plan(base=..., merged=..., experts=..., calibration=..., out=..., config=...)
+                                                                 -> PlanResult (`featcal plan`: memory, time)
+The last two are featcal.jobs.run_file and featcal.jobs.plan: each takes one frozen request (featcal.jobs.RunRequest,
+PlanRequest), or its fields as keywords.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ __all__ = [
     "calibrate",
     "CalibrationResult",
     "evaluate",
+    "run",
+    "plan",
 ]
 
 
@@ -54,6 +61,14 @@ def __getattr__(name: str):
         from featcal.evaluation.api import evaluate
 
         return evaluate
+    if name == "run":
+        from featcal.jobs import run_file
+
+        return run_file
+    if name == "plan":
+        from featcal.jobs import plan
+
+        return plan
     if name == "CalibrationResult":
         from featcal.calibration.result import CalibrationResult
 

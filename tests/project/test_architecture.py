@@ -21,11 +21,12 @@ FLOORS: dict[str, int] = {
     "blocks": 2, "data": 2,
     "merging": 3, "calibration": 3,
     "evaluation": 4,  # metrics and runners of `featcal eval`, used by bench and reproduce (issue #38)
-    "experiments": 5,
-    "": 6,  # featcal/__init__.py: the public Python API
-    "baselines": 6,  # the deprecated alias of experiments.baselines (0.1 import path)
-    "cli": 7,
-    "__main__": 8,
+    "jobs": 5,  # the use cases (run, plan): one request in, one result out (issue #52)
+    "experiments": 6,
+    "": 7,  # featcal/__init__.py: the public Python API
+    "baselines": 7,  # the deprecated alias of experiments.baselines (0.1 import path)
+    "cli": 8,
+    "__main__": 9,
 }
 # inside experiments/: the GLUE / CLIP task data (evaluation) below the baselines, both below the zoo, the zoo below bench / reproduce
 EXPERIMENT_FLOORS: dict[str, int] = {"": 0, "evaluation": 1, "baselines": 2, "zoo": 3, "bench": 4, "reproduce": 4}

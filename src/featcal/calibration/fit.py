@@ -161,27 +161,66 @@ def file_bytes(model_config) -> int:
     return dtype.itemsize if isinstance(dtype, torch.dtype) else 4
 
 
-def plan_report(source: str | os.PathLike, *, tasks: int, config: FeatCalConfig, max_length: int = 128,
-                targets: list[Target] = (), throughput: cost.Throughput | None = None, with_plan: bool = True,
-                max_memory: int | None = None, baseline_bytes: int | None = None, world: int = 1) -> str:
-    """What `featcal plan` prints from a model's config alone (`source`: a config.json, a folder, a hub id): the
-    memory plan at `config` (with `with_plan`), its time at `throughput` (the stated one of config.device when
-    None), and, for each of `targets`, what fits there."""
+@dataclass(frozen=True)
+class ConfigPlan:
+    """A calibration planned from a model's config alone: what `featcal plan --config` prints, as numbers."""
+
+    source: str  # the config.json, folder or hub id planned from
+    architecture: str
+    param_count: int  # parameters and buffers
+    file_bytes: int  # bytes per parameter in its files
+    tasks: int
+    num_calibration_examples: int
+    max_length: int
+    memory: MemoryPlan  # at the given config
+    alternatives: list[tuple[str, MemoryPlan]]  # (flags, plan) of the memory options
+    blocks: list[cost.BlockCounts]
+    time: cost.TimeEstimate  # one calibration at the given throughput
+    fits: list[Fit]  # one per target
+
+
+def config_plan(source: str | os.PathLike, *, tasks: int, config: FeatCalConfig, max_length: int = 128,
+                targets: list[Target] = (), throughput: cost.Throughput | None = None,
+                baseline_bytes: int | None = None, world: int = 1) -> ConfigPlan:
+    """Plan from a model's config alone (`source`: a config.json, a folder, a hub id): the memory plan at `config`,
+    its time at `throughput` (the stated one of config.device when None), and, for each of `targets`, what fits."""
     model_config = load_config(source)
     shape = model_shape(model_config, max_length)
     base = current_rss() if baseline_bytes is None else baseline_bytes
     per_param = file_bytes(model_config)
     kw = dict(tasks=tasks, config=config, baseline_bytes=base, world=world)
+    blocks = cost.run_counts(shape, tasks=tasks, config=config, file_bytes=per_param)
+    tp = throughput or cost.throughput_for(config.device)
+    return ConfigPlan(
+        source=str(source), architecture=(getattr(model_config, "architectures", None)
+                                          or [type(model_config).__name__])[0],
+        param_count=shape.param_count, file_bytes=per_param, tasks=tasks,
+        num_calibration_examples=config.num_calibration_examples, max_length=max_length,
+        memory=estimate(shape, **kw), alternatives=alternatives(shape, **kw), blocks=blocks,
+        time=cost.estimate_time(blocks, tp, model_bytes=shape.param_count * per_param),
+        fits=[fit(shape, t, file_bytes=per_param, **kw) for t in targets],
+    )
+
+
+def render_config_plan(p: ConfigPlan, *, with_plan: bool = True, max_memory: int | None = None) -> str:
+    """The text `featcal plan --config` prints (`with_plan` False: the targets' table alone)."""
     parts = []
     if with_plan:
-        arch = (getattr(model_config, "architectures", None) or [type(model_config).__name__])[0]
-        parts.append(f"plan for {source}: {arch}, {shape.param_count:,} parameters and buffers ({per_param} B each in "
-                     f"its files), {tasks} task(s) × {config.num_calibration_examples} examples × up to {max_length} "
-                     "tokens")
-        parts.append(render(estimate(shape, **kw), alternatives(shape, **kw), max_memory))
-        blocks = cost.run_counts(shape, tasks=tasks, config=config, file_bytes=per_param)
-        tp = throughput or cost.throughput_for(config.device)
-        parts.append(cost.render_time(blocks, cost.estimate_time(blocks, tp, model_bytes=shape.param_count * per_param)))
-    if targets:
-        parts.append(render_fits([fit(shape, t, file_bytes=per_param, **kw) for t in targets]))
+        parts.append(f"plan for {p.source}: {p.architecture}, {p.param_count:,} parameters and buffers ({p.file_bytes} "
+                     f"B each in its files), {p.tasks} task(s) × {p.num_calibration_examples} examples × up to "
+                     f"{p.max_length} tokens")
+        parts.append(render(p.memory, p.alternatives, max_memory))
+        parts.append(cost.render_time(p.blocks, p.time))
+    if p.fits:
+        parts.append(render_fits(p.fits))
     return "\n".join(parts)
+
+
+def plan_report(source: str | os.PathLike, *, tasks: int, config: FeatCalConfig, max_length: int = 128,
+                targets: list[Target] = (), throughput: cost.Throughput | None = None, with_plan: bool = True,
+                max_memory: int | None = None, baseline_bytes: int | None = None, world: int = 1) -> str:
+    """What `featcal plan` prints from a model's config alone (config_plan, rendered): the memory plan at `config`
+    (with `with_plan`), its time at `throughput`, and, for each of `targets`, what fits there."""
+    return render_config_plan(config_plan(source, tasks=tasks, config=config, max_length=max_length, targets=targets,
+                                          throughput=throughput, baseline_bytes=baseline_bytes, world=world),
+                              with_plan=with_plan, max_memory=max_memory)

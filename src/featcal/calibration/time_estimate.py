@@ -115,10 +115,10 @@ def probe_device(device: str) -> str:
     return "cuda" if device == "auto" and torch.cuda.is_available() else "cpu" if device == "auto" else device
 
 
-def time_report(source, *, tasks: int, config: FeatCalConfig, max_length: int, measure: bool,
-                throughput: cost.Throughput | None = None) -> str:
-    """The run's counts and time, as `featcal plan` prints them: from a probe of this machine (`measure`), or
-    at `throughput` (the stated one of config.device when None). `source`: the merged checkpoint or a config."""
+def run_time(source, *, tasks: int, config: FeatCalConfig, max_length: int, measure: bool,
+             throughput: cost.Throughput | None = None) -> tuple[list[cost.BlockCounts], cost.TimeEstimate]:
+    """The run's per-block counts and time: from a probe of this machine (`measure`), or at `throughput` (the stated
+    one of config.device when None). `source`: the merged checkpoint or a config."""
     from featcal.calibration.fit import file_bytes
     from featcal.calibration.planner import model_shape
     from featcal.io.models import load_config
@@ -129,8 +129,20 @@ def time_report(source, *, tasks: int, config: FeatCalConfig, max_length: int, m
     stated = throughput or cost.throughput_for(config.device)
     tp = measured_throughput(probe(shape, config, device=probe_device(config.device)), stated) if measure else stated
     blocks = cost.run_counts(shape, tasks=tasks, config=config, file_bytes=per_param)
-    est = cost.estimate_time(blocks, tp, model_bytes=shape.param_count * per_param)
+    return blocks, cost.estimate_time(blocks, tp, model_bytes=shape.param_count * per_param)
+
+
+def render_run_time(blocks: list[cost.BlockCounts], est: cost.TimeEstimate, config: FeatCalConfig) -> str:
+    """The counts and time as `featcal plan` prints them, with tune's line."""
     return cost.render_time(blocks, est) + tune_line(config, est.total_s)
+
+
+def time_report(source, *, tasks: int, config: FeatCalConfig, max_length: int, measure: bool,
+                throughput: cost.Throughput | None = None) -> str:
+    """The run's counts and time (run_time), as `featcal plan` prints them."""
+    blocks, est = run_time(source, tasks=tasks, config=config, max_length=max_length, measure=measure,
+                           throughput=throughput)
+    return render_run_time(blocks, est, config)
 
 
 def tune_line(config: FeatCalConfig, one_calibration_s: float) -> str:

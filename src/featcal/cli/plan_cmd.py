@@ -11,7 +11,6 @@ what fits on each kind of machine (`--target`, calibration/fit.py).
 from __future__ import annotations
 
 import argparse
-import os
 
 from featcal.cli.calibrate_args import add_arguments, config_from_args, parse_pairs, run_options_from_args
 from featcal.cli.commands import HELP
@@ -21,68 +20,40 @@ from featcal.errors import ConfigError
 _INPUTS = ("base", "merged", "expert", "calib")  # what names checkpoints and data (with --out: a calibrate's inputs)
 
 
-def _plan(args: argparse.Namespace, config: FeatCalConfig, check_device: bool):
-    from featcal.calibration.pipeline import check_calibration_inputs, feature_width
-    from featcal.calibration.planner import plan_for_checkpoint
-    from featcal.calibration.tuning import load_heads
-    from featcal.io.models import load_config
+def plan_request(args: argparse.Namespace, config: FeatCalConfig, **fields):
+    """The PlanRequest (featcal.jobs) of `featcal plan`'s flags, or `featcal calibrate`'s (which lacks the
+    planning flags), with `fields` changed."""
+    from featcal.jobs import PlanRequest
 
-    experts = parse_pairs(args.expert, "--expert")
-    options = run_options_from_args(args)
-    heads = parse_pairs(args.tune_head, "--tune-head")
-    # every check the run makes before its work (task names, options, output, checkpoints' headers, each
-    # task's data as the run draws and tokenises it, the --tune-head files), so a plan that prints is a run
-    # that starts; the NaN scan, which reads all weights, is left
-    checked = check_calibration_inputs(
-        args.merged, base=args.base, experts=experts, calibration_sources=parse_pairs(args.calib, "--calib"),
-        config=config, out=args.out, **options.model_dump(), check_finite=False, check_device=check_device,
-        heads=heads,
+    flag = lambda name: getattr(args, name, None)  # noqa: E731  (calibrate has no --config, --target, ...)
+    return PlanRequest(
+        base=args.base, merged=args.merged, experts=parse_pairs(args.expert, "--expert"),
+        calibration=parse_pairs(args.calib, "--calib"), out=args.out, heads=parse_pairs(args.tune_head, "--tune-head"),
+        model_config=flag("config"), tasks=flag("tasks"), config=config, options=run_options_from_args(args),
+        max_memory=args.max_memory, targets=tuple(flag("target") or ()), device_memory=flag("device_memory"),
+        host_memory=flag("host_memory"), flops=flag("flops"), flops64=flag("flops64"), time_from=flag("time_from"),
+        **fields,
     )
-    load_heads(heads, checked.tasks, config.tune, feature_width(load_config(checked.merged)))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    plan, alternatives = plan_for_checkpoint(checked.merged, tasks=len(experts), config=config,
-                                             max_length=options.max_length, world=world)
-    return plan, alternatives, checked
-
-
-def data_lines(args: argparse.Namespace, config: FeatCalConfig, checked) -> list[str]:
-    """Per task, the examples and tokens its data gives the run and how it is read (packed windows, or one example
-    per record): read now as the run will read it (calibration/data_summary.py)."""
-    from featcal.calibration.data_summary import read_task_data, task_data_lines
-
-    options = run_options_from_args(args)
-    sources = parse_pairs(args.calib, "--calib")
-    records = read_task_data({t: sources[t] for t in checked.tasks}, model_dir=checked.data_dir,
-                             experts=checked.experts, config=config, max_length=options.max_length,
-                             allow_fewer=options.allow_fewer)
-    return task_data_lines(records, options.max_length)
 
 
 def check_plan(args: argparse.Namespace, config: FeatCalConfig, show: bool, check_device: bool = True) -> bool:
-    """Print the plan when `show`; raise ConfigError when it exceeds --max-memory. Returns `show`.
+    """`featcal calibrate --dry-run` (`show`: print the memory plan and the data's summary) and --max-memory (raise
+    ConfigError when the plan exceeds it). Returns `show`.
 
-    `check_device=False` (featcal plan) plans for a device this machine may lack."""
-    from featcal.calibration.planner import fmt, parse_size, render
+    `check_device=False` plans for a device this machine may lack."""
+    from featcal import jobs
+    from featcal.calibration.planner import fmt
 
-    limit = parse_size(args.max_memory) if args.max_memory is not None else None
-    plan, options, checked = _plan(args, config, check_device)
+    result = jobs.plan(plan_request(args, config, check_device=check_device, estimate_time=False,
+                                    summarise_data=show))
     if show:
-        print(render(plan, options, limit))
-        print("\n".join(data_lines(args, config, checked)))
-    elif limit is not None and plan.total > limit:
-        good = [name for name, p in options if p.total <= limit]
+        print(result.text)
+    elif result.fits_max_memory is False:
+        good = result.options_that_fit()
         hint = f"; these fit: {', '.join(good)}" if good else "; no single memory option fits (see featcal plan)"
-        raise ConfigError(f"estimated peak memory {fmt(plan.total)} exceeds --max-memory {fmt(limit)}{hint}")
+        raise ConfigError(f"estimated peak memory {fmt(result.peak_memory)} exceeds --max-memory "
+                          f"{fmt(result.max_memory)}{hint}")
     return show
-
-
-def _targets(args: argparse.Namespace, default: tuple[str, ...]) -> list:
-    from featcal.calibration import fit
-    from featcal.calibration.planner import parse_size
-
-    size = {k: parse_size(getattr(args, k)) if getattr(args, k) else None for k in ("device_memory", "host_memory")}
-    return [fit.target(name, device_bytes=size["device_memory"], host_bytes=size["host_memory"], f32=args.flops,
-                       f64=args.flops64) for name in (args.target or default)]
 
 
 def _check_inputs(args: argparse.Namespace) -> None:
@@ -94,6 +65,8 @@ def _check_inputs(args: argparse.Namespace) -> None:
                               "checkpoints and data: give one or the other")
         if args.tasks is None:
             raise ConfigError("--config needs --tasks N: the number of experts (tasks) to plan for")
+        if args.tasks < 1:
+            raise ConfigError(f"--tasks must be at least 1, got {args.tasks}")
         return
     missing = [f"--{n}" for n in (*_INPUTS, "out") if getattr(args, n) is None]
     if missing:
@@ -110,71 +83,13 @@ def _rates(args: argparse.Namespace) -> None:
             raise ConfigError(f"--{flag} must be a positive number of FLOP/s, got {value}")
 
 
-def _time_source(args: argparse.Namespace, config: FeatCalConfig) -> bool:
-    """Whether the time comes from a measured probe of this machine: --time-from, by default a probe for a run on
-    this machine (checkpoints given, its device here, no --flops) and the stated throughput for --config."""
-    from featcal.calibration.time_estimate import can_probe
-
-    rates = [f"--{f}" for f in ("flops", "flops64") if getattr(args, f) is not None]
-    if args.time_from == "probe":
-        if rates:
-            raise ConfigError(f"--time-from probe measures the rates that {' and '.join(rates)} state: give one")
-        if not can_probe(config.device):
-            raise ConfigError(f"--time-from probe: device {config.device} is not on this machine to be measured; "
-                              "use --time-from stated (or --flops) to plan for it")
-        return True
-    if args.time_from == "stated":
-        return False
-    return args.config is None and not rates and can_probe(config.device)
-
-
-def _time(merged, tasks: int, config: FeatCalConfig, args: argparse.Namespace, measure: bool) -> str:
-    from featcal.calibration import cost
-    from featcal.calibration.time_estimate import time_report
-
-    stated = cost.with_rates(cost.throughput_for(config.device), args.flops, args.flops64)
-    return time_report(merged, tasks=tasks, config=config, max_length=run_options_from_args(args).max_length,
-                       measure=measure,
-                       throughput=stated)
-
-
 def run(args: argparse.Namespace) -> int:
+    from featcal import jobs
+
     config = config_from_args(args, FeatCalConfig)
-    _check_inputs(args)
+    _check_inputs(args)  # the flags' own words; the request checks the same in its fields' words
     _rates(args)
-    from featcal.calibration import fit
-    from featcal.calibration.planner import parse_size, render
-
-    limit = parse_size(args.max_memory) if args.max_memory is not None else None
-    measure = _time_source(args, config)
-    max_length = run_options_from_args(args).max_length
-    if args.config is None:
-        plan, options, checked = _plan(args, config, check_device=False)
-        merged = checked.merged
-        print(render(plan, options, limit))
-        print("\n".join(data_lines(args, config, checked)))
-        print(_time(merged, len(args.expert), config, args, measure))
-        if args.target:
-            print(fit.plan_report(merged, tasks=len(args.expert), config=config, max_length=max_length,
-                                  targets=_targets(args, ()), with_plan=False))
-        return 0
-    import featcal.calibration.pipeline  # noqa: F401  (what calibrate imports: the measured baseline sees it too)
-    from featcal.calibration import cost
-
-    if args.tasks < 1:
-        raise ConfigError(f"--tasks must be at least 1, got {args.tasks}")
-    tp = cost.with_rates(cost.throughput_for(config.device), args.flops, args.flops64)
-    if measure:  # --time-from probe: this machine's rates, for the plan and its targets' times
-        from featcal.calibration import time_estimate
-        from featcal.calibration.planner import model_shape
-        from featcal.io.models import load_config
-
-        shape = model_shape(load_config(args.config), max_length)
-        found = time_estimate.probe(shape, config, device=time_estimate.probe_device(config.device))
-        tp = time_estimate.measured_throughput(found, tp)
-    print(fit.plan_report(args.config, tasks=args.tasks, config=config, max_length=max_length,
-                          targets=_targets(args, tuple(fit.TARGETS)), throughput=tp, max_memory=limit,
-                          world=int(os.environ.get("WORLD_SIZE", "1"))))
+    print(jobs.plan(plan_request(args, config)).text)
     return 0
 
 
