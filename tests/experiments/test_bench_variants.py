@@ -11,7 +11,7 @@ from featcal.cli.main import main
 from featcal.errors import ConfigError
 from featcal.experiments.bench.run import FEATCAL_VARIANTS, BenchSettings, run_bench, validate, write_bench
 
-ALL = ("reference", "joint_bias", "final_norm", "sequential", "tuned")
+ALL = ("reference", "joint_bias", "final_norm", "sequential", "tuned", "blockwise")
 TIMING = {"seconds", "peak_rss_mb", "calibration_seconds", "forward_floor_seconds", "cost_ratio"}
 
 
@@ -47,6 +47,9 @@ def test_every_variant_has_a_row_beside_the_reference(runs):
     assert by["joint_bias"]["per_task"] != by["reference"]["per_task"] or \
         by["joint_bias"]["engine_drift"] != by["reference"]["engine_drift"]  # the variant did change something
     assert by["sequential"]["engine_drift"] != by["reference"]["engine_drift"]
+    blocks = by["blockwise"]["tuning_blocks"]  # each block's choice, scored on held-out examples
+    assert len(blocks) == len(by["blockwise"]["engine_drift"])
+    assert all(b["held_out_drift"] <= b["start_drift"] for b in blocks)
     assert data["params"]["featcal_variants"] == list(ALL)
     summary = data["summary"]["task_arithmetic"]
     assert set(summary["variants"]) == set(ALL)

@@ -28,7 +28,7 @@ from featcal.blocks.capture import hidden_of
 from featcal.calibration import solves
 from featcal.calibration.context import BlockContext
 from featcal.calibration.drift import DriftSums
-from featcal.calibration.gather import BlockDrift, _Pass
+from featcal.calibration.gather import BlockDrift, GatherPass
 from featcal.calibration.statistics import TaskSums
 
 log = logging.getLogger("featcal.calibration")
@@ -109,7 +109,7 @@ class BlockTuning:
                  ", ".join(f"{k}={v:g}" for k, v in chosen.items()), best, start, len(order))
 
 
-class _SplitPass(_Pass):
+class _SplitPass(GatherPass):
     """The paper's gathering pass ("as_merged"), each task's sums folded twice: its fit batches, and all."""
 
     def __init__(self, block: BlockContext, mods_m: list, held_out: Mapping[str, frozenset[int]]) -> None:

@@ -136,14 +136,14 @@ def gather(block: BlockContext, mods_m: list[Calibrated], bar, *, expert: str = 
         raise FeatCalError("internal: the expert chains advance only through whole expert forwards")
     if expert == "none" and any(c.kind == "linear" for c in mods_m):
         raise FeatCalError("internal: a Linear's statistics need the expert's forward")
-    pass_ = _Pass(block, mods_m, expert, merged_until, advance_experts, advance_reference)
+    pass_ = GatherPass(block, mods_m, expert, merged_until, advance_experts, advance_reference)
     tokens = block.run.tokens_per_task() if tokens is None else tokens
     for t in block.run.tasks:
         pass_.task(t, tokens[t], bar)
     return pass_.sums, block.run.reduced(pass_.before) if pass_.whole else None
 
 
-class _Pass:
+class GatherPass:
     """One gathering pass over every task's batches (gather's state: the plan made from the block's first
     expert forward, the sums, the drift before)."""
 
