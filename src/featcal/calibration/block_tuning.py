@@ -2,7 +2,7 @@
 
 The model-wide search (tuning/) calibrates the whole model once per candidate, about ten calibrations. Here,
 at block l, the pass the paper runs anyway folds each task's statistics twice: over its fit examples and over
-all of them (the fit part's raw sums plus the held-out part's; the forwards are the same). A candidate (ρ, λ)
+all of them (the fit part's raw sums plus the held-out part's; the forwards are the same). A candidate (ρ, λ, α)
 is then a solve from the fit statistics (no forward), loaded into the merged block and scored by one forward
 of that block over the held-out examples: the drift ‖hm − he‖² / ‖he‖² of its output from expert t's block
 output, which the pass has just computed (class-token weighted in a class-token-read stack's last block, as
@@ -11,7 +11,8 @@ setting from ALL examples' statistics (the refit, at the price of a solve) and e
 it, as in a plain calibration. The next block starts its walk from the best of the configured setting and
 this block's choice.
 
-What it does not choose: the teacher blend α (the pass folds it into the statistics) and the merge's scaling
+α enters the statistics linearly, so the pass folds them at α 0 and at α 1 and any α is a blend of the two
+(statistics.blend_alpha; the teacher form, which fixes α in the pass, is off). What it does not choose: the merge's scaling
 (its part in the anchor Ā = θ0 + ρ·s·v is ρ's; the stem and head keep the merge as given). The held-out
 examples' chains run through earlier blocks solved with them (the refit): every candidate of a block is
 scored on the same inputs, so the comparison is fair, but the scores are not of unseen inputs past block 0.
@@ -29,7 +30,7 @@ from featcal.calibration import solves
 from featcal.calibration.context import BlockContext
 from featcal.calibration.drift import DriftSums
 from featcal.calibration.gather import BlockDrift, GatherPass
-from featcal.calibration.statistics import TaskSums
+from featcal.calibration.statistics import NormalisedSums, TaskSums, blend_alpha
 
 log = logging.getLogger("featcal.calibration")
 
@@ -40,9 +41,10 @@ LADDERS: dict[str, tuple[float, ...]] = {
     "lambda_ratio": (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0),
     "teacher_interp_alpha": (0.0, 0.25, 0.5, 0.75, 1.0),
 }
-BLOCK_KNOBS = ("anchor_blend_rho", "lambda_ratio")  # what a block's solve can change without another forward
+# what a block's solve can change without another forward (α: from the sums at α 0 and 1, statistics.blend_alpha)
+BLOCK_KNOBS = ("anchor_blend_rho", "lambda_ratio", "teacher_interp_alpha")
 # the most settings one block scores: the configured one, the previous block's choice, and steps along the ladders
-BLOCK_CANDIDATES = 8
+BLOCK_CANDIDATES = 10
 
 
 @dataclass
@@ -110,12 +112,17 @@ class BlockTuning:
 
 
 class _SplitPass(GatherPass):
-    """The paper's gathering pass ("as_merged"), each task's sums folded twice: its fit batches, and all."""
+    """The paper's gathering pass ("as_merged"), each task's sums folded over its fit batches and over all of them;
+    where α is chosen, each at α 0 and at α 1 (the teacher form off: statistics.blend_alpha)."""
 
-    def __init__(self, block: BlockContext, mods_m: list, held_out: Mapping[str, frozenset[int]]) -> None:
+    def __init__(self, block: BlockContext, mods_m: list, tuning: BlockTuning) -> None:
         super().__init__(block, mods_m, "full", False, True, True)
-        self.held_out = held_out
-        self.fit_sums = block.new_sums()
+        del self.sums  # the plain pass's one set of sums: here `fit` and `all`
+        self.tuning = tuning
+        joint = block.run.cfg.bias_solve == "joint"
+        self.alphas = (0.0, 1.0) if "teacher_interp_alpha" in tuning.knobs else (float(block.run.cfg.teacher_interp_alpha),)
+        self.fit = {a: NormalisedSums(a, joint) for a in self.alphas}
+        self.all = {a: NormalisedSums(a, joint) for a in self.alphas}
 
     def task(self, t: str, tokens: float, bar) -> None:
         run = self.block.run
@@ -123,13 +130,21 @@ class _SplitPass(GatherPass):
         fit, held = TaskSums(), TaskSums()
         teacher = None
         for b, batch in run.batches(t):
-            into = held if b in self.held_out[t] else fit
+            into = held if b in self.tuning.held_out[t] else fit
             teacher = self.batch(t, b, run.masks(self.block.stack, batch), into, teacher, tokens)
             bar.update(1)
         expert_params = {c.name: c.params() for c in self.mods_e.values()}
-        self.fit_sums.add_task(t, fit, expert_params, self.rms)
+        for sums in self.fit.values():
+            sums.add_task(t, fit, expert_params, self.rms)
         fit.merge_(held)  # all of the task's examples: the refit's statistics
-        self.sums.add_task(t, fit, expert_params, self.rms)
+        for sums in self.all.values():
+            sums.add_task(t, fit, expert_params, self.rms)
+
+    def at(self, part: dict[float, NormalisedSums], setting: dict[str, float]) -> NormalisedSums:
+        """`part`'s sums at `setting`'s α (the configured α where α is not chosen)."""
+        if len(self.alphas) == 1:
+            return part[self.alphas[0]]
+        return blend_alpha(part[0.0], part[1.0], setting["teacher_interp_alpha"])
 
 
 def tuned_as_merged(block: BlockContext, bar) -> BlockDrift:
@@ -137,7 +152,7 @@ def tuned_as_merged(block: BlockContext, bar) -> BlockDrift:
     run = block.run
     tuning: BlockTuning = run.block_tuning
     mods = block.merged_modules()
-    pass_ = _SplitPass(block, mods, tuning.held_out)
+    pass_ = _SplitPass(block, mods, tuning)
     tokens = run.tokens_per_task()
     for t in run.tasks:
         pass_.task(t, tokens[t], bar)
@@ -156,7 +171,7 @@ def tuned_as_merged(block: BlockContext, bar) -> BlockDrift:
         run.load_solved(solves.solve_modules(cfg, run.base_param, prefix, mods, sums))
 
     def score(setting: dict[str, float]) -> float:
-        solve(setting, pass_.fit_sums)
+        solve(setting, pass_.at(pass_.fit, setting))
         drift = DriftSums()
         for t in run.tasks:
             for b, batch in run.batches(t):
@@ -170,8 +185,8 @@ def tuned_as_merged(block: BlockContext, bar) -> BlockDrift:
         return drift.mean()
 
     chosen, order = tuning.walk(score)
-    del pass_.fit_sums
-    solve(chosen, pass_.sums)
+    pass_.fit.clear()
+    solve(chosen, pass_.at(pass_.all, chosen))
     as_merged.clear()
     tuning.record(block.stack.name, block.layer, chosen, order)
     return BlockDrift(before, block.propagate(bar))

@@ -204,8 +204,9 @@ class BlockContext:
         (float32) in the pass, so it is taken when the task has fewer tokens than the module has inputs.
         """
         a = float(self.run.cfg.teacher_interp_alpha)
-        if a == 1.0:
-            return {}
+        tuning = self.run.block_tuning
+        if a == 1.0 or (tuning is not None and "teacher_interp_alpha" in tuning.knobs):
+            return {}  # the teacher form fixes α in the pass; a block that chooses α folds the other forms
         return {name: (a, weight_of(linears_e[name])) for name, p in plan.items()
                 if p.mode == "output" and tokens * TEACHER_FORM_TOKENS_PER_INPUT < features(linears_e[name])[0]}
 

@@ -297,3 +297,17 @@ def _group_moments(task: str, name: str, gram: GramSums) -> tuple:
     if float(s_t) <= 0:
         raise CalibrationDataError(f"task {task!r}: module {name} has an all-zero input (‖C‖_F = 0)")
     return (*moments, s_t)
+
+
+def blend_alpha(at_zero: NormalisedSums, at_one: NormalisedSums, alpha: float) -> NormalisedSums:
+    """The sums at teacher blend `alpha` from the sums at 0 and at 1 of the same statistics: every Linear target
+    and bias target is linear in α (X(α) = α·E[xs xeᵀ] + (1−α)·Ct, μ~ likewise), the rest does not depend on it.
+    Only for sums folded without the teacher form, whose pass fixes α (tune_scope block, block_tuning.py)."""
+    out = NormalisedSums(alpha, at_zero.joint_bias)
+    out.norms = at_zero.norms
+    for name, z in at_zero.linears.items():
+        o = at_one.linears[name]
+        out.linears[name] = LinearNormalised(z.gram, alpha * o.target + (1 - alpha) * z.target, z.inv_scale,
+                                             alpha * o.bias_target + (1 - alpha) * z.bias_target, z.mean,
+                                             z.mean_bias)
+    return out
