@@ -15,7 +15,6 @@ from featcal.calibration.block_tuning import LADDERS, BlockTuning
 from featcal.errors import ConfigError
 from tests.builders.reference_featcal import family_data, max_abs_diff, noisy_family, ta_merge
 
-
 START = {"anchor_blend_rho": 2.2, "lambda_ratio": 0.05, "teacher_interp_alpha": 0.25}
 
 
