@@ -41,7 +41,7 @@ class BenchOptions(StrictModel):
         "forward per batch and side), tuned (--tune with its defaults, scored through the zoo's heads), tuned_soft "
         "(--tune --tune-tiebreak soft), tuned_auto (--tune --tune-tiebreak auto), blockwise (--tune --tune-scope block: ρ and λ "
         "chosen per block in one calibration), fixed_lambda (with a tuned one: "
-        "--tune-fixed lambda_ratio), cross_fit (with a tuned one: --tune-folds 2), one_split (with a tuned one: "
+        "--tune-fixed lambda_ratio), scaling_only (with a tuned one: only the merge's scaling searched), cross_fit (with a tuned one: --tune-folds 2), one_split (with a tuned one: "
         "--tune-folds 1), screened (with a tuned one: --tune-screen auto, candidates screened on 32 examples per task, the best confirmed); join several with '+' (tuned+sequential_one_pass) (docs/variants.md)",
     )
     baselines: str = Field(

@@ -80,6 +80,8 @@ FEATCAL_VARIANTS: dict[str, dict[str, Any]] = {
     "tuned_auto": {"tune": True, "tune_tiebreak": "auto"},  # soft on tiny held-out parts, else drift
     "blockwise": {"tune": True, "tune_scope": "block"},  # ρ and λ chosen per block inside one calibration's pass
     "fixed_lambda": {"tune_fixed": ("lambda_ratio",)},  # with a tuned variant (tuned+fixed_lambda): λ not searched
+    # with a tuned variant (tuned+scaling_only): only the merge's scaling searched, FeatCal at its configured values
+    "scaling_only": {"tune_fixed": ("anchor_blend_rho", "lambda_ratio", "teacher_interp_alpha")},
     "cross_fit": {"tune_folds": 2},  # with a tuned variant (tuned+cross_fit): candidates scored on every example
     "one_split": {"tune_folds": 1},  # with a tuned variant: one held-out split at every size (before tune_folds)
     "screened": {"tune_screen": "auto"},  # with a tuned variant: candidates screened on 32 per task, the best confirmed
@@ -194,7 +196,7 @@ def variant_options(variant: str) -> dict[str, Any]:
                 raise ConfigError(f"FeatCal variant {variant!r}: two of its parts set {key}; combine variants that change "
                                   "different options")
             options[key] = value
-    for key, part in (("tune_fixed", "fixed_lambda"), ("tune_folds", "cross_fit or one_split"),
+    for key, part in (("tune_fixed", "fixed_lambda or scaling_only"), ("tune_folds", "cross_fit or one_split"),
                       ("tune_screen", "screened")):
         if key in options and not options.get("tune"):
             raise ConfigError(f"FeatCal variant {variant!r}: {part} changes how a tuned variant searches; "
