@@ -167,3 +167,30 @@ def test_a_merged_report_that_is_not_a_featcal_record_only_stops_the_scaling_sea
     (tmp_path / "merged" / "featcal.json").write_text(json.dumps(report))
     scaling, why = merge_scaling_from_report(tmp_path / "merged", tmp_path / "base", {"a": tmp_path / "a"})
     assert scaling is None and why
+
+
+def test_confirm_zero_takes_the_screens_best_and_refits_it_on_all_data(clip, monkeypatch):
+    """tune_confirm 0: no candidate is fitted on the whole fit part; the screen's best-scoring setting is the
+    choice, and the refit on all data is the one calibration at full size."""
+    base, experts, merged, data = clip
+    one_setting = core.calibrate_setting
+    calls: list[dict] = []
+
+    def recording(*args, **kwargs):
+        calls.append(kwargs["calibration"])
+        return one_setting(*args, **kwargs)
+
+    monkeypatch.setattr(core, "calibrate_setting", recording)
+    cfg = FeatCalConfig(tune=True, tune_budget=6.0, tune_folds=1, tune_screen=4, tune_confirm=0)
+    rec = calibrate(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False,
+                    merge_scaling=0.05).tuning.as_dict()
+    assert {c["stage"] for c in rec["candidates"]} == {"screen"} and rec["screen"]["confirmed"] == []
+    assert len(calls) == len(rec["candidates"]) + 1  # the screened candidates, then the refit
+    best = min(rec["candidates"], key=lambda c: (c["drift"], c["index"]))
+    assert rec["chosen"]["index"] == best["index"]
+    for t in data:
+        assert sum(len(b["pixel_values"]) for b in calls[-1][t]) == sum(len(b["pixel_values"]) for b in data[t])
+    assert "screened on 4 examples per task" in tuning.summary_line(rec)
+    planned, how = tuning.planned_calibrations(cfg, 16)
+    assert "none confirmed" in how and planned < tuning.planned_calibrations(
+        cfg.model_copy(update={"tune_confirm": 2}), 16)[0]

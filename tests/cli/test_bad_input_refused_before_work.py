@@ -264,7 +264,7 @@ BAD_FEATCAL = {
     "tune_min_evidence": [-0.1, 10.5, math.nan, math.inf],
     "tune_screen": [0, 1, 1.5, True, "some", -4],
     "tune_scope": ["layer", "Block", 1],
-    "tune_confirm": [0, 11, 1.5, math.nan],
+    "tune_confirm": [-1, 11, 1.5, math.nan],
     "tune_tiebreak": ["kl", 1],
     "tune_fixed": ["lambda", ["rho"], "auto,lambda_ratio", 3],
     "tune_head_pooling": ["cls", 1],

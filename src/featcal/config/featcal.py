@@ -142,9 +142,10 @@ class TuneOptions(StrictModel):
         "32 where the smallest task fits at least 64 examples with one split, else off (docs/tuning.md)",
     )
     tune_confirm: int = Field(
-        2, ge=1, le=10,
+        2, ge=0, le=10,
         description="tune, with a screen: how many of the screen's best settings are confirmed on the whole fit part "
-        "(the configured setting is always confirmed too)",
+        "(the configured setting is always confirmed too); 0: none, the screen's best is the choice, refitted on all "
+        "data (docs/tuning.md)",
     )
     tune_min_evidence: float = Field(
         0.0, ge=0.0, le=10.0,

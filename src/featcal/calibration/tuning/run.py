@@ -125,7 +125,8 @@ def calibrate_tuned(
     seconds = {"search": round(search_seconds, 3), "refit": round(refit_seconds, 3),
                "total_over_refit": round((search_seconds + refit_seconds) / max(refit_seconds, 1e-9), 2)}
     tuning = _record(config, plan, scorer.candidates, walk, chosen, seconds)
-    start = next(c for c in scorer.candidates if c.stage == "full")  # the configured setting at the choice's size
+    # the configured setting at the choice's size (the screen's, where nothing was confirmed)
+    start = next((c for c in scorer.candidates if c.stage == "full"), scorer.candidates[0])
     log.info("featcal tune: chose candidate %d of %d %s (held-out drift %.6g, start %.6g); refit on all data",
              tuning.chosen.index, len(scorer.candidates), best.as_dict(), best_score.drift, start.drift)
     return result.with_tuning(tuning)
@@ -260,6 +261,8 @@ def _confirm(plan: _Plan, walk: PatternSearch, scorer: _CandidateScorer,
     where it scores better (so the choice never scores worse than the configured setting at full size).
     (the choice, its score, its index among the candidates)."""
     ranked = sorted(walk.scores, key=lambda s: (_rank_key(walk.scores[s], plan.tiebreak), walk.index_of[s]))
+    if config.tune_confirm == 0:  # the screen's best is the choice (its score is the screen's)
+        return ranked[0], walk.scores[ranked[0]], walk.index_of[ranked[0]]
     finalists = [plan.start] + [s for s in ranked if s != plan.start][:config.tune_confirm]
     best, best_score = finalists[0], scorer(finalists[0])
     best_index = len(scorer.candidates) - 1

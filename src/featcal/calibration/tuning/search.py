@@ -64,7 +64,8 @@ def tune_calibrations(budget: float, holdout: float, folds: int = 1, screen_shar
     if screen_share is None:
         return fixed + limit * candidate_cost(holdout, folds)
     screened = (1.0 - holdout) * screen_share + holdout / FORWARDS_PER_CALIBRATION
-    return fixed + limit * screened + min(confirm + 1, limit) * candidate_cost(holdout, 1)
+    confirmed = min(confirm + 1, limit) if confirm else 0  # 0: the screen's best is the choice, none confirmed
+    return fixed + limit * screened + confirmed * candidate_cost(holdout, 1)
 
 
 def block_calibrations(holdout: float, per_block: int) -> float:
@@ -88,7 +89,8 @@ def planned_calibrations(config: Any, examples_per_task: int) -> tuple[float, st
     cost = tune_calibrations(config.tune_budget, config.tune_holdout, folds, share, config.tune_confirm)
     limit = max_candidates(config.tune_budget, config.tune_holdout, folds)
     how = (f"{limit} candidates" + ("" if folds == 1 else f" x {folds} folds")
-           + (f" screened on {screen} of {fit} fit examples per task, {min(config.tune_confirm + 1, limit)} confirmed"
+           + (f" screened on {screen} of {fit} fit examples per task, "
+              f"{min(config.tune_confirm + 1, limit) if config.tune_confirm else 'none'} confirmed"
               if screen else " on the whole fit part") + ", the refit on all data")
     return cost, how
 

@@ -85,6 +85,7 @@ FEATCAL_VARIANTS: dict[str, dict[str, Any]] = {
     "cross_fit": {"tune_folds": 2},  # with a tuned variant (tuned+cross_fit): candidates scored on every example
     "one_split": {"tune_folds": 1},  # with a tuned variant: one held-out split at every size (before tune_folds)
     "screened": {"tune_screen": "auto"},  # with a tuned variant: candidates screened on 32 per task, the best confirmed
+    "unconfirmed": {"tune_confirm": 0},  # with tuned+screened: the screen's best is the choice, nothing confirmed
 }
 
 
@@ -197,7 +198,7 @@ def variant_options(variant: str) -> dict[str, Any]:
                                   "different options")
             options[key] = value
     for key, part in (("tune_fixed", "fixed_lambda or scaling_only"), ("tune_folds", "cross_fit or one_split"),
-                      ("tune_screen", "screened")):
+                      ("tune_screen", "screened"), ("tune_confirm", "unconfirmed")):
         if key in options and not options.get("tune"):
             raise ConfigError(f"FeatCal variant {variant!r}: {part} changes how a tuned variant searches; "
                               f"combine it with one (tuned+{part.split()[0]})")
