@@ -562,6 +562,11 @@ def parser() -> argparse.ArgumentParser:
     for name in ("lr", "ta_scaling", "ties_density", "ties_scaling", "tune_budget"):
         p.add_argument("--" + name.replace("_", "-"), type=float, default=None)
     p.add_argument("--tune-screen", default=None, help="passed to featcal calibrate --tune (default: featcal's, off)")
+    p.add_argument("--tune-fixed", default=None,
+                   help="passed to featcal calibrate --tune: knobs held at their configured values (e.g. "
+                        "anchor_blend_rho,lambda_ratio,teacher_interp_alpha: the merge's scaling alone)")
+    p.add_argument("--tune-confirm", type=int, default=None,
+                   help="passed to featcal calibrate --tune (0: the screen's best is the choice, nothing confirmed)")
     p.add_argument("--tune-scope", choices=("model", "block"), default=None,
                    help="passed to featcal calibrate --tune (default: featcal's, model; block: rho and lambda chosen "
                         "per block inside one calibration, docs/tuning.md)")

@@ -46,7 +46,9 @@ def tune_args(s: Settings) -> list[str]:
     """The --tune options the bench passes (none: featcal's defaults)."""
     return ((["--tune-budget", str(s.tune_budget)] if s.tune_budget else [])
             + (["--tune-screen", str(s.tune_screen)] if s.tune_screen is not None else [])
-            + (["--tune-scope", s.tune_scope] if s.tune_scope is not None else []))
+            + (["--tune-scope", s.tune_scope] if s.tune_scope is not None else [])
+            + (["--tune-fixed", s.tune_fixed] if s.tune_fixed is not None else [])
+            + (["--tune-confirm", str(s.tune_confirm)] if s.tune_confirm is not None else []))
 
 
 def tune_cost(s: Settings, windows: int) -> tuple[float, str]:
@@ -62,6 +64,10 @@ def tune_cost(s: Settings, windows: int) -> tuple[float, str]:
         options["tune_screen"] = s.tune_screen
     if s.tune_scope is not None:
         options["tune_scope"] = s.tune_scope
+    if s.tune_fixed is not None:
+        options["tune_fixed"] = s.tune_fixed
+    if s.tune_confirm is not None:
+        options["tune_confirm"] = s.tune_confirm
     return planned_calibrations(FeatCalConfig(**options), windows)
 
 

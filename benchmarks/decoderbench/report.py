@@ -61,7 +61,9 @@ def _header(r: dict) -> list[str]:
     title = f"tiny {TINY_CLASS[arch]}" if s["tiny"] else MODEL_TITLES[model]
     env = r["environment"]
     screen = (f", --tune-screen {s['tune_screen']}" if s.get("tune_screen") is not None else "") + (
-        f", --tune-scope {s['tune_scope']}" if s.get("tune_scope") is not None else "")
+        f", --tune-scope {s['tune_scope']}" if s.get("tune_scope") is not None else "") + (
+        f", --tune-fixed {s['tune_fixed']}" if s.get("tune_fixed") is not None else "") + (
+        f", --tune-confirm {s['tune_confirm']}" if s.get("tune_confirm") is not None else "")
     return [f"# Decoder benchmark ({title})", "", f"Produced by: `{r['command']}`", "",
             f"Base: {b['source']} ({b['layers']} blocks, width {b['hidden']}), read with featcal.io.gguf and saved "
             f"once as safetensors ({b['checkpoint_for_eval']}): `featcal eval` scores that copy, and "

@@ -45,6 +45,9 @@ class Settings:
     tune_budget: float | None = 6.0  # --tune-budget (None: featcal's default, 10)
     tune_screen: str | None = None  # --tune-screen (None: featcal's default, off)
     tune_scope: str | None = None  # --tune-scope (None: featcal's default, model; block: rho and lambda per block)
+    tune_fixed: str | None = None  # --tune-fixed (None: featcal's default; "anchor_blend_rho,lambda_ratio,
+    # teacher_interp_alpha": the merge's scaling alone, what the text bench measured as the search's lever)
+    tune_confirm: int | None = None  # --tune-confirm (None: featcal's default, 2; 0: the screen's best is the choice)
     keep_models: bool = False  # else a calibrated checkpoint's weights are deleted once it is evaluated
     base_from_gguf: bool = False  # merges and calibrations read the .gguf (else its safetensors copy)
     threads: int = 2

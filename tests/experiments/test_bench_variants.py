@@ -92,7 +92,7 @@ def test_cli_prints_each_variants_gap(runs, capsys):
     (("tuned+tuned_soft",), "two of its parts set tune"),
     (("reference+joint_bias",), "'reference' is the configured method and cannot be combined"),
     (("joint_bias+joint_bias",), "names one variant twice"),
-    (("fixed_lambda",), "fixed_lambda changes how a tuned variant searches; combine it with one"),
+    (("fixed_lambda",), "fixed_lambda or scaling_only changes how a tuned variant searches; combine it with one"),
     (("cross_fit",), "cross_fit or one_split changes how a tuned variant searches; combine it with one"),
     (("one_split+joint_bias",), "cross_fit or one_split changes how a tuned variant searches; combine it with one"),
     (("tuned+cross_fit+one_split",), "two of its parts set tune_folds"),

@@ -46,9 +46,14 @@ def summary_line(record: Mapping[str, Any]) -> str:
     values = ", ".join(f"{k}={chosen[k]:g}" for k in ("merge_scaling", "anchor_blend_rho", "lambda_ratio",
                                                        "teacher_interp_alpha") if chosen.get(k) is not None)
     screen = record.get("screen") or {}
-    counted = (f"{screen['screened']} candidate(s) screened on {screen['examples_per_task']} examples per task, "
-               f"{len(screen['confirmed'])} confirmed on the whole fit part; all" if screen.get("confirmed")
-               else f"{len(record['candidates'])} candidate(s)")
+    if screen.get("confirmed"):
+        counted = (f"{screen['screened']} candidate(s) screened on {screen['examples_per_task']} examples per task, "
+                   f"{len(screen['confirmed'])} confirmed on the whole fit part; all")
+    elif screen.get("screened"):
+        counted = (f"{screen['screened']} candidate(s) screened on {screen['examples_per_task']} examples per task, "
+                   "none confirmed (the screen's best is the choice);")
+    else:
+        counted = f"{len(record['candidates'])} candidate(s)"
     line = (f"tune: {counted} scored on held-out calibration examples; chose "
             f"{values}: held-out drift {chosen['drift']:.4g} (starting setting {first['drift']:.4g})")
     if chosen.get("disagreement") is not None:
