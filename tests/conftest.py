@@ -60,7 +60,7 @@ def no_calibration_work(monkeypatch):
         raise AssertionError("calibration work started before the input was validated")
 
     monkeypatch.setattr(pipeline, "load_model", boom)
-    monkeypatch.setattr(pipeline, "load_task_sources", boom)
+    monkeypatch.setattr(pipeline, "_load_calibration", boom)
 
 
 @pytest.fixture

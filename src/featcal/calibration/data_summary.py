@@ -13,22 +13,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from featcal.config import FeatCalConfig
-from featcal.data.calibration import data_options, load_task_sources
-from featcal.errors import CalibrationDataError
-from featcal.io.models import load_config
+from featcal.data.calibration_set import CalibrationSet
 
 
-def read_task_data(sources: Mapping[str, Any], *, model_dir: Path, experts: Mapping[str, Path],
-                   config: FeatCalConfig, max_length: int, allow_fewer: bool) -> dict[str, dict[str, Any]]:
-    """Each task's data read as the run reads it (the same options, the same draw), its batches dropped: what
-    featcal.json will record of each (examples, tokens, format, packing). No model is loaded."""
-    _, records = load_task_sources(
-        sources, model_dir=model_dir, config=load_config(model_dir, error=CalibrationDataError),
-        batch_size=config.calibration_batch_size, experts=experts,
-        options=data_options(config, max_length=max_length, allow_fewer=allow_fewer),
-    )
-    return records
+def read_task_data(data: CalibrationSet) -> dict[str, dict[str, Any]]:
+    """Each task's data (checked, as `check_calibration_inputs` leaves it) read as the run reads it (the same
+    options, the same draw), its batches dropped: what featcal.json will record of each (examples, tokens, format,
+    packing). No model is loaded, and nothing the check opened is opened again."""
+    return data.load().records
 
 
 def _how_read(record: Mapping[str, Any], max_length: int | None) -> str:

@@ -30,12 +30,14 @@ from featcal.config import (
     DEFAULT_MAX_LENGTH,
     FeatCalConfig,
     OutputOptions,
+    calibration_options,
     check_expert_kinds,
     parse,
     run_options,
 )
 from featcal.data.batch import Batch
-from featcal.data.calibration import check_task_names, check_task_sources, data_options, load_task_sources
+from featcal.data.calibration import DataReader, check_task_names
+from featcal.data.calibration_set import CalibrationSet, open_calibration
 from featcal.data.preprocess import (
     IMAGE_PROCESSOR_FILES,
     TOKENIZER_FILES,
@@ -96,6 +98,7 @@ class CheckedInputs:
     read_as: dict[str, dict[str, Any]] = field(default_factory=dict)  # input label -> how it was read (featcal.json)
     # the experts' NaN / Inf check left to the calibration, which makes it as it reads each block (prefetch.py)
     finite_as_read: bool = False
+    data: CalibrationSet | None = None  # each task's data, checked: what the load reuses
 
     def kinds(self) -> dict[str, str]:
         """expert_kind by input label ("expert 'NAME'"), as the reader helpers take it."""
@@ -155,13 +158,17 @@ def check_calibration_inputs(
     check_config(model_config)  # an architecture featcal cannot calibrate: refused from its config, no weights read
     expert_dirs = {t: inputs[expert_label(t)] for t in tasks}
     data_dir = processor_dir(inputs[reference], inputs[BASE], model_config)
-    check_task_sources({t: calibration_sources[t] for t in tasks}, model_dir=data_dir, config=model_config,
-                       options=data_options(config, max_length=max_length, allow_fewer=allow_fewer),
-                       experts=expert_dirs)
+    data = open_calibration({t: calibration_sources[t] for t in tasks},
+                            reader=DataReader(data_dir, model_config, experts=expert_dirs),
+                            options=calibration_options(config, max_length=max_length, allow_fewer=allow_fewer))
+    if data.in_memory:  # featcal.json names and hashes each task's source
+        raise CalibrationDataError(f"task(s) {', '.join(map(repr, data.in_memory))}: calibration data written beside a "
+                                   "checkpoint must be a source (a path or a hub dataset id), not batches in memory")
+    data.check()
     as_read = _scan_finite(family, tasks, config, check_finite, merged is not None, progress)  # the costliest, last
     read_as = {label: family.kind(label) for label in family.items if label != MERGED}
     return CheckedInputs(tasks, out_path, inputs.get(MERGED), inputs[BASE], expert_dirs, data_dir, expert_kind, read_as,
-                         finite_as_read=as_read)
+                         finite_as_read=as_read, data=data)
 
 
 def _scan_finite(family: Any, tasks: list[str], config: FeatCalConfig, check_finite: bool, calibrating: bool,
@@ -333,8 +340,7 @@ def _calibrate_to_dir(
         merged_dir = Path(checked.merged or merged)
 
         load = Timer()
-        calibration, read_as = _load_calibration(checked, calibration_sources, config, max_length, allow_fewer,
-                                                 progress)
+        calibration, read_as = _load_calibration(checked, config, progress)
         data_seconds = load.seconds
         tokenizer = _tokenizer_plan(checked, merged_dir)  # refused here, before any work
         # loaded (and computed) in float32; written in --dtype, else the merge's stored dtype
@@ -378,18 +384,12 @@ def _with_resume_dir(config: FeatCalConfig, out_path: Path) -> FeatCalConfig:
     return config
 
 
-def _load_calibration(
-    checked: CheckedInputs, calibration_sources: Mapping[str, str | Path], config: FeatCalConfig,
-    max_length: int, allow_fewer: bool, progress: bool,
-) -> tuple[dict[str, list[Batch]], dict[str, dict]]:
-    """Each task's calibration batches, and what featcal.json records of each task's data (the model's config
-    is read once for all the tasks)."""
-    return load_task_sources(
-        {t: calibration_sources[t] for t in checked.tasks}, model_dir=checked.data_dir,
-        config=load_config(checked.data_dir, error=CalibrationDataError), batch_size=config.calibration_batch_size,
-        options=data_options(config, max_length=max_length, allow_fewer=allow_fewer), experts=checked.experts,
-        progress=progress,
-    )
+def _load_calibration(checked: CheckedInputs, config: FeatCalConfig,
+                      progress: bool) -> tuple[dict[str, list[Batch]], dict[str, dict]]:
+    """Each task's calibration batches, and what featcal.json records of each task's data: the data the checks
+    opened, drew and preprocessed (`checked.data`), not read again."""
+    loaded = checked.data.load(batch_size=config.calibration_batch_size, progress=progress)
+    return loaded.batches, loaded.records
 
 
 def _tune_arguments(

@@ -3,8 +3,8 @@
 `featcal.calibrate(..., calibration={"code": "code.jsonl", "chat": convs, "img": batches})`: a task's data
 is a source (a path, a hub dataset id, a `datasets.Dataset`, a list of texts, chat conversations, records
 or PIL images; docs/data.md) or model-ready batches (a tensor, a dict of tensors, or a list of those,
-passed on untouched). Sources are sampled, tokenised or image-processed and batched by the data seam
-(featcal.data.calibration) with the options in the FeatCalConfig, before any model is loaded.
+passed on untouched, a lone batch as a list of one). Every task goes through the data seam's one door
+(featcal.data.open_calibration), with the options in the FeatCalConfig, before any model is loaded.
 
 The tokenizer (or image processor) is the `tokenizer=` argument (an object, or a folder holding it),
 else the one saved with the merged model, else with the base: a path given, or a model's
@@ -21,10 +21,10 @@ from typing import Any
 
 from torch import nn
 
-from featcal.config import DEFAULT_MAX_LENGTH, FeatCalConfig, run_options
-from featcal.data.calibration import data_options, load_task_sources
+from featcal.config import DEFAULT_MAX_LENGTH, FeatCalConfig, calibration_options, run_options
+from featcal.data.calibration import DataReader
+from featcal.data.calibration_set import CalibrationSet, open_calibration
 from featcal.data.preprocess import has_processor_files, model_modality
-from featcal.data.sources import is_batch_data
 from featcal.errors import CalibrationDataError
 from featcal.io.models import load_config
 
@@ -35,24 +35,29 @@ def resolve_calibration(
 ) -> tuple[Any, dict[str, dict[str, Any]]]:
     """(`calibration` with every source read into batches, what featcal.json would record per source task).
 
-    Batches pass through untouched, and nothing is read when no task is a source; a mapping that is not
-    one, or names other tasks than `experts`, is left for the calibration's own checks to refuse.
+    Batches pass through untouched (a lone batch as a list of one); no reader is looked for when no task is a
+    source. A mapping that is not one, or names other tasks than `experts`, is left for the calibration's own
+    checks to refuse.
     """
     run_options(max_length=max_length, allow_fewer=allow_fewer)  # validated as the CLI's flags are
     if not isinstance(calibration, Mapping) or set(calibration) != set(experts):
         return calibration, {}
-    sources = [t for t, d in calibration.items() if not is_batch_data(d)]
-    if not sources:
-        return calibration, {}
+    data = open_calibration(calibration, options=calibration_options(config, max_length=max_length,
+                                                                     allow_fewer=allow_fewer))
+    if data.sources:
+        data = data.with_reader(_reader(merged, base, experts, tokenizer, data))
+    loaded = data.load(batch_size=config.calibration_batch_size, progress=progress)
+    return loaded.batches, loaded.records
+
+
+def _reader(merged: Any, base: Any, experts: Mapping[str, Any], tokenizer: Any, data: CalibrationSet) -> DataReader:
+    """What reads the sources: the merged model's config, its (or the base's, or the given) tokenizer or image
+    processor, the experts' folders for chat templates."""
     model_config = _config_of(merged)
-    model_dir, tokenizer_object = _processor(merged, base, tokenizer, model_config, sources)
+    model_dir, tokenizer_object = _processor(merged, base, tokenizer, model_config, list(data.sources))
     expert_dirs = {t: _folder_of(e) for t, e in experts.items()}
-    loaded, records = load_task_sources(
-        {t: calibration[t] for t in sources}, model_dir=model_dir, config=model_config, tokenizer=tokenizer_object,
-        batch_size=config.calibration_batch_size, experts={k: v for k, v in expert_dirs.items() if v is not None},
-        options=data_options(config, max_length=max_length, allow_fewer=allow_fewer), progress=progress,
-    )
-    return {**calibration, **loaded}, records
+    return DataReader(model_dir, model_config, tokenizer_object,
+                      experts={k: v for k, v in expert_dirs.items() if v is not None})
 
 
 def _config_of(model: Any):

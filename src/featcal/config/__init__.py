@@ -21,7 +21,13 @@ from featcal.config.base import (
     parse,
     seed_field,
 )
-from featcal.config.data import DEFAULT_CALIBRATION_EXAMPLES, DataOptions, data_field
+from featcal.config.data import (
+    DEFAULT_CALIBRATION_EXAMPLES,
+    CalibrationOptions,
+    DataOptions,
+    calibration_options,
+    data_field,
+)
 from featcal.config.featcal import (
     DEFAULT_TUNE_BUDGET,
     DEFAULT_TUNE_HOLDOUT,
@@ -92,11 +98,11 @@ __all__ = [
     "DEFAULT_TUNE_BUDGET", "DEFAULT_TUNE_HOLDOUT", "ENTRY_POINT_GROUP", "EXPERT_ENTRY_KEYS", "MAX_COVARIANCE_EPS", "MAX_LAMBDA_RATIO",
     "MAX_RUN_FILE_BYTES", "MAX_RUN_FILE_DEPTH", "MAX_RUN_FILE_VALUES", "MAX_SEED", "MERGE_METHODS", "RECIPE_OPTIONS",
     "REPORTED_WHEN_SET", "SECTIONS", "TASK_VECTOR_METHODS", "WHOLE_MODEL_MERGE_METHODS", "CalibrateSpec",
-    "DataOptions", "Densities", "Device", "DropRates", "ExecutionOptions", "FeatCalConfig", "FrozenStrictModel",
+    "CalibrationOptions", "DataOptions", "Densities", "Device", "DropRates", "ExecutionOptions", "FeatCalConfig", "FrozenStrictModel",
     "MergeConfig", "MergeMethod", "MergeSpec", "MergedSpec", "MethodKind", "MethodName", "MethodParams",
     "MethodSpec", "ModulePatterns", "OutputDtype", "OutputOptions", "RegMeanParams", "ResumeOptions", "RunConfig",
     "RunOptions", "SolveOptions", "StrictModel", "TuneKnob", "TuneOptions", "Weight", "WudiParams", "add_method",
-    "check_expert_kinds", "check_tune_options", "data_field", "find_method", "is_task_vector_merge", "load_plugins", "load_run_file",
+    "calibration_options", "check_expert_kinds", "check_tune_options", "data_field", "find_method", "is_task_vector_merge", "load_plugins", "load_run_file",
     "merge_field", "method_names", "method_spec", "own_parameters", "params_model", "parse", "read_run_data", "registered_methods",
     "run_config", "run_options", "seed_field", "unknown_method_message",
 ]

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
-from featcal.config.base import StrictModel, seed_field
+from featcal.config.base import DEFAULT_MAX_LENGTH, StrictModel, parse, seed_field
 
 DEFAULT_CALIBRATION_EXAMPLES = 256
 
@@ -44,6 +44,54 @@ class DataOptions(StrictModel):
         None, description="concatenate documents and cut them into max_length-token windows; unset: plain-text "
         "files read by a decoder (a causal LM) are packed, everything else is one example per record"
     )
+
+
+class CalibrationOptions(DataOptions):
+    """Everything that decides how calibration data is read, in one frozen value: the DataOptions, the run's
+    `max_length` and `allow_fewer`, and whether `num_calibration_examples` was asked for (a requirement) or left at
+    its default (a ceiling). What `featcal.data.open_calibration` takes; `calibration_options` builds it from a
+    FeatCalConfig or MergeConfig and the run's options."""
+
+    model_config = ConfigDict(frozen=True, validate_assignment=False)
+    concern: ClassVar[str] = "reading calibration data (docs/data.md)"
+
+    max_length: int = Field(DEFAULT_MAX_LENGTH, description="truncate calibration texts to this many tokens")
+    allow_fewer: bool = Field(
+        False, description="use all examples of a task holding fewer than num_calibration_examples (with a warning)"
+    )
+    num_examples_explicit: bool = Field(
+        False, description="num_calibration_examples was asked for (fewer refused unless allow_fewer); unset: whether "
+        "it was given"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _explicit_when_given(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "num_examples_explicit" not in data:
+            data = {**data, "num_examples_explicit": "num_calibration_examples" in data}
+        return data
+
+    @field_validator("max_length")
+    @classmethod
+    def _at_least_one(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError(f"max_length must be at least 1, got {v}")
+        return v
+
+    def report(self) -> dict[str, Any]:
+        """The options as a merge's featcal.json records them: the DataOptions, max_length, allow_fewer."""
+        return self.model_dump(exclude={"num_examples_explicit"})
+
+
+def calibration_options(config: DataOptions, *, max_length: int = DEFAULT_MAX_LENGTH,
+                        allow_fewer: bool = False) -> CalibrationOptions:
+    """The CalibrationOptions a FeatCalConfig or MergeConfig (any DataOptions) and the run's options set: the one
+    place the configs are mapped onto the data seam. ConfigError on a bad value."""
+    values = {name: getattr(config, name) for name in DataOptions.model_fields}
+    return parse(CalibrationOptions, {
+        **values, "max_length": max_length, "allow_fewer": allow_fewer,
+        "num_examples_explicit": "num_calibration_examples" in config.model_fields_set,
+    })
 
 
 def data_field(name: str, **changes: Any) -> Any:

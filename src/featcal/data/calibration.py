@@ -8,9 +8,10 @@ conversations); texts are tokenised as `tokenizer(texts)` does, conversations as
 `tokenizer.apply_chat_template(conversations)` does, and with packing (decoders reading plain-text files,
 by default) documents are concatenated and cut into windows of `max_length` tokens (data/packing.py).
 
-Example counts: `num_examples` is a ceiling when it is the default (`num_examples_explicit=False`: a task
-holding fewer uses them all, with one warning), and a requirement when the user asked for it (fewer are
-refused unless `allow_fewer`).
+Example counts: `num_calibration_examples` is a ceiling when it is the default (`num_examples_explicit` False: a
+task holding fewer uses them all, with one warning), and a requirement when the user asked for it (fewer are
+refused unless `allow_fewer`). How a source is read is one value, `CalibrationOptions` (config/data.py); what
+reads it for the model is a `DataReader`. Several tasks' data go through the door in calibration_set.py.
 """
 
 from __future__ import annotations
@@ -19,14 +20,14 @@ import contextlib
 import hashlib
 import logging
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
-from featcal.config import DEFAULT_MAX_LENGTH
+from featcal.config import DEFAULT_MAX_LENGTH, CalibrationOptions, parse
 from featcal.data.batch import Batch, BatchLike, batch_size
 from featcal.data.fingerprint import FINGERPRINT_SCHEME, example_sha256
 from featcal.data.packing import documents_in_order, pack
@@ -48,55 +49,93 @@ def sample_indices(count: int, num: int, seed: int) -> list[int]:
     return torch.randperm(count, generator=generator)[:num].tolist()
 
 
+@dataclass(frozen=True)
+class DataReader:
+    """What reads calibration data for the model: its transformers `config` (read from `model_dir` where not given),
+    the tokenizer or image processor saved in `model_dir` (or `tokenizer`, an object: the Python API's), and the
+    `experts` (task -> folder) where a chat template is looked for when the tokenizer has none (`template_dirs`)."""
+
+    model_dir: str | Path | None = None
+    config: Any = None
+    tokenizer: Any = None
+    experts: Mapping[str, Any] = field(default_factory=dict)
+
+    def with_config(self) -> DataReader:
+        """This reader, with the model's config read from `model_dir` where it was not given (read once)."""
+        if self.config is not None:
+            return self
+        if self.model_dir is None:
+            raise ConfigError("the model's config is needed to read calibration data (pass config= or model_dir=)")
+        return replace(self, config=load_config(self.model_dir, error=CalibrationDataError))
+
+    def template_dirs(self, task: str) -> dict[str, Path]:
+        """Where task `task`'s chat template is looked for when the tokenizer has none (`template_dirs`)."""
+        return template_dirs(self.experts, task)
+
+
 @dataclass
 class SourcePlan:
-    """What checking a source established: the source, what the model reads from it and how."""
+    """What checking a source established: the source, what the model reads from it and how; what the check
+    drew and preprocessed (text), kept for the load (`read_plan`), which then opens and parses nothing again."""
 
     source: ExampleSource
     modality: Modality
     count: int  # examples (or packed windows) that will be used
     requested: int
     explicit: bool  # whether the count was asked for (else it is the default ceiling)
+    reader: DataReader  # with the model's config read
+    options: CalibrationOptions
     preprocessor: Any = None  # a TextPreprocessor, built when checking needed it (text models)
     windows: list[list[int]] | None = None  # packed windows of token ids, when packing
     packed_sha256: list[str] | None = None  # fingerprints of the documents the packed windows hold
     shortfall: str | None = None  # the warning to give when the source holds fewer than requested
     record: dict[str, Any] = field(default_factory=dict)
-
-
-def data_options(config: Any, *, max_length: int = DEFAULT_MAX_LENGTH, allow_fewer: bool = False) -> dict[str, Any]:
-    """The keyword options of check_calibration_source / load_calibration_batches a FeatCalConfig or
-    MergeConfig (and the run options) set: one place maps the config onto the data seam."""
-    return {
-        "num_examples": config.num_calibration_examples,
-        "num_examples_explicit": "num_calibration_examples" in config.model_fields_set,
-        "seed": config.seed, "max_length": max_length, "allow_fewer": allow_fewer,
-        "text_column": config.text_column, "allow_test_split": config.allow_test_split,
-        "text_unit": config.text_unit, "data_format": config.data_format, "pack_texts": config.pack_texts,
-    }
+    drawn: tuple[int, list[Batch], list[str]] | None = None  # (batch size, batches, fingerprints) the check made
 
 
 def _model_label(model_dir: str | Path | None, config) -> str:
     return f"the model in {model_dir} ({config.model_type})" if model_dir is not None else f"the model ({config.model_type})"
 
 
-def plan_source(
-    source: Any, *, model_dir: str | Path | None, num_examples: int, allow_fewer: bool = False, config=None,
-    text_column: str | None = None, allow_test_split: bool = False, text_unit: str | None = None,
-    data_format: str | None = None, pack_texts: bool | None = None, max_length: int = DEFAULT_MAX_LENGTH,
-    num_examples_explicit: bool = True, tokenizer=None, template_dirs: Mapping[str, Path] | None = None,
-    seed: int = 0,
-) -> SourcePlan:
-    """Open `source` and check it can feed the model, loading no model (see check_calibration_source)."""
-    if config is None:
-        if model_dir is None:
-            raise ConfigError("the model's config is needed to read calibration data (pass config= or model_dir=)")
-        config = load_config(model_dir, error=CalibrationDataError)
-    wanted = model_modality(config)
-    label = _model_label(model_dir, config)
-    _refuse_text_options(wanted, label, text_column=text_column, text_unit=text_unit, pack_texts=pack_texts)
-    src = open_source(source, text_column=text_column, allow_test_split=allow_test_split, text_unit=text_unit,
-                      data_format=data_format, modality=wanted)
+def plan_source(source: Any, options: CalibrationOptions, reader: DataReader,
+                template_dirs: Mapping[str, Path] | None = None) -> SourcePlan:
+    """Open `source` and check it can feed the reader's model, loading no model.
+
+    Refuses an empty set, the wrong modality, an ambiguous or missing text column, a test split (unless
+    `allow_test_split`), chat data without a chat template (looked for in `template_dirs` when the tokenizer has
+    none), and fewer examples than asked when the count was asked for (`num_examples_explicit`) unless
+    `allow_fewer`. Packs the documents into windows where the options say so.
+    """
+    reader = reader.with_config()
+    wanted = model_modality(reader.config)
+    label = _model_label(reader.model_dir, reader.config)
+    _refuse_text_options(wanted, label, text_column=options.text_column, text_unit=options.text_unit,
+                         pack_texts=options.pack_texts)
+    src = open_source(source, text_column=options.text_column, allow_test_split=options.allow_test_split,
+                      text_unit=options.text_unit, data_format=options.data_format, modality=wanted)
+    _refuse_content(src, wanted, label)
+    num = options.num_calibration_examples
+    plan = SourcePlan(src, wanted, 0, num, options.num_examples_explicit, reader, options)
+    plan.record = {"source": str(src.path), **src.describe(wanted)}  # refuses an ambiguous text column
+    available, unit = len(src), "example"
+    if wanted == "text":
+        plan.preprocessor = make_preprocessor(reader.model_dir, reader.config, options.max_length,
+                                              tokenizer=reader.tokenizer)
+        if src.content("text") == "chat":
+            plan.record["chat_template"] = plan.preprocessor.use_chat_template(template_dirs).record()
+        if _packs(options.pack_texts, src, reader.config):
+            plan.windows, plan.packed_sha256 = _pack(src, plan.preprocessor, num, options.seed)
+            available, unit = len(plan.windows), "window"
+            plan.record["packed"] = {"window": plan.preprocessor.max_length, "documents": len(src)}
+    plan.count = min(num, available)
+    plan.record["requested"] = num
+    if available < num:
+        _shortfall(plan, available, unit)
+    return plan
+
+
+def _refuse_content(src: ExampleSource, wanted: Modality, label: str) -> None:
+    """An empty source, or one holding no `wanted` examples (the model's modality), is refused."""
     if len(src) == 0:
         hint = src.empty_hint() if hasattr(src, "empty_hint") else ""
         raise CalibrationDataError(f"calibration data {src.path} ({src.kind}) holds no examples{hint}")
@@ -107,29 +146,20 @@ def plan_source(
         raise CalibrationDataError(
             f"calibration data {src.path} ({src.kind}) holds {held}, but {label} takes {_NOUN[wanted]}{hint}"
         )
-    plan = SourcePlan(src, wanted, 0, num_examples, num_examples_explicit)
-    plan.record = {"source": str(src.path), **src.describe(wanted)}  # refuses an ambiguous text column
-    available, unit = len(src), "example"
-    if wanted == "text":
-        plan.preprocessor = make_preprocessor(model_dir, config, max_length, tokenizer=tokenizer)
-        if src.content("text") == "chat":
-            plan.record["chat_template"] = plan.preprocessor.use_chat_template(template_dirs).record()
-        if _packs(pack_texts, src, config):
-            plan.windows, plan.packed_sha256 = _pack(src, plan.preprocessor, num_examples, seed)
-            available, unit = len(plan.windows), "window"
-            plan.record["packed"] = {"window": plan.preprocessor.max_length, "documents": len(src)}
-    plan.count = min(num_examples, available)
-    plan.record["requested"] = num_examples
-    if available < num_examples:
-        asked = "asked for" if num_examples_explicit else "used by default (num_calibration_examples)"
-        held = f"{available} {unit}{'' if available == 1 else 's'}"
-        if plan.windows is not None:
-            held += f" of {plan.preprocessor.max_length} tokens"
-        message = f"calibration data {src.path} holds {held}, fewer than the {num_examples} {asked}"
-        if num_examples_explicit and not allow_fewer:
-            raise CalibrationDataError(message + " (pass --allow-fewer, allow_fewer=True, to use them all)")
-        plan.shortfall = f"{message}; using all {available}{_unit_hint(src, plan.windows is not None)}"
-    return plan
+
+
+def _shortfall(plan: SourcePlan, available: int, unit: str) -> None:
+    """A source holding fewer examples than requested: refused when the count was asked for (unless allow_fewer),
+    else the warning the load gives."""
+    num, src = plan.requested, plan.source
+    asked = "asked for" if plan.explicit else "used by default (num_calibration_examples)"
+    held = f"{available} {unit}{'' if available == 1 else 's'}"
+    if plan.windows is not None:
+        held += f" of {plan.preprocessor.max_length} tokens"
+    message = f"calibration data {src.path} holds {held}, fewer than the {num} {asked}"
+    if plan.explicit and not plan.options.allow_fewer:
+        raise CalibrationDataError(message + " (pass --allow-fewer, allow_fewer=True, to use them all)")
+    plan.shortfall = f"{message}; using all {available}{_unit_hint(src, plan.windows is not None)}"
 
 
 def _refuse_text_options(wanted: Modality, label: str, **options: Any) -> None:
@@ -193,35 +223,55 @@ def template_dirs(experts: Mapping[str, Any], task: str) -> dict[str, Path]:
     return out
 
 
-def check_calibration_source(source: Any, *, model_dir: str | Path | None, num_examples: int, **options: Any):
-    """Open `source` and check it can feed the model in `model_dir`, loading no model.
-
-    Refuses an empty set, the wrong modality, an ambiguous or missing text column, a test split (unless
-    `allow_test_split`), chat data without a chat template, and fewer examples than asked when the count
-    was asked for (`num_examples_explicit`, the default here) unless `allow_fewer`. Options: as
-    `plan_source` takes them (config, text_column, allow_test_split, text_unit, data_format, pack_texts,
-    max_length, num_examples_explicit, tokenizer, template_dirs, seed). Returns (source, modality the model
-    takes, number of examples that will be drawn).
-    """
-    plan = plan_source(source, model_dir=model_dir, num_examples=num_examples, **options)
-    _preprocess_drawn(plan, options.get("seed", 0))
-    return plan.source, plan.modality, plan.count
-
-
-def _preprocess_drawn(plan: SourcePlan, seed: int, chunk: int = 16) -> None:
-    """The texts or conversations the run will draw, preprocessed as `load_calibration_batches` preprocesses them
-    and thrown away: a chat template that raises on one of them ("roles must alternate"), a text the tokenizer
-    turns into no tokens, a token id past the vocabulary are refused by the check (featcal plan, calibrate and run
-    before any work), not once the run reaches them (issue 49). Images are left to the run."""
-    if plan.preprocessor is None:
+def preprocess_drawn(plan: SourcePlan, batch_size: int) -> None:
+    """The check's last step: the texts or conversations the run will draw, preprocessed now, in the batches the
+    run reads (kept on the plan for `read_plan`): a chat template that raises on one of them ("roles must
+    alternate"), a text the tokenizer turns into no tokens, a token id past the vocabulary are refused by the
+    check (featcal plan, calibrate and run before any work), not once the run reaches them (issue 49). Images are
+    left to the load."""
+    if plan.preprocessor is None or (plan.drawn is not None and plan.drawn[0] == batch_size):
         return
-    if plan.windows is not None:  # packing already rendered and tokenised every document the windows hold
-        for i in range(0, len(plan.windows), chunk):
-            plan.preprocessor.windows(plan.windows[i : i + chunk])
-        return
-    indices = sample_indices(len(plan.source), plan.count, seed)
-    for i in range(0, len(indices), chunk):
-        plan.preprocessor(plan.source.examples(indices[i : i + chunk], plan.modality))
+    plan.drawn = (batch_size, *_draw(plan, plan.preprocessor, batch_size, progress=False))
+
+
+def read_plan(plan: SourcePlan, batch_size: int, progress: bool = False) -> tuple[list[Batch], dict[str, Any]]:
+    """The checked source's batches of at most `batch_size` examples, and what featcal.json says of the source
+    (`load_calibration_batches`' `record`): what the check drew and preprocessed is used as it is, nothing is
+    opened or parsed again."""
+    if plan.shortfall is not None:
+        log.warning("%s", plan.shortfall)
+        plan.record["warning"] = plan.shortfall
+    if plan.drawn is not None and plan.drawn[0] == batch_size:
+        _, batches, fingerprints = plan.drawn
+    else:
+        preprocess = plan.preprocessor or make_preprocessor(plan.reader.model_dir, plan.reader.config,
+                                                            plan.options.max_length)
+        batches, fingerprints = _draw(plan, preprocess, batch_size, progress)
+    # each drawn example's fingerprint (packed: the documents the windows hold), what `featcal eval`'s leakage
+    # guard reads, and how they were made (older featcal.json: scheme 1)
+    record = {**plan.record, "example_sha256": fingerprints, "example_fingerprint": FINGERPRINT_SCHEME}
+    return batches, record
+
+
+def _draw(plan: SourcePlan, preprocess: Any, batch_size: int, progress: bool) -> tuple[list[Batch], list[str]]:
+    """The plan's examples (or packed windows), drawn with the seeded permutation and preprocessed in batches of
+    `batch_size`; and their fingerprints."""
+    name = Path(str(plan.source.path)).name
+    if plan.windows is not None:
+        chunks = [plan.windows[i : i + batch_size] for i in range(0, len(plan.windows), batch_size)]
+        batches = [preprocess.windows(c) for c in tqdm(chunks, desc=f"data {name}", unit="batch", disable=not progress)]
+        return batches, list(plan.packed_sha256 or [])
+    indices = sample_indices(len(plan.source), plan.count, plan.options.seed)
+    chunks = [indices[i : i + batch_size] for i in range(0, len(indices), batch_size)]
+    batches, fingerprints = [], []
+    for chunk in tqdm(chunks, desc=f"data {name}", unit="batch", disable=not progress):
+        examples = plan.source.examples(chunk, plan.modality)
+        fingerprints.extend(example_sha256(e) for e in examples)
+        batches.append(preprocess(examples))
+    return batches, fingerprints
+
+
+_READER_KEYS = ("config", "tokenizer", "template_dirs")
 
 
 def load_calibration_batches(
@@ -237,49 +287,30 @@ def load_calibration_batches(
     record: dict | None = None,
     **options: Any,
 ) -> list[Batch]:
-    """Draw `num_examples` examples from `source` and preprocess them for the model in `model_dir`.
+    """Draw `num_examples` examples from one `source` and preprocess them for the model in `model_dir`.
 
     Returns batches of at most `batch_size` examples, each a dict of keyword inputs
     (pixel_values; or input_ids, attention_mask[, decoder_input_ids, ...]). `record`, when given, is
     filled with what featcal.json says about the source (its format, content and unit, the column or chat
     layout read, the chat template and where it came from, packing, the count requested, the warning
     when the source held fewer, and each drawn example's fingerprint, `example_sha256`, so that `featcal
-    eval` can refuse to score the model on those very examples). Other options: as
-    `check_calibration_source` takes them (`config`: the model's transformers config when the caller
-    already has it, so a run reads it once).
+    eval` can refuse to score the model on those very examples). Other options: CalibrationOptions' fields
+    (text_column, allow_test_split, text_unit, data_format, pack_texts, num_examples_explicit: True unless
+    given) and the reader's (`config`: the model's transformers config when the caller already has it,
+    `tokenizer`, `template_dirs`). Several tasks: `featcal.data.open_calibration`.
     """
     if num_examples < 1 or batch_size < 1 or max_length < 1:
         raise ConfigError(
             f"num_examples, batch_size and max_length must be >= 1 (got {num_examples}, {batch_size}, {max_length})"
         )
-    config = options.pop("config", None)
-    if config is None:
-        config = load_config(model_dir, error=CalibrationDataError)
-    plan = plan_source(source, model_dir=model_dir, num_examples=num_examples, allow_fewer=allow_fewer,
-                       config=config, max_length=max_length, seed=seed, **options)
-    if plan.shortfall is not None:
-        log.warning("%s", plan.shortfall)
-        plan.record["warning"] = plan.shortfall
+    reading = {k: options.pop(k) for k in _READER_KEYS if k in options}
+    values = {"num_calibration_examples": num_examples, "calibration_batch_size": batch_size, "seed": seed,
+              "max_length": max_length, "allow_fewer": allow_fewer, "num_examples_explicit": True, **options}
+    reader = DataReader(model_dir, reading.get("config"), reading.get("tokenizer"))
+    plan = plan_source(source, parse(CalibrationOptions, values), reader, reading.get("template_dirs"))
+    batches, got = read_plan(plan, batch_size, progress)
     if record is not None:
-        record.update(plan.record)
-    name = Path(str(plan.source.path)).name
-    preprocess = plan.preprocessor or make_preprocessor(model_dir, config, max_length)
-    if plan.windows is not None:
-        chunks = [plan.windows[i : i + batch_size] for i in range(0, len(plan.windows), batch_size)]
-        if record is not None:
-            record["example_sha256"] = plan.packed_sha256  # the documents the windows hold
-            record["example_fingerprint"] = FINGERPRINT_SCHEME
-        return [preprocess.windows(c) for c in tqdm(chunks, desc=f"data {name}", unit="batch", disable=not progress)]
-    indices = sample_indices(len(plan.source), plan.count, seed)
-    chunks = [indices[i : i + batch_size] for i in range(0, len(indices), batch_size)]
-    batches, fingerprints = [], []
-    for chunk in tqdm(chunks, desc=f"data {name}", unit="batch", disable=not progress):
-        examples = plan.source.examples(chunk, plan.modality)
-        fingerprints.extend(example_sha256(e) for e in examples)  # what `featcal eval`'s leakage guard reads
-        batches.append(preprocess(examples))
-    if record is not None:
-        record["example_sha256"] = fingerprints
-        record["example_fingerprint"] = FINGERPRINT_SCHEME  # how they were made (older featcal.json: scheme 1)
+        record.update(got)
     return batches
 
 
@@ -349,35 +380,3 @@ def _tokens(batches: list[BatchLike]) -> int | None:
         count = int(mask.sum()) if isinstance(mask, torch.Tensor) else int(b["input_ids"].numel())
         total = (total or 0) + count
     return total
-
-
-def check_task_sources(sources: Mapping[str, Any], *, model_dir: str | Path | None, config: Any,
-                       options: Mapping[str, Any], experts: Mapping[str, Any] | None = None) -> None:
-    """`check_calibration_source` for each task's source, naming the task in any error; chat templates are
-    looked for with the task's own expert first (`template_dirs`). `options`: `data_options(...)`'s."""
-    for task, source in sources.items():
-        with naming_task(task):
-            check_calibration_source(source, model_dir=model_dir, config=config,
-                                     template_dirs=template_dirs(experts or {}, task), **options)
-
-
-def load_task_sources(
-    sources: Mapping[str, Any], *, model_dir: str | Path | None, config: Any, options: Mapping[str, Any],
-    batch_size: int, experts: Mapping[str, Any] | None = None, progress: bool = False, tokenizer: Any = None,
-) -> tuple[dict[str, list[Batch]], dict[str, dict[str, Any]]]:
-    """Each task's source read into batches (`load_calibration_batches`), and what featcal.json records of it:
-    how it was read, the source (a path), its batches (`batches_record`). The one loop behind featcal calibrate,
-    featcal.calibrate's sources and the RegMean merges' data."""
-    batches: dict[str, list[Batch]] = {}
-    records: dict[str, dict[str, Any]] = {}
-    for task, source in sources.items():
-        record: dict[str, Any] = {}
-        with naming_task(task):
-            batches[task] = load_calibration_batches(
-                source, model_dir=model_dir, batch_size=batch_size, progress=progress, record=record, config=config,
-                tokenizer=tokenizer, template_dirs=template_dirs(experts or {}, task), **options,
-            )
-        if isinstance(source, (str, Path)) or hasattr(source, "__fspath__"):
-            record["source"] = str(source)
-        records[task] = {**record, **batches_record(batches[task])}
-    return batches, records

@@ -45,7 +45,7 @@ from featcal.errors import CalibrationDataError, SplitChoiceError
 __all__ = [
     "DATA_FORMATS", "IMAGE_COLUMNS", "IMAGE_SUFFIXES", "NON_TEXT_COLUMNS", "TARGET_COLUMNS", "TEST_SPLITS",
     "TEXT_COLUMNS", "CalibrationSource", "Example", "ImageFolderSource", "ListSource", "Modality", "TableSource",
-    "TextExample", "TextSource", "is_batch_data", "is_source", "open_source",
+    "TextExample", "TextSource", "is_source", "open_source",
 ]
 
 CalibrationSource = ExampleSource  # the old name of the protocol
@@ -176,11 +176,6 @@ def is_source(data: Any) -> bool:
 
         return not any(isinstance(v, torch.Tensor) for v in first.values())  # a record, not a dict of tensors
     return isinstance(first, (str, list, tuple)) or _all_images(data[:1])
-
-
-def is_batch_data(data: Any) -> bool:
-    """The complement of `is_source`: batches made by the caller, used as given."""
-    return not is_source(data)
 
 
 def open_source(

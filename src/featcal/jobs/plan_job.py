@@ -240,9 +240,7 @@ def _data(r: PlanRequest, checked) -> dict:
     it (calibration/data_summary.py)."""
     from featcal.calibration.data_summary import read_task_data
 
-    return read_task_data({t: r.calibration[t] for t in checked.tasks}, model_dir=checked.data_dir,
-                          experts=checked.experts, config=r.config, max_length=r.options.max_length,
-                          allow_fewer=r.options.allow_fewer)
+    return read_task_data(checked.data)
 
 
 def _plan_from_config(r: PlanRequest) -> PlanResult:

@@ -271,17 +271,17 @@ def merge(
     if out is not None and isinstance(base_src, ModuleSource):
         base_src.check_can_save()
     model_dir = None if isinstance(base_src, ModuleSource) else Path(base_src.path)
+    data = None
     if calibration:
-        check_calibration_data(calibration, model_dir=model_dir, config=cfg, max_length=max_length,
-                               allow_fewer=allow_fewer, experts=experts)
+        data = check_calibration_data(calibration, model_dir=model_dir, config=cfg, max_length=max_length,
+                                      allow_fewer=allow_fewer, experts=experts)
     validate_family(base_src, expert_srcs, progress=progress)
     plan = plan_output(base, experts, base_src, expert_srcs, sorted(base_src.keys()), output_options, vocab)
     validate_seconds = total.seconds
 
     loaded, data_timer = None, Timer()
-    if calibration:
-        loaded = load_calibration(calibration, model_dir=model_dir, config=cfg, max_length=max_length,
-                                  allow_fewer=allow_fewer, progress=progress, experts=experts)
+    if data is not None:
+        loaded = load_calibration(data, progress=progress)
     data_seconds = {"load_data": data_timer.seconds} if loaded is not None else {}
     merger = make_merger(cfg, calibration=loaded, allow_pickle=allow_pickle)
     family = Family(base_src, expert_srcs)
