@@ -26,7 +26,7 @@ from featcal.calibration.planner import (
     model_shape,
     render,
 )
-from featcal.config import FeatCalConfig
+from featcal.config import DEFAULT_MAX_LENGTH, FeatCalConfig
 from featcal.errors import ConfigError
 from featcal.io.models import load_config
 
@@ -179,7 +179,7 @@ class ConfigPlan:
     fits: list[Fit]  # one per target
 
 
-def config_plan(source: str | os.PathLike, *, tasks: int, config: FeatCalConfig, max_length: int = 128,
+def config_plan(source: str | os.PathLike, *, tasks: int, config: FeatCalConfig, max_length: int = DEFAULT_MAX_LENGTH,
                 targets: list[Target] = (), throughput: cost.Throughput | None = None,
                 baseline_bytes: int | None = None, world: int = 1) -> ConfigPlan:
     """Plan from a model's config alone (`source`: a config.json, a folder, a hub id): the memory plan at `config`,
@@ -216,7 +216,7 @@ def render_config_plan(p: ConfigPlan, *, with_plan: bool = True, max_memory: int
     return "\n".join(parts)
 
 
-def plan_report(source: str | os.PathLike, *, tasks: int, config: FeatCalConfig, max_length: int = 128,
+def plan_report(source: str | os.PathLike, *, tasks: int, config: FeatCalConfig, max_length: int = DEFAULT_MAX_LENGTH,
                 targets: list[Target] = (), throughput: cost.Throughput | None = None, with_plan: bool = True,
                 max_memory: int | None = None, baseline_bytes: int | None = None, world: int = 1) -> str:
     """What `featcal plan` prints from a model's config alone (config_plan, rendered): the memory plan at `config`

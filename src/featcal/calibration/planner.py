@@ -47,7 +47,7 @@ from featcal.blocks.support import check_config
 from featcal.calibration.chains import DTYPES
 from featcal.calibration.cost import input_groups
 from featcal.calibration.placement import stem_parts
-from featcal.config import FeatCalConfig
+from featcal.config import DEFAULT_MAX_LENGTH, FeatCalConfig
 from featcal.errors import ConfigError
 from featcal.io.models import load_config
 from featcal.io.report import peak_rss_mb
@@ -431,14 +431,14 @@ def render(plan: MemoryPlan, options: list[tuple[str, MemoryPlan]], max_memory: 
     return "\n".join(lines)
 
 
-def plan_for_checkpoint(merged: str | os.PathLike, *, tasks: int, config: FeatCalConfig, max_length: int = 128,
+def plan_for_checkpoint(merged: str | os.PathLike, *, tasks: int, config: FeatCalConfig, max_length: int = DEFAULT_MAX_LENGTH,
                         baseline_bytes: int | None = None, world: int = 1) -> tuple[MemoryPlan, list]:
     """Plan a calibration of the checkpoint at `merged` (reads its config.json only)."""
     return plan_for_config(merged, tasks=tasks, config=config, max_length=max_length, baseline_bytes=baseline_bytes,
                            world=world)
 
 
-def plan_for_config(source: str | os.PathLike, *, tasks: int, config: FeatCalConfig, max_length: int = 128,
+def plan_for_config(source: str | os.PathLike, *, tasks: int, config: FeatCalConfig, max_length: int = DEFAULT_MAX_LENGTH,
                     baseline_bytes: int | None = None, world: int = 1) -> tuple[MemoryPlan, list]:
     """Plan a calibration from a model's config alone: a config.json file, a folder holding one, or a hub id
     (nothing but the config is read; the model is built on the meta device)."""

@@ -17,6 +17,8 @@ class EvalOptions(FrozenStrictModel):
     concern: ClassVar[str] = "evaluation options"
 
     batch_size: int = Field(16, ge=1, description="examples per forward (batches are length-sorted)")
+    # 512, not calibration's DEFAULT_MAX_LENGTH (128): a score must read the whole of a test text, a calibration
+    # sample need not (and changing it would change every evaluation figure made since)
     max_length: int = Field(512, ge=1, description="truncate texts to this many tokens")
     max_examples: int | None = Field(None, ge=1, description="evaluate a seeded subset of this many examples per task")
     seed: int = Field(0, ge=0, le=MAX_SEED, description="seed of the --max-examples subset")

@@ -24,6 +24,7 @@ from featcal.experiments.evaluation.templates import glue_prompt
 
 STSB_FALLBACK = 0.0
 _TARGET_MAX_LENGTH = 32  # label words and stsb scores are a few tokens
+# the functions' max_length default, 512, is the paper's GLUE setting (reproduce/options.py), not calibration's 128
 _NUMBER = re.compile(r"[-+]?(?:\d+\.\d*|\.\d+|\d+)")
 
 

@@ -30,6 +30,7 @@ class ReproduceOptions(StrictModel):
     data_dir: Path | None = Field(None, description="local datasets saved with save_to_disk, one folder per id, "
                                   "e.g. D/tanganke/eurosat/ (a config in a subfolder: D/nyu-mll/glue/cola/)")
     scaling: float | None = Field(None, gt=0.0, le=10.0, description="TA scaling; default: the setting's (0.3)")
+    # the paper's 512, not the library's DEFAULT_MAX_LENGTH (128): the reproduced figures were made with it
     max_length: int = Field(512, ge=8, description="token limit of text calibration / evaluation inputs (the "
                             "paper's settings: 512)")
 
