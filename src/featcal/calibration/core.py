@@ -7,6 +7,7 @@ candidate and for the final refit. Each stage below is one step of the run, in t
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -19,7 +20,7 @@ from featcal.calibration import expert_placement
 from featcal.calibration import resume as resume_mod
 from featcal.calibration.block_tuning import BlockTuning
 from featcal.calibration.distributed import RankGroup, current_group
-from featcal.calibration.engine import FeatCalEngine
+from featcal.calibration.engine import EngineOptions, EngineResult, ExpertReads, FeatCalEngine
 from featcal.calibration.inputs import (
     ModelLike,
     as_model,
@@ -125,33 +126,25 @@ def _checked_sources(model: nn.Module, template: nn.Module, stacks: list[Stack],
     return experts_src, base_src, as_read_tasks
 
 
-def _run_engine(
-    model: nn.Module, template: nn.Module, adapter: Adapter, sources: dict[str, ParamSource],
-    base_src: ParamSource | None, data: dict[str, list[Batch]], config: FeatCalConfig, device: torch.device,
-    progress: bool, group: RankGroup, store: resume_mod.ResumeStore | None, keep_resume_state: bool,
-    prefetch: bool = True, check_as_read: set[str] | None = None, resident: bool = False,
-    block_tuning: BlockTuning | None = None,
-) -> tuple[list[dict[str, Any]], dict[str, Any] | None, dict[str, Any] | None, dict[str, Any] | None, dict]:
-    """Calibrate block by block on `device`; the model goes back where it was. (drift, end-to-end drift, final
-    norm record, stem norm record, what the blocks keep merged)."""
+def _run_engine(model: nn.Module, template: nn.Module, adapter: Adapter, reads: ExpertReads,
+                data: dict[str, list[Batch]], config: FeatCalConfig, device: torch.device,
+                options: EngineOptions) -> EngineResult:
+    """Calibrate block by block on `device`; the model goes back where it was. `options.placement` is set here."""
     origin = next(model.parameters()).device
     placement = Placement(device, config.offload_blocks)
     placement.setup(model, template)  # both on the device, or (offload_blocks) both on the host
     model.eval()
     template.eval()
-    engine = FeatCalEngine(model, template, adapter, sources, base_src, data, config, device, progress,
-                           group=group, resume=store, placement=placement, prefetch=prefetch,
-                           check_as_read=check_as_read, resident=resident, block_tuning=block_tuning)
+    engine = FeatCalEngine(model, template, adapter, reads, data, config, device,
+                           dataclasses.replace(options, placement=placement))
     log.info(
         "featcal: %s (%s adapter), %d task(s), %d batch(es), device %s",
         type(model).__name__, adapter.name, len(data), sum(len(v) for v in data.values()), device,
     )
-    with resume_mod.discard_on_error(store):
-        drift = engine.run()
-    if store is not None and not keep_resume_state:
-        store.delete()
+    with resume_mod.discard_on_error(options.resume):
+        engine.run()
     model.to(origin)
-    return drift, engine.end_to_end, engine.final_norm, engine.stem_norm, engine.kept_merged
+    return engine.result()
 
 
 def calibrate_setting(
@@ -193,13 +186,14 @@ def calibrate_setting(
                                                   check_finite, expert_kind, solved_norms, as_read=prefetch)
     where = expert_placement.choose(experts, template, device, config, allowed=resident)
     log.info("featcal: experts %s (%s)", where.experts, where.why)
-    drift, end_to_end, final_norm, stem_norm, kept = _run_engine(model, template, adapter, sources, base_src, data,
-                                                                 config, device, progress, group, store,
-                                                                 keep_resume_state, prefetch, as_read, where.resident,
-                                                                 block_tuning)
+    reads = ExpertReads(sources, base_src, prefetch=prefetch, check_as_read=as_read, resident=where.resident)
+    ran = _run_engine(model, template, adapter, reads, data, config, device,
+                      EngineOptions(progress, group, store, block_tuning=block_tuning))
+    if store is not None and not keep_resume_state:
+        store.delete()
     del template
-    return CalibrationResult(model=model, drift=[DriftRow.from_dict(r) for r in drift], end_to_end=end_to_end,
-                             final_norm=final_norm,
-                             stem_norm=stem_norm, kept_merged=kept,
+    return CalibrationResult(model=model, drift=[DriftRow.from_dict(r) for r in ran.drift], end_to_end=ran.end_to_end,
+                             final_norm=ran.final_norm,
+                             stem_norm=ran.stem_norm, kept_merged=ran.kept_merged,
                              resume_store=store if keep_resume_state else None,
                              placement=where.record())  # the caller deletes it after writing

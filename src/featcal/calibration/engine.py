@@ -40,6 +40,7 @@ by outer_norms.py, before block 0 and after the last block of the last stack.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -96,6 +97,46 @@ def kept_merged_record(model: nn.Module, stacks: list[Stack], log_it: bool = Tru
     return out
 
 
+@dataclass(frozen=True)
+class ExpertReads:
+    """Where the engine reads the experts' and the base's parameters from (core._checked_sources), and how.
+
+    `prefetch`: read the experts' next block on a background thread (prefetch.py); off, every read is made on the
+    main thread when the block needs it (the same values, later). `check_as_read`: the tasks whose tensors are
+    checked for NaN / Inf as they are read (streamed experts not scanned before the run). `resident`
+    (expert_placement.py): the experts are models on the device, used in place (nothing to read ahead)."""
+
+    experts: dict[str, ParamSource]
+    base: ParamSource | None
+    prefetch: bool = True
+    check_as_read: frozenset[str] | set[str] = frozenset()
+    resident: bool = False
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How the engine runs, beside what it calibrates: progress bar, ranks (None: the current group), per-block
+    resume store, where the models live (None: placed by the config), per-block tuning (tune_scope "block")."""
+
+    progress: bool = True
+    group: RankGroup | None = None
+    resume: ResumeStore | None = None
+    placement: Placement | None = None
+    block_tuning: BlockTuning | None = None
+
+
+@dataclass(frozen=True)
+class EngineResult:
+    """One engine run's records: per-block drift rows, the end-to-end drift, what calibrate_final_norm and
+    calibrate_stem_norm solved (None when off), and per stack the parameters its blocks keep merged."""
+
+    drift: list[dict[str, Any]]
+    end_to_end: dict[str, Any] | None
+    final_norm: dict[str, Any] | None
+    stem_norm: dict[str, Any] | None
+    kept_merged: dict[str, dict[str, str]]
+
+
 class FeatCalEngine:
     """Calibrates `merged` in place toward the experts, block by block (see the module docstring)."""
 
@@ -104,38 +145,27 @@ class FeatCalEngine:
         merged: nn.Module,
         template: nn.Module,
         adapter: Adapter,
-        experts: dict[str, ParamSource],
-        base: ParamSource | None,
+        reads: ExpertReads,
         calibration: dict[str, list[Batch]],
         config: FeatCalConfig,
         device: torch.device,
-        progress: bool = True,
-        group: RankGroup | None = None,
-        resume: ResumeStore | None = None,
-        placement: Placement | None = None,
-        prefetch: bool = True,
-        check_as_read: set[str] | None = None,
-        resident: bool = False,
-        block_tuning: BlockTuning | None = None,
+        options: EngineOptions = EngineOptions(),
     ) -> None:
-        """`prefetch`: read the experts' next block on a background thread (prefetch.py); off, every read is made
-        on the main thread when the block needs it (the same values, later). `check_as_read`: the tasks whose
-        tensors are checked for NaN / Inf as they are read (streamed experts not scanned before the run).
-        `resident` (expert_placement.py): the experts are models on the device, used in place (nothing to read
-        ahead)."""
+        """`reads`: where the experts' and the base's parameters come from, and how they are read (ExpertReads);
+        `options`: the run's progress bar, ranks, resume store, placement and per-block tuning (EngineOptions)."""
         self.merged, self.template, self.adapter, self.cfg = merged, template, adapter, config
-        self.prefetch = prefetch and not resident
-        self.group = group if group is not None else current_group()
-        self.resume = resume
+        self.prefetch = reads.prefetch and not reads.resident
+        self.group = options.group if options.group is not None else current_group()
+        self.resume = options.resume
         # where the models live; the caller has already placed them (Placement.setup)
-        self.place = placement if placement is not None else Placement(device, config.offload_blocks)
-        self.ctx = RunContext(merged, template, adapter, experts, base, calibration, config, device, self.group,
-                              self.place)
-        self.ctx.check_as_read = set(check_as_read or ())
-        self.ctx.resident = resident
-        self.ctx.block_tuning = block_tuning  # tune_scope "block": ρ and λ chosen per block (block_tuning.py)
+        self.place = options.placement if options.placement is not None else Placement(device, config.offload_blocks)
+        self.ctx = RunContext(merged, template, adapter, reads.experts, reads.base, calibration, config, device,
+                              self.group, self.place)
+        self.ctx.check_as_read = set(reads.check_as_read)
+        self.ctx.resident = reads.resident
+        self.ctx.block_tuning = options.block_tuning  # tune_scope "block": ρ and λ chosen per block (block_tuning.py)
         self.chains = self.ctx.chains
-        self.progress = progress and self.group.is_main
+        self.progress = options.progress and self.group.is_main
         self.stacks = adapter.stacks(merged)
         self.drift: list[dict[str, Any]] = []
         self.end_to_end: dict[str, Any] | None = None
@@ -146,6 +176,11 @@ class FeatCalEngine:
         self._block_counter = 0
         self._checkpointed = 0  # blocks whose parameters the resume directory already holds
         self.kept_merged = kept_merged_record(merged, self.stacks, self.group.is_main)
+
+    def result(self) -> EngineResult:
+        """What the run did (after `run`): the per-block drift, the end-to-end drift, the outer norms' records and
+        the parameters the blocks keep merged."""
+        return EngineResult(self.drift, self.end_to_end, self.final_norm, self.stem_norm, self.kept_merged)
 
     # --- parameter bookkeeping -----------------------------------------------------------------
     def block_param_names(self, stack: Stack, layer: int) -> list[str]:
