@@ -1,4 +1,4 @@
-"""calibrate_to_dir end to end on tiny families: outputs, report, validation before work, atomicity."""
+"""calibrate_to_dir(CalibrateRequest) end to end on tiny families: outputs, report, validation before work, atomicity."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import torch
 import transformers as T
 
 from featcal import FeatCalConfig
-from featcal.calibration.pipeline import calibrate_to_dir
+from featcal.calibration.pipeline import CalibrateRequest, calibrate_to_dir
+from featcal.config import RunOptions
 from featcal.errors import CalibrationDataError, CheckpointError, ConfigError, OutputExistsError
 from tests.builders.pipeline_family import t5_family
 
@@ -18,11 +19,11 @@ CFG = FeatCalConfig(num_calibration_examples=4, calibration_batch_size=2)
 
 
 
-def _run(fam, out, **kw):
-    args = dict(base=fam["base"], experts=fam["experts"], calibration_sources=fam["data"], config=CFG, out=out,
-                progress=False)
+def _run(fam, out, *, overwrite=False, **kw):
+    args = dict(merged=fam["merged"], base=fam["base"], experts=fam["experts"], calibration=fam["data"], config=CFG,
+                out=out, progress=False)
     args.update(kw)
-    return calibrate_to_dir(fam["merged"], **args)
+    return calibrate_to_dir(CalibrateRequest(**args, options=RunOptions(overwrite=overwrite))).report
 
 
 def _state(cls, path):
@@ -94,7 +95,7 @@ def test_task_name_mismatch_is_named_before_work(clip, tmp_path):
     data = dict(clip["data"])
     data["tsak1"] = data.pop("task1")
     with pytest.raises(ConfigError, match=r"'task1' have an expert but no calibration data.*'tsak1' have calibration data but no expert"):
-        _run(clip, tmp_path / "out", calibration_sources=data)
+        _run(clip, tmp_path / "out", calibration=data)
     assert not (tmp_path / "out").exists()
 
 
@@ -135,7 +136,7 @@ def test_missing_inputs_are_named(clip, tmp_path):
         _run(clip, tmp_path / "out", experts=experts)
     data = {**clip["data"], "task0": tmp_path / "no-such-data"}
     with pytest.raises(CalibrationDataError, match="task 'task0'.*no-such-data does not exist"):
-        _run(clip, tmp_path / "out", calibration_sources=data)
+        _run(clip, tmp_path / "out", calibration=data)
     with pytest.raises(CalibrationDataError, match="task 'task0'.*fewer than the 50"):
         _run(clip, tmp_path / "out", config=CFG.model_copy(update={"num_calibration_examples": 50}))
     assert not (tmp_path / "out").exists()

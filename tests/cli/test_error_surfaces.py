@@ -47,6 +47,6 @@ def test_eval_names_its_output_file_clean(out, monkeypatch, capsys):
 
 
 def test_merge_names_its_output_clean(monkeypatch, capsys):
-    monkeypatch.setattr(merging_api, "merge", lambda *a, **k: {})
+    monkeypatch.setattr(merging_api, "merge_to", lambda request: merging_api.MergeResult({}))
     assert main(["merge", "--base", "b", "--expert", "a=x", "--out", "merged//", "--no-progress"]) == 0
     assert f"into {Path('merged')} in " in capsys.readouterr().out

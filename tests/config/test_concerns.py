@@ -121,12 +121,14 @@ def test_one_strictness_rule_for_every_option_model(model, required, field):
 
 def test_one_max_length_default():
     from featcal.calibration.api import calibrate
-    from featcal.calibration.pipeline import calibrate_to_dir, check_calibration_inputs
-    from featcal.merging.api import merge
+    from featcal.calibration.pipeline import CalibrateRequest
+    from featcal.merging.api import MergeRequest, merge
 
     assert RunOptions().max_length == DEFAULT_MAX_LENGTH
-    for fn in (merge, calibrate, calibrate_to_dir, check_calibration_inputs):
+    for fn in (merge, calibrate):
         assert inspect.signature(fn).parameters["max_length"].default == DEFAULT_MAX_LENGTH, fn.__name__
+    for request in (CalibrateRequest(None, "b", {}, {}, "o"), MergeRequest("b", {}, MergeConfig())):  # RunOptions' default
+        assert request.options.max_length == DEFAULT_MAX_LENGTH, type(request).__name__
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args(["--base", "b", "--merged", "m", "--expert", "a=x", "--calib", "a=d", "--out", "o"])

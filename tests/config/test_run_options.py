@@ -45,18 +45,19 @@ def test_allow_fewer_from_a_run_file(clip, tmp_path, capsys):
 
 
 def test_max_length_from_a_run_file_reaches_the_merge(clip, tmp_path, capsys, monkeypatch):
-    seen = {}
-    real = merge_api.merge
+    seen = []
+    real = merge_api.merge_to
 
-    def spy(*args, **kwargs):
-        seen.update(kwargs)
-        return real(*args, **kwargs)
+    def spy(request):
+        seen.append(request.options)
+        return real(request)
 
-    monkeypatch.setattr(merge_api, "merge", spy)
+    monkeypatch.setattr(merge_api, "merge_to", spy)
     rc, _, err = cli(["run", _run_file(tmp_path, clip, calibrate=False, max_length=7, allow_fewer=True),
                       "--no-progress"], capsys)
     assert rc == 0, err
-    assert (seen["max_length"], seen["allow_fewer"], seen["overwrite"], seen["allow_pickle"]) == (7, True, False, False)
+    options = seen[0]
+    assert (options.max_length, options.allow_fewer, options.overwrite, options.allow_pickle) == (7, True, False, False)
 
 
 @pytest.mark.parametrize(("key", "value", "flags", "message"), [

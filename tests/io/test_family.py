@@ -11,7 +11,7 @@ import torch
 import featcal.io.family as front_door
 from featcal import FeatCalConfig
 from featcal.calibration.api import calibrate
-from featcal.calibration.pipeline import check_calibration_inputs
+from featcal.calibration.pipeline import CalibrateRequest, check_calibration_inputs
 from featcal.errors import CheckpointError
 from featcal.io.checkpoint import CheckpointReader
 from featcal.io.family import open_family, open_input
@@ -111,9 +111,9 @@ def test_merge_calibrate_and_the_whole_model_merges_open_through_the_front_door(
 
 def test_the_calibration_checks_open_each_input_once_through_the_front_door(tmp_path, opened):
     fam = clip_family(tmp_path / "clip")
-    checked = check_calibration_inputs(fam["merged"], base=fam["base"], experts=fam["experts"],
-                                       calibration_sources=fam["data"], config=FeatCalConfig(),
-                                       out=tmp_path / "out", check_finite=True)
+    checked = check_calibration_inputs(CalibrateRequest(fam["merged"], fam["base"], fam["experts"], fam["data"],
+                                                        tmp_path / "out", config=FeatCalConfig(), check_finite=True,
+                                                        progress=False))
     assert opened == ["merged model", "base model", "expert 'task0'", "expert 'task1'"]  # the scan reuses them
     assert checked.merged == fam["merged"] and checked.experts == fam["experts"]
     assert checked.read_as == {"base": {}, "expert 'task0'": {}, "expert 'task1'": {}}

@@ -141,7 +141,7 @@ def test_grown_rows_disagreeing_within_an_expert_refused(grown, tmp_path):
 
 def test_grown_vocab_merge_then_calibrate(grown, tmp_path):
     """A grown merge calibrates toward experts with 110, 120 and 100 rows (rows they lack: the merge's)."""
-    from featcal.calibration.pipeline import calibrate_to_dir
+    from featcal.calibration.pipeline import CalibrateRequest, calibrate_to_dir
 
     root, base, experts = grown
     merged_dir = tmp_path / "merged"
@@ -154,8 +154,8 @@ def test_grown_vocab_merge_then_calibrate(grown, tmp_path):
         data[t] = f
     out = tmp_path / "calibrated"
     config = FeatCalConfig(num_calibration_examples=8, calibration_batch_size=4)
-    report = calibrate_to_dir(merged_dir, base=base, experts=experts, calibration_sources=data, config=config,
-                              out=out, progress=False)
+    report = calibrate_to_dir(CalibrateRequest(merged_dir, base, experts, data, out, config=config,
+                                               progress=False)).report
     assert report["drift"], "no block was calibrated"
     model = T.LlamaForCausalLM.from_pretrained(out)
     assert model.get_input_embeddings().weight.shape == (120, 32)

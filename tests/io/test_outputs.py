@@ -16,8 +16,9 @@ from safetensors.torch import load_file
 
 from featcal import FeatCalConfig, merge
 from featcal.blocks.heads import LinearHead
-from featcal.calibration.pipeline import calibrate_to_dir
+from featcal.calibration.pipeline import CalibrateRequest, calibrate_to_dir
 from featcal.cli.main import main
+from featcal.config import OutputOptions
 from featcal.errors import ConfigError
 from tests.builders.data_fixtures import save_tokenizer
 from tests.builders.tiny import perturbed, save, tiny_config, tiny_model
@@ -66,8 +67,8 @@ def _fake_mergekit_merge(bert, root):
 def test_calibrating_a_mergekit_merge_replaces_its_card_and_recipe_file(bert, tmp_path):
     merged = _fake_mergekit_merge(bert, tmp_path)
     out = tmp_path / "cal"
-    calibrate_to_dir(merged, base=bert["base"], experts=bert["experts"], calibration_sources=bert["data"],
-                     config=CFG, out=out, progress=False)
+    calibrate_to_dir(CalibrateRequest(merged, bert["base"], bert["experts"], bert["data"], out, config=CFG,
+                                      progress=False))
     assert not (out / "mergekit_config.yml").exists()
     card = _card(out)
     assert "created using mergekit" not in card.text and "mergekit" not in card.data.tags
@@ -166,8 +167,8 @@ def test_bf16_in_bf16_out_through_merge_and_calibrate(bert, tmp_path, capsys):
     assert {t.dtype for t in load_file(half / "model.safetensors").values() if t.is_floating_point()} == {torch.float16}
     assert json.loads((half / "config.json").read_text()).get("dtype") == "float16"
     out32 = tmp_path / "cal32"
-    calibrate_to_dir(half, base=root / "base", experts={t: root / t for t in bert["experts"]},
-                     calibration_sources=bert["data"], config=CFG, out=out32, progress=False, dtype="float32")
+    calibrate_to_dir(CalibrateRequest(half, root / "base", {t: root / t for t in bert["experts"]}, bert["data"], out32,
+                                      config=CFG, outputs=OutputOptions(dtype="float32"), progress=False))
     assert {t.dtype for t in load_file(out32 / "model.safetensors").values() if t.is_floating_point()} == {
         torch.float32}
 

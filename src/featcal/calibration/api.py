@@ -51,7 +51,7 @@ from typing import Any
 from featcal.calibration.in_memory import calibrate_models, checked_config
 from featcal.calibration.inputs import ModelLike, adapter_reader, resolve_device
 from featcal.calibration.result import CalibrationResult
-from featcal.config import DEFAULT_MAX_LENGTH, FeatCalConfig
+from featcal.config import DEFAULT_MAX_LENGTH, FeatCalConfig, OutputOptions, parse, run_options
 from featcal.errors import ConfigError
 
 # re-exported: callers that read a checkpoint as calibrate does, or check a device as it does
@@ -113,7 +113,7 @@ def _calibrate_into(merged: ModelLike, out: str | os.PathLike, *, base: ModelLik
                     refused: Mapping[str, bool], **options: Any) -> CalibrationResult:
     """calibrate(..., out=): the CLI's pipeline (calibration/pipeline.py), which checks everything before any
     work, calibrates and writes the folder; refused (ConfigError) for what it cannot name in featcal.json."""
-    from featcal.calibration.pipeline import calibrate_into
+    from featcal.calibration.pipeline import CalibrateRequest, calibrate_to_dir
 
     given = [f"{name}=" for name, on in refused.items() if on]
     if given:
@@ -129,9 +129,14 @@ def _calibrate_into(merged: ModelLike, out: str | os.PathLike, *, base: ModelLik
     _paths_only("experts", experts)
     _paths_only("calibration", calibration)
     _paths_only("heads", heads or {})
-    _, result = calibrate_into(merged, base=base, experts=experts, calibration_sources=calibration, out=out,
-                               heads=heads, **options)
-    return result
+    return calibrate_to_dir(CalibrateRequest(
+        merged, base, experts, calibration, out, config=options["config"],
+        options=run_options(**{k: options[k] for k in ("overwrite", "allow_pickle", "max_length", "allow_fewer")},
+                            expert_kind=options["expert_kind"] or {}),
+        outputs=parse(OutputOptions, {"dtype": options["dtype"], "hub_id": dict(options["hub_id"] or {})}),
+        heads=heads, merge_scaling=options["merge_scaling"], check_finite=options["check_finite"],
+        progress=options["progress"],
+    )).result
 
 
 def _paths_only(what: str, given: Mapping[str, Any]) -> None:

@@ -27,13 +27,11 @@ from featcal.calibration.result import CalibrationResult
 from featcal.calibration.resume import default_resume_dir, discard_on_error
 from featcal.calibration.tuning import load_heads, merge_scaling_from_report
 from featcal.config import (
-    DEFAULT_MAX_LENGTH,
     FeatCalConfig,
     OutputOptions,
+    RunOptions,
     calibration_options,
     check_expert_kinds,
-    parse,
-    run_options,
 )
 from featcal.data.batch import Batch
 from featcal.data.calibration import DataReader, check_task_names
@@ -85,6 +83,45 @@ def check_options(config: FeatCalConfig, max_length: int, check_device: bool = T
 
 
 @dataclass(frozen=True)
+class CalibrateRequest:
+    """One disk-to-disk calibration (`featcal calibrate`, a run file's `calibrate:`, featcal.calibrate(..., out=)):
+    the merged checkpoint (None: check everything but the merge, against the base, as `featcal run` does before
+    merging), the base, the experts (task -> checkpoint), each task's calibration source, the output folder;
+    the calibration's settings (`config`); how the inputs are read and the output written (`options`: overwrite,
+    allow_pickle, max_length, allow_fewer, expert_kind); what the written checkpoint holds (`outputs`: dtype,
+    hub_id; a tokenizer_source is refused: the calibrated model keeps the merge's tokenizer).
+
+    `heads` (task -> head file, --tune-head) and `merge_scaling` (the s of a task-vector merge θ0 + s·v) serve
+    `config.tune`. `check_finite=False` skips the NaN / Inf scan of the inputs (for callers that just scanned them,
+    as `featcal run` does). `progress`: progress bars on stderr."""
+
+    merged: str | os.PathLike | None
+    base: str | os.PathLike
+    experts: Mapping[str, str | os.PathLike]
+    calibration: Mapping[str, str | os.PathLike]
+    out: str | os.PathLike
+    config: FeatCalConfig = field(default_factory=FeatCalConfig)
+    options: RunOptions = field(default_factory=RunOptions)
+    outputs: OutputOptions = field(default_factory=OutputOptions)
+    heads: Mapping[str, str | os.PathLike] | None = None
+    merge_scaling: float | None = None
+    check_finite: bool = True
+    progress: bool = True
+
+
+@dataclass(frozen=True)
+class CalibratedCheckpoint:
+    """What a disk-to-disk calibration did: the folder written, its featcal.json (`report`; on a rank other than
+    0 under torchrun, which writes nothing, a short record of that rank's drift), and the CalibrationResult, whose
+    model is the calibrated model as written. `main`: this process wrote the folder (rank 0, or no torchrun)."""
+
+    out: Path
+    report: dict[str, Any]
+    result: CalibrationResult
+    main: bool = True
+
+
+@dataclass(frozen=True)
 class CheckedInputs:
     """What check_calibration_inputs established: resolved directories, in task order."""
 
@@ -105,50 +142,38 @@ class CheckedInputs:
         return {expert_label(t): k for t, k in self.expert_kind.items()}
 
 
-def check_calibration_inputs(
-    merged: str | Path | None,
-    *,
-    base: str | Path,
-    experts: Mapping[str, str | Path],
-    calibration_sources: Mapping[str, str | Path],
-    config: FeatCalConfig,
-    out: str | Path,
-    overwrite: bool = False,
-    allow_pickle: bool = False,
-    max_length: int = DEFAULT_MAX_LENGTH,
-    allow_fewer: bool = False,
-    check_finite: bool = True,
-    progress: bool = False,
-    check_device: bool = True,
-    expert_kind: Mapping[str, str] | None = None,
-    heads: Mapping[str, str | Path] | None = None,
-) -> CheckedInputs:
+def check_calibration_inputs(request: CalibrateRequest, *, check_device: bool = True) -> CheckedInputs:
     """Every check that needs no model loaded, cheapest first; raises a FeatCalError naming the culprit.
 
     Task names agree, the options are usable, the output directory is free and is no input, every
     checkpoint is safetensors (or allowed pickle) with the same architecture, tensor names and
     shapes, the config loads without custom code, each task's data exists and fits the model's
-    modality and size, and (`check_finite`) no checkpoint holds NaN/Inf. `merged=None` checks
+    modality and size, and (`request.check_finite`) no checkpoint holds NaN/Inf. `request.merged=None` checks
     everything but the merged model, against the base (what `featcal run` does before merging).
-    `expert_kind`: task -> full / adapter, for expert folders holding both (refused without it). `heads`
+    `options.expert_kind`: task -> full / adapter, for expert folders holding both (refused without it). The heads
     (--tune-head files) and the spill directory must not lie in the output either: replacing it would delete them.
+    `check_device=False` (featcal plan): the device need not exist here.
     """
+    r, merged, experts, calibration_sources, config = (request, request.merged, request.experts, request.calibration,
+                                                       request.config)
     tasks = check_task_names(experts, calibration_sources)
-    expert_kind = dict(run_options(expert_kind=expert_kind or {}).expert_kind)
+    expert_kind = dict(r.options.expert_kind)
     check_expert_kinds(expert_kind, experts)
-    check_options(config, max_length, check_device)
-    out_path = check_output_dir(out, overwrite)
+    check_options(config, r.options.max_length, check_device)
+    if r.outputs.tokenizer_source is not None:
+        raise ConfigError("tokenizer_source is a merge option: the calibrated model keeps the merge's tokenizer")
+    out_path = check_output_dir(r.out, r.options.overwrite)
     # every input opened once, headers only (a GGUF file is dequantised for the finite scan alone)
-    family = open_family(base, {t: experts[t] for t in tasks}, merged, allow_pickle=allow_pickle,
+    family = open_family(r.base, {t: experts[t] for t in tasks}, merged, allow_pickle=r.options.allow_pickle,
                          expert_kind=expert_kind, header_only=True, base_name="base model")
     inputs = {label: family.path(label) for label in family.items}  # merged, base, experts: their folders
     reference = MERGED if merged is not None else BASE
     family.check_model_types(reference)
     refuse_output_over_inputs(out_path, {**inputs, **{f"calibration data {t!r}": calibration_sources[t] for t in tasks},
-                                         **{f"head of task {t!r}": h for t, h in (heads or {}).items()}})
+                                         **{f"head of task {t!r}": h for t, h in (r.heads or {}).items()}})
     check_resume_dir(config, out_path, inputs)
     check_spill_dir(config, out_path, inputs)
-    check_replaceable(out_path, overwrite)
+    check_replaceable(out_path, r.options.overwrite)
     family.check_consistent(reference)
     if reference == BASE and is_gguf(family.base):  # no tokenizer files to check with
         raise CheckpointError(f"base model: {inputs[BASE]} is a GGUF file; featcal run checks the calibration data "
@@ -160,12 +185,13 @@ def check_calibration_inputs(
     data_dir = processor_dir(inputs[reference], inputs[BASE], model_config)
     data = open_calibration({t: calibration_sources[t] for t in tasks},
                             reader=DataReader(data_dir, model_config, experts=expert_dirs),
-                            options=calibration_options(config, max_length=max_length, allow_fewer=allow_fewer))
+                            options=calibration_options(config, max_length=r.options.max_length,
+                                                        allow_fewer=r.options.allow_fewer))
     if data.in_memory:  # featcal.json names and hashes each task's source
         raise CalibrationDataError(f"task(s) {', '.join(map(repr, data.in_memory))}: calibration data written beside a "
                                    "checkpoint must be a source (a path or a hub dataset id), not batches in memory")
     data.check()
-    as_read = _scan_finite(family, tasks, config, check_finite, merged is not None, progress)  # the costliest, last
+    as_read = _scan_finite(family, tasks, config, r.check_finite, merged is not None, r.progress)  # costliest, last
     read_as = {label: family.kind(label) for label in family.items if label != MERGED}
     return CheckedInputs(tasks, out_path, inputs.get(MERGED), inputs[BASE], expert_dirs, data_dir, expert_kind, read_as,
                          finite_as_read=as_read, data=data)
@@ -265,115 +291,97 @@ class _WarningLog(logging.Handler):
         logging.getLogger("featcal").removeHandler(self)
 
 
-def calibrate_to_dir(
-    merged: str | Path,
-    *,
-    base: str | Path,
-    experts: Mapping[str, str | Path],
-    calibration_sources: Mapping[str, str | Path],
-    config: FeatCalConfig,
-    out: str | Path,
-    overwrite: bool = False,
-    allow_pickle: bool = False,
-    progress: bool = True,
-    max_length: int = DEFAULT_MAX_LENGTH,
-    allow_fewer: bool = False,
-    check_finite: bool = True,
-    merge_scaling: float | None = None,
-    heads: Mapping[str, str | Path] | None = None,
-    expert_kind: Mapping[str, str] | None = None,
-    dtype: str | None = None,
-    hub_id: Mapping[str, str] | None = None,
-) -> dict[str, Any]:
-    """Calibrate the merged checkpoint toward its experts and write the result (+ featcal.json, README.md) to `out`.
+def calibrate_to_dir(request: CalibrateRequest) -> CalibratedCheckpoint:
+    """Calibrate the merged checkpoint toward its experts and write the result (+ featcal.json, README.md) to
+    `request.out`: the one writer of a calibrated folder, behind `featcal calibrate`, `featcal run` and
+    `featcal.calibrate(..., out=)` (which sits on this floor, and so this writer with it; jobs/ above builds the
+    request from flags and run files).
 
-    Returns the report that was written; its `warnings` list what featcal warned about during the run
-    (e.g. a Gram matrix that needed the pseudo-inverse fallback). Nothing is written if anything fails,
-    and the calibrated weights are checked for NaN/Inf before anything is. `check_finite=False` skips
-    the NaN/Inf scan of the inputs (for callers that just scanned them, as `featcal run` does).
-    With `config.tune`, `merge_scaling` is the s of a task-vector merge θ0 + s·v (featcal run knows it; else
-    it is read from the merged checkpoint's featcal.json when that ties it to these inputs), and the
-    report's `tuning` records every candidate and the choice (tuning/); `heads` (task -> a head saved by
-    featcal) add agreement with the experts' predictions to its score. `dtype` ('float32', 'bfloat16',
-    'float16'): the written weights' floating dtype (default: the merged checkpoint's stored one). `hub_id`
-    (role -> hub id; role "base" or an expert's name): how the model card names an input whose own record names
-    no hub id (io/card.py).
+    Returns the CalibratedCheckpoint: the report written, whose `warnings` list what featcal warned about during the
+    run (e.g. a Gram matrix that needed the pseudo-inverse fallback), and the CalibrationResult. Nothing is written
+    if anything fails, and the calibrated weights are checked for NaN/Inf before anything is. With `config.tune`,
+    `merge_scaling` is the s of a task-vector merge θ0 + s·v (featcal run knows it; else it is read from the merged
+    checkpoint's featcal.json when that ties it to these inputs), and the report's `tuning` records every candidate
+    and the choice (tuning/); `heads` (task -> a head saved by featcal) add agreement with the experts' predictions
+    to its score. `outputs.dtype` ('float32', 'bfloat16', 'float16'): the written weights' floating dtype (default:
+    the merged checkpoint's stored one). `outputs.hub_id` (role -> hub id; role "base" or an expert's name): how the
+    model card names an input whose own record names no hub id (io/card.py).
     """
-    return calibrate_into(
-        merged, base=base, experts=experts, calibration_sources=calibration_sources, config=config, out=out,
-        overwrite=overwrite, allow_pickle=allow_pickle, progress=progress, max_length=max_length,
-        allow_fewer=allow_fewer, check_finite=check_finite, merge_scaling=merge_scaling, heads=heads,
-        expert_kind=expert_kind, dtype=dtype, hub_id=hub_id,
-    )[0]
+    with hf_progress_bars(request.progress):
+        return _calibrate_to_dir(request)
 
 
-def calibrate_into(merged: str | Path, *, progress: bool = True, dtype: str | None = None,
-                   hub_id: Mapping[str, str] | None = None, **kwargs: Any) -> tuple[dict[str, Any], CalibrationResult]:
-    """`calibrate_to_dir` (its arguments), returning the report written and the CalibrationResult, whose model is
-    the calibrated model as written: the one writer of a calibrated folder, behind `featcal calibrate --out`,
-    `featcal run` and `featcal.calibrate(..., out=)`."""
-    options = parse(OutputOptions, {"dtype": dtype, "hub_id": dict(hub_id or {})})
-    with hf_progress_bars(progress):
-        return _calibrate_to_dir(merged, progress=progress, dtype=options.dtype, hub_id=options.hub_id, **kwargs)
+@dataclass(frozen=True)
+class _Calibrated:
+    """What the calibration stage of _calibrate_to_dir leaves for the writing: the checks' findings, the config
+    as run (its resume directory set), the data as loaded and recorded, the result and the stages' seconds."""
+
+    checked: CheckedInputs
+    config: FeatCalConfig
+    merged_dir: Path
+    calibration: dict[str, list[Batch]]
+    read_as: dict[str, dict]
+    result: CalibrationResult
+    tokenizer: TokenizerPlan | None
+    scaling_from: str | None
+    seconds: dict[str, float]
 
 
-def _calibrate_to_dir(
-    merged: str | Path, *, base: str | Path, experts: Mapping[str, str | Path],
-    calibration_sources: Mapping[str, str | Path], config: FeatCalConfig, out: str | Path, overwrite: bool,
-    allow_pickle: bool, progress: bool, max_length: int, allow_fewer: bool, check_finite: bool,
-    merge_scaling: float | None = None, heads: Mapping[str, str | Path] | None = None,
-    expert_kind: Mapping[str, str] | None = None, dtype: str | None = None, hub_id: Mapping[str, str],
-) -> tuple[dict[str, Any], CalibrationResult]:
+def _calibrate_to_dir(r: CalibrateRequest) -> CalibratedCheckpoint:
     total = Timer()
-    if merged is None:
+    if r.merged is None:
         raise ConfigError("calibrate_to_dir needs the merged checkpoint to calibrate")
-    check_hub_ids(hub_id, experts)
+    check_hub_ids(r.outputs.hub_id, r.experts)
     with _WarningLog() as warnings:
-        checked = check_calibration_inputs(
-            merged, base=base, experts=experts, calibration_sources=calibration_sources, config=config, out=out,
-            overwrite=overwrite, allow_pickle=allow_pickle, max_length=max_length, allow_fewer=allow_fewer,
-            check_finite=check_finite, progress=progress, expert_kind=expert_kind, heads=heads,
-        )
-        head_layers = load_heads(heads or {}, checked.tasks, config.tune,  # refused here, before any work
-                                 feature_width(load_config(checked.merged or merged)))
-        config = _with_resume_dir(config, checked.out)
-        merged_dir = Path(checked.merged or merged)
-
-        load = Timer()
-        calibration, read_as = _load_calibration(checked, config, progress)
-        data_seconds = load.seconds
-        tokenizer = _tokenizer_plan(checked, merged_dir)  # refused here, before any work
-        # loaded (and computed) in float32; written in --dtype, else the merge's stored dtype
-        out_dtype = getattr(torch, dtype) if dtype is not None else stored_float_dtype(merged_dir, allow_pickle)
-        merged_model = load_model(merged_dir, allow_pickle=allow_pickle)
-        load_seconds = load.seconds
-
-        tune, scaling_from = _tune_arguments(config, merge_scaling, merged_dir, checked, head_layers)
-        work = Timer()
-        result = _calibrate_loaded(merged_model, checked, calibration, config, progress, allow_pickle, tune)
-        calibrate_seconds = work.seconds
-        _cast_and_check(result, out_dtype)
+        done = _calibrate_checked(r)
 
     hashing = Timer()
-    inputs_report = _inputs_report(merged_dir, checked, calibration_sources, calibration, read_as)
-    hash_seconds = hashing.seconds
+    inputs_report = _inputs_report(done.merged_dir, done.checked, r.calibration, done.calibration, done.read_as)
+    seconds = {**done.seconds, "hash_inputs": hashing.seconds}
 
+    result, out = done.result, done.checked.out
     group = current_group()
     if not group.is_main:  # under torchrun only rank 0 writes; the others wait for it, then tidy up
-        return _leave_writing_to_rank_0(group, result), result
-    seconds = {"load": load_seconds, "load_data": data_seconds, "calibrate": calibrate_seconds,
-               "hash_inputs": hash_seconds}
-    report = _write_calibrated(
-        result, checked, merged_dir, overwrite,
-        params={**config.model_dump(mode="json"), "max_length": max_length, "allow_fewer": allow_fewer},
+        return CalibratedCheckpoint(out, _leave_writing_to_rank_0(group, result), result, main=False)
+    report = _write_calibrated(result, done.checked, done.merged_dir, r.options.overwrite, _ReportParts(
+        params={**done.config.model_dump(mode="json"), "max_length": r.options.max_length,
+                "allow_fewer": r.options.allow_fewer},
         inputs_report=inputs_report, warnings=warnings.messages, seconds=seconds, total=total,
-        tuning=_tuning_report(result, scaling_from, heads), tokenizer=tokenizer, hub_ids=hub_id,
-    )
+        tuning=_tuning_report(result, done.scaling_from, r.heads), tokenizer=done.tokenizer, hub_ids=r.outputs.hub_id,
+    ))
     group.barrier()
     if result.resume_store is not None:  # the checkpoint is safely in place: the resume state has served
         result.resume_store.delete()
-    log.info("calibrated checkpoint written to %s (%.1f s)", checked.out, total.seconds)
-    return report, result
+    log.info("calibrated checkpoint written to %s (%.1f s)", out, total.seconds)
+    return CalibratedCheckpoint(out, report, result)
+
+
+def _calibrate_checked(r: CalibrateRequest) -> _Calibrated:
+    """Check every input, load the data and the merge, calibrate it, cast it to the written dtype and check it."""
+    allow_pickle = r.options.allow_pickle
+    checked = check_calibration_inputs(r)
+    head_layers = load_heads(r.heads or {}, checked.tasks, r.config.tune,  # refused here, before any work
+                             feature_width(load_config(checked.merged or r.merged)))
+    config = _with_resume_dir(r.config, checked.out)
+    merged_dir = Path(checked.merged or r.merged)
+
+    load = Timer()
+    calibration, read_as = _load_calibration(checked, config, r.progress)
+    data_seconds = load.seconds
+    tokenizer = _tokenizer_plan(checked, merged_dir)  # refused here, before any work
+    # loaded (and computed) in float32; written in --dtype, else the merge's stored dtype
+    dtype = r.outputs.dtype
+    out_dtype = getattr(torch, dtype) if dtype is not None else stored_float_dtype(merged_dir, allow_pickle)
+    merged_model = load_model(merged_dir, allow_pickle=allow_pickle)
+    load_seconds = load.seconds
+
+    tune, scaling_from = _tune_arguments(config, r.merge_scaling, merged_dir, checked, head_layers)
+    work = Timer()
+    result = _calibrate_loaded(merged_model, checked, calibration, config, r.progress, allow_pickle, tune)
+    calibrate_seconds = work.seconds
+    _cast_and_check(result, out_dtype)
+    seconds = {"load": load_seconds, "load_data": data_seconds, "calibrate": calibrate_seconds}
+    return _Calibrated(checked, config, merged_dir, calibration, read_as, result, tokenizer, scaling_from, seconds)
 
 
 # --- the stages of _calibrate_to_dir, in the order they run ----------------------------------------
@@ -476,15 +484,27 @@ def _tokenizer_plan(checked: CheckedInputs, merged_dir: Path) -> TokenizerPlan |
     return plan if plan.source == "base" else None  # the merge's own tokenizer files are never swapped
 
 
-def _write_calibrated(
-    result: CalibrationResult, checked: CheckedInputs, merged_dir: Path, overwrite: bool, *,
-    params: dict[str, Any], inputs_report: dict[str, Any], warnings: list[str], seconds: dict[str, float],
-    total: Timer, tuning: dict[str, Any] | None, tokenizer: TokenizerPlan | None = None,
-    hub_ids: Mapping[str, str] | None = None,
-) -> dict[str, Any]:
+@dataclass(frozen=True)
+class _ReportParts:
+    """What featcal.json takes from the run besides the result: the parameters, the inputs' record, the warnings,
+    the stages' seconds and the whole run's timer, the search's record, the tokenizer written, the hub ids given."""
+
+    params: dict[str, Any]
+    inputs_report: dict[str, Any]
+    warnings: list[str]
+    seconds: dict[str, float]
+    total: Timer
+    tuning: dict[str, Any] | None
+    tokenizer: TokenizerPlan | None = None
+    hub_ids: Mapping[str, str] | None = None
+
+
+def _write_calibrated(result: CalibrationResult, checked: CheckedInputs, merged_dir: Path, overwrite: bool,
+                      parts: _ReportParts) -> dict[str, Any]:
     """The calibrated checkpoint, its preprocessing files, task heads, featcal.json and model card, through a
     temporary directory renamed into place; the report written."""
     calibrated, out_path, data_dir = result.model, checked.out, checked.data_dir
+    tokenizer, tuning = parts.tokenizer, parts.tuning
     save = Timer()
     with discard_on_error(result.resume_store), atomic_output_dir(out_path, overwrite) as tmp:
         copy_side_files(merged_dir, tmp)  # tokenizer / processor files first: save_pretrained's config wins
@@ -496,14 +516,14 @@ def _write_calibrated(
             shutil.copytree(merged_dir / HEADS_DIR, tmp / HEADS_DIR)
         calibrated.save_pretrained(tmp)
         report = build_report(
-            "calibrate", params, inputs=inputs_report, drift=result.drift_records(), end_to_end_drift=result.end_to_end,
-            warnings=warnings,
+            "calibrate", parts.params, inputs=parts.inputs_report, drift=result.drift_records(),
+            end_to_end_drift=result.end_to_end, warnings=parts.warnings,
             output={"path": str(out_path), "sha256": checkpoint_hashes(tmp),
                     "dtype": str(next(calibrated.parameters()).dtype).removeprefix("torch.")},
         )
         report["seconds"] = {  # load includes load_data; save excludes the final fsync and rename
-            **{k: round(v, 3) for k, v in seconds.items()}, "save": round(save.seconds, 3),
-            "total": round(total.seconds, 3),
+            **{k: round(v, 3) for k, v in parts.seconds.items()}, "save": round(save.seconds, 3),
+            "total": round(parts.total.seconds, 3),
         }
         report["peak_rss_mb"] = round(peak_rss_mb(), 1)
         if tuning is not None:
@@ -524,7 +544,7 @@ def _write_calibrated(
         replaced = replaced_files({"merged": merged_dir})
         if replaced:
             report["replaced_input_files"] = replaced
-        write_card(tmp, report, merged_report, hub_ids)  # records each input's hub id in the report too
+        write_card(tmp, report, merged_report, parts.hub_ids)  # records each input's hub id in the report too
         write_report(tmp, report)
     return report
 

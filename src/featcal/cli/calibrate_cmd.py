@@ -66,8 +66,8 @@ def write_drift_figure(report: dict, out: str) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
+    from featcal import jobs
     from featcal.calibration.distributed import init_from_env
-    from featcal.calibration.pipeline import calibrate_to_dir
 
     if args.plot:  # before any work: the figure needs matplotlib
         from featcal.io.extras import require
@@ -84,15 +84,15 @@ def run(args: argparse.Namespace) -> int:
 
         if check_plan(args, config, show=args.dry_run):
             return 0  # --dry-run: the plan was the whole job
-    group = init_from_env(config.device)  # under torchrun: one rank per process, batches shared out
-    report = calibrate_to_dir(
-        args.merged, base=args.base, experts=parse_pairs(args.expert, "--expert"),
-        calibration_sources=parse_pairs(args.calib, "--calib"), config=config, out=args.out,
-        progress=not args.no_progress, **options.model_dump(),
-        heads=parse_pairs(args.tune_head, "--tune-head"), **outputs.model_dump(exclude={"tokenizer_source"}),
-    )
-    if not group.is_main:
+    init_from_env(config.device)  # under torchrun: one rank per process, batches shared out
+    done = jobs.calibrate(jobs.CalibrateRequest(
+        args.merged, args.base, parse_pairs(args.expert, "--expert"), parse_pairs(args.calib, "--calib"), args.out,
+        config=config, options=options, outputs=outputs, heads=parse_pairs(args.tune_head, "--tune-head"),
+        progress=not args.no_progress,
+    ))
+    if not done.main:
         return 0  # rank 0 wrote the checkpoint and prints the summary
+    report = done.report
     print_data_lines(report)
     print(drift_table(report.get("drift")))
     if report.get("end_to_end_drift"):

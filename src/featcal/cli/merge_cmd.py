@@ -50,8 +50,8 @@ def _add_method_flags(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from featcal import jobs
     from featcal.io.report import Timer
-    from featcal.merging.api import merge
 
     timer = Timer()
     # --weight NAME=W etc. included: MergeConfig's per-expert fields; a method's own flags go to its own model
@@ -59,12 +59,12 @@ def run(args: argparse.Namespace) -> int:
     options = run_options_from_args(args)
     experts = parse_pairs(args.expert, "--expert")
     calibration = parse_pairs(args.calib, "--calib") or None
-    merged = merge(
-        args.base, experts, config=config, out=args.out, progress=not args.no_progress, calibration=calibration,
-        **options.model_dump(), **output_options_from_args(args).model_dump(),
-    )
+    done = jobs.merge(jobs.MergeRequest(
+        args.base, experts, config, out=args.out, options=options, outputs=output_options_from_args(args),
+        calibration=calibration, progress=not args.no_progress,
+    ))
     print(
-        f"merged {len(experts)} experts with {config.method} ({len(merged)} tensors) into {Path(args.out)} "
+        f"merged {len(experts)} experts with {config.method} ({len(done.state)} tensors) into {Path(args.out)} "
         f"in {timer.seconds:.1f} s"
     )
     return 0

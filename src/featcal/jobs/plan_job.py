@@ -222,15 +222,15 @@ def _check_inputs(r: PlanRequest):
     """Every check the run makes before its work (task names, options, output, checkpoints' headers, each task's
     data as the run draws and tokenises it, the head files), so a plan that returns is a run that starts; the NaN
     scan, which reads all weights, is left."""
-    from featcal.calibration.pipeline import check_calibration_inputs, feature_width
+    from featcal.calibration.pipeline import CalibrateRequest, check_calibration_inputs, feature_width
     from featcal.calibration.tuning import load_heads
     from featcal.io.models import load_config
 
     heads = dict(r.heads)
-    checked = check_calibration_inputs(
-        r.merged, base=r.base, experts=dict(r.experts), calibration_sources=dict(r.calibration), config=r.config,
-        out=r.out, **r.options.model_dump(), check_finite=False, check_device=r.check_device, heads=heads,
-    )
+    checked = check_calibration_inputs(CalibrateRequest(
+        r.merged, r.base, dict(r.experts), dict(r.calibration), r.out, config=r.config, options=r.options, heads=heads,
+        check_finite=False, progress=False,
+    ), check_device=r.check_device)
     load_heads(heads, checked.tasks, r.config.tune, feature_width(load_config(checked.merged)))
     return checked
 

@@ -27,6 +27,7 @@ calibrated into `out`, and is then removed, whether the run succeeds, fails or i
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from collections.abc import Mapping
@@ -34,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from featcal.config import RunConfig, is_task_vector_merge, read_run_data, run_config
+from featcal.config import RunConfig, RunOptions, is_task_vector_merge, read_run_data, run_config
 from featcal.errors import ConfigError
 from featcal.io.atomic import (
     check_output_dir,
@@ -165,34 +166,30 @@ def run_file(request: RunRequest | str | os.PathLike, /, **options: Any) -> RunR
 
 def execute(run: RunConfig, *, progress: bool = True) -> Path:
     """Merge (or take the `merged:` merge), then calibrate if asked; returns the output directory."""
-    from featcal.merging.api import merge
     from featcal.merging.calibration_data import check_calibration_request
 
     if run.merged is not None:
         return _calibrate_existing(run, progress=progress)
     merge_config = run.merge.merge_config()
-    options = run.run_options().model_dump()  # overwrite, allow_pickle, max_length, allow_fewer
-    outputs = run.output_options().model_dump()  # dtype, tokenizer_source
-    calibration = run.merge.calibration  # RegMean(++)'s own data (merge() checks its sources before it works)
+    calibration = run.merge.calibration  # RegMean(++)'s own data (the merge checks its sources before it works)
     check_calibration_request(merge_config.method, run.merge.experts, calibration)
     out = check_output_dir(run.out, run.overwrite)
     refuse_output_over_inputs(out, {"base": run.merge.base, **{f"expert {t!r}": p for t, p in run.merge.experts.items()},
                                     **{f"calibration data {t!r}": p for t, p in (calibration or {}).items()}})
     check_replaceable(out, run.overwrite)
     if run.calibrate is None:
-        merge(run.merge.base, run.merge.experts, config=merge_config, out=out, progress=progress,
-              calibration=calibration, **options, **outputs)
+        _merge(run, out, run.run_options(), progress)
         return out
 
     from featcal.calibration.pipeline import calibrate_to_dir, check_calibration_inputs, feature_width
     from featcal.calibration.tuning import load_heads
 
     featcal_config = run.calibrate.featcal_config()
+    tune_scaling = featcal_config.tune and is_task_vector_merge(merge_config.method)
+    request = _calibrate_request(run, None, run.merge.base, run.merge.experts, out=out, progress=progress,
+                                 merge_scaling=merge_config.scaling if tune_scaling else None)  # tune may rebuild
     # everything the calibration will check, against the base, BEFORE the merge (the merge scans for NaN)
-    check_calibration_inputs(
-        None, base=run.merge.base, experts=run.merge.experts, calibration_sources=run.calibrate.calibration,
-        config=featcal_config, out=out, **options, check_finite=False, heads=run.calibrate.heads,
-    )
+    check_calibration_inputs(request)
     load_heads(run.calibrate.heads or {}, run.merge.experts, featcal_config.tune,  # refused before the merge too
                feature_width(_base_config(run.merge.base)))
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -201,19 +198,33 @@ def execute(run: RunConfig, *, progress: bool = True) -> Path:
     try:
         make_owned(scratch)
         merged_dir = scratch / "merged"
-        merge(run.merge.base, run.merge.experts, config=merge_config, out=merged_dir, progress=progress,
-              calibration=calibration, **{**options, "overwrite": False}, **outputs)
-        calibrate_to_dir(
-            merged=merged_dir, base=run.merge.base, experts=run.merge.experts,
-            calibration_sources=run.calibrate.calibration, config=featcal_config, out=out,
-            **options, progress=progress, check_finite=False,
-            merge_scaling=merge_config.scaling if featcal_config.tune and is_task_vector_merge(merge_config.method)
-            else None,  # tune may rebuild a task-vector merge at other scalings
-            heads=run.calibrate.heads, dtype=run.dtype, hub_id=run.hub_id,
-        )
+        _merge(run, merged_dir, run.run_options().model_copy(update={"overwrite": False}), progress)
+        calibrate_to_dir(dataclasses.replace(request, merged=merged_dir))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return out
+
+
+def _merge(run: RunConfig, out: Path, options: RunOptions, progress: bool) -> None:
+    """The run's `merge:` section, merged into `out` (with the run's options and output options)."""
+    from featcal.merging.api import MergeRequest, merge_to
+
+    merge_to(MergeRequest(run.merge.base, run.merge.experts, run.merge.merge_config(), out=out, options=options,
+                          outputs=run.output_options(), calibration=run.merge.calibration, progress=progress))
+
+
+def _calibrate_request(run: RunConfig, merged: str | Path | None, base: str, experts: Mapping[str, str], *,
+                       out: str | Path, progress: bool, merge_scaling: float | None = None):
+    """The run's `calibrate:` section as a CalibrateRequest, check_finite off (the run's merge scans its inputs; a
+    `merged:` run turns it on)."""
+    from featcal.calibration.pipeline import CalibrateRequest
+    from featcal.config import OutputOptions
+
+    return CalibrateRequest(
+        merged, base, experts, run.calibrate.calibration, out, config=run.calibrate.featcal_config(),
+        options=run.run_options(), outputs=OutputOptions(dtype=run.dtype, hub_id=run.hub_id),
+        heads=run.calibrate.heads, merge_scaling=merge_scaling, check_finite=False, progress=progress,
+    )
 
 
 def _base_config(base: str):
@@ -233,9 +244,6 @@ def _calibrate_existing(run: RunConfig, *, progress: bool) -> Path:
 
     merged = run.merged
     refuse_output_over_inputs(run.out, {"merged model": merged.path})
-    calibrate_to_dir(
-        merged.path, base=merged.base, experts=merged.experts, calibration_sources=run.calibrate.calibration,
-        config=run.calibrate.featcal_config(), out=run.out, **run.run_options().model_dump(), progress=progress,
-        heads=run.calibrate.heads, dtype=run.dtype, hub_id=run.hub_id,
-    )
+    request = _calibrate_request(run, merged.path, merged.base, merged.experts, out=run.out, progress=progress)
+    calibrate_to_dir(dataclasses.replace(request, check_finite=True))
     return Path(run.out)

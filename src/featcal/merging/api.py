@@ -8,6 +8,7 @@ through a temporary directory that only replaces `out` once complete.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -23,6 +24,7 @@ from featcal.config import (
     DEFAULT_MAX_LENGTH,
     MergeConfig,
     OutputOptions,
+    RunOptions,
     check_expert_kinds,
     parse,
     run_options,
@@ -134,13 +136,24 @@ def cast_floating(state: dict[str, Tensor], dtype: torch.dtype | None) -> dict[s
     return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
 
 
-def _write_output(
-    out: Path, overwrite: bool, merged: dict[str, Tensor], merger, family: Family, *, seconds: dict[str, float],
-    total: Timer, vocab: VocabPlan | None = None, plan: OutputPlan | None = None,
-) -> None:
+@dataclass(frozen=True)
+class _Opened:
+    """A merge's inputs as opened and checked: the family (base and experts, under the base's naming), the grown
+    vocabulary's plan (None without), what the written folder holds besides the weights, the data loaded for
+    RegMean(++) (None without)."""
+
+    family: Family
+    vocab: VocabPlan | None
+    plan: OutputPlan
+    data: Any = None
+
+
+def _write_output(request: MergeRequest, merged: dict[str, Tensor], merger, opened: _Opened, *,
+                  seconds: dict[str, float], total: Timer) -> dict[str, Any]:
     """The checkpoint directory: the base's side files, the weights, the tokenizer, the task heads, then
-    featcal.json and the model card, atomically."""
-    plan = plan or OutputPlan()
+    featcal.json and the model card, atomically; the report written."""
+    out, overwrite, family, vocab, plan = (Path(request.out), request.options.overwrite, opened.family, opened.vocab,
+                                           opened.plan)
     save = Timer()
     with atomic_output_dir(out, overwrite) as tmp:
         if isinstance(family.base, ModuleSource):
@@ -183,6 +196,7 @@ def _write_output(
         write_card(tmp, report, hub_ids=plan.hub_ids)  # records each input's hub id in the report too
         write_report(tmp, report)
     log.info("merged checkpoint written to %s", out)
+    return report
 
 
 def _dtype_name(state: Mapping[str, Tensor]) -> str | None:
@@ -246,56 +260,109 @@ def merge(
     `expert_kind` (task -> "full" or "adapter"): how to read an expert folder that holds both full weights and
     a LoRA / PEFT adapter; such a folder is refused without it.
     """
-    total = Timer()
     cfg = resolve_config(method, config, params)
-    kinds = run_options(overwrite=overwrite, allow_pickle=allow_pickle, max_length=max_length,
-                        allow_fewer=allow_fewer, expert_kind=expert_kind or {}).expert_kind
-    output_options = parse(OutputOptions, {"dtype": dtype, "tokenizer_source": tokenizer_source,
-                                           "hub_id": dict(hub_id or {})})
+    options = run_options(overwrite=overwrite, allow_pickle=allow_pickle, max_length=max_length,
+                          allow_fewer=allow_fewer, expert_kind=expert_kind or {})
+    outputs = parse(OutputOptions, {"dtype": dtype, "tokenizer_source": tokenizer_source,
+                                    "hub_id": dict(hub_id or {})})
+    return merge_to(MergeRequest(base, experts, cfg, out=out, options=options, outputs=outputs,
+                                 calibration=calibration, progress=progress)).state
+
+
+@dataclass(frozen=True)
+class MergeRequest:
+    """One merge (`featcal merge`, a run file's `merge:`, featcal.merge): the base and the experts (name ->
+    checkpoint dir, hub id or nn.Module), the validated MergeConfig (method and hyperparameters; featcal.merge's
+    resolve_config builds it from keywords), the output folder (None: only the state dict comes back), how the
+    inputs are read (`options`: overwrite, allow_pickle, max_length, allow_fewer, expert_kind), what the written
+    folder holds (`outputs`: dtype, tokenizer_source, hub_id), RegMean(++)'s calibration data, progress bars."""
+
+    base: MergeInput
+    experts: Mapping[str, MergeInput]
+    config: MergeConfig
+    out: str | os.PathLike | None = None
+    options: RunOptions = field(default_factory=RunOptions)
+    outputs: OutputOptions = field(default_factory=OutputOptions)
+    calibration: Mapping[str, CalibrationInput] | None = None
+    progress: bool = True
+
+
+@dataclass(frozen=True)
+class MergeResult:
+    """A merge: the merged state dict (keyed like the base checkpoint, in the base's dtypes or `outputs.dtype`),
+    and with an output folder, that folder and its featcal.json (`report`); None for both without."""
+
+    state: dict[str, Tensor]
+    out: Path | None = None
+    report: dict[str, Any] | None = None
+
+
+def merge_to(request: MergeRequest) -> MergeResult:
+    """The merge `request` describes (featcal.merge's docstring says what each part does): every input checked
+    first, the merge streamed, its tensors checked for NaN / Inf, then (with `out`) the folder written atomically."""
+    total = Timer()
+    if not isinstance(request.config, MergeConfig):
+        raise ConfigError(f"config must be a MergeConfig, got {type(request.config).__name__}")
+    r = dataclasses.replace(request, config=resolve_config(request.config.method, request.config, {}))
+    cfg = r.config
+    _check_merge_request(r)
+    opened = _open_merge_inputs(r)
+    validate_seconds = total.seconds
+
+    loaded, data_timer = None, Timer()
+    if opened.data is not None:
+        loaded = load_calibration(opened.data, progress=r.progress)
+    data_seconds = {"load_data": data_timer.seconds} if loaded is not None else {}
+    merger = make_merger(cfg, calibration=loaded, allow_pickle=r.options.allow_pickle)
+    family = opened.family
+    work = Timer()
+    merged = merge_family(merger, family, progress=r.progress)
+    if opened.vocab is not None:
+        merged = opened.vocab.grow(merged)  # the extra vocabulary rows: the mean of the experts that have them
+    merged = cast_floating(merged, opened.plan.dtype)
+    check_finite_state(f"the {cfg.method} merge", merged)  # finite inputs can still overflow the output dtype
+    merge_seconds = work.seconds
+    log.info("merged %d experts with %s in %.2f s", len(family.experts), cfg.method, merge_seconds)
+
+    if r.out is None:
+        return MergeResult(merged)
+    report = _write_output(r, merged, merger, opened, total=total,
+                           seconds={"validate": validate_seconds, **data_seconds, "merge": merge_seconds})
+    return MergeResult(merged, Path(r.out), report)
+
+
+def _check_merge_request(r: MergeRequest) -> None:
+    """What is refused before any input is opened: the experts' names, kinds and per-expert options, the hub ids,
+    the calibration data's presence for the method, the output folder (free, no input, replaceable)."""
+    experts, kinds, out, overwrite = r.experts, r.options.expert_kind, r.out, r.options.overwrite
     if not isinstance(experts, Mapping):
         raise ConfigError(f"experts must be a mapping of task name -> checkpoint, got {type(experts).__name__}")
     validate_expert_names(experts.keys())
     check_expert_kinds(kinds, experts)
-    check_expert_options(cfg, experts.keys())
-    check_hub_ids(output_options.hub_id, experts.keys())
-    check_calibration_request(cfg.method, experts, calibration)
+    check_expert_options(r.config, experts.keys())
+    check_hub_ids(r.outputs.hub_id, experts.keys())
+    check_calibration_request(r.config.method, experts, r.calibration)
     if out is not None:
         check_output_dir(out, overwrite)
-        refuse_output_over_inputs(out, {"base": base, **{f"expert {n!r}": e for n, e in experts.items()},
-                                        **{f"calibration data {t!r}": c for t, c in (calibration or {}).items()}})
+        refuse_output_over_inputs(out, {"base": r.base, **{f"expert {n!r}": e for n, e in experts.items()},
+                                        **{f"calibration data {t!r}": c for t, c in (r.calibration or {}).items()}})
         check_replaceable(out, overwrite)
 
-    # every input opened once (a LoRA adapter folder applied to the base), under the base's naming, experts with
-    # more vocabulary rows than the base cut to its rows (merged as the base's, then grown back: `vocab`)
-    base_src, expert_srcs, vocab = open_family(base, experts, allow_pickle=allow_pickle, expert_kind=kinds).merge_view()
-    if out is not None and isinstance(base_src, ModuleSource):
+
+def _open_merge_inputs(r: MergeRequest) -> _Opened:
+    """Every input opened once (a LoRA adapter folder applied to the base), under the base's naming, experts with
+    more vocabulary rows than the base cut to its rows (merged as the base's, then grown back: `vocab`); the
+    calibration data checked, the family validated, the output planned."""
+    base, experts, cfg = r.base, r.experts, r.config
+    base_src, expert_srcs, vocab = open_family(base, experts, allow_pickle=r.options.allow_pickle,
+                                               expert_kind=r.options.expert_kind).merge_view()
+    if r.out is not None and isinstance(base_src, ModuleSource):
         base_src.check_can_save()
     model_dir = None if isinstance(base_src, ModuleSource) else Path(base_src.path)
     data = None
-    if calibration:
-        data = check_calibration_data(calibration, model_dir=model_dir, config=cfg, max_length=max_length,
-                                      allow_fewer=allow_fewer, experts=experts)
-    validate_family(base_src, expert_srcs, progress=progress)
-    plan = plan_output(base, experts, base_src, expert_srcs, sorted(base_src.keys()), output_options, vocab)
-    validate_seconds = total.seconds
-
-    loaded, data_timer = None, Timer()
-    if data is not None:
-        loaded = load_calibration(data, progress=progress)
-    data_seconds = {"load_data": data_timer.seconds} if loaded is not None else {}
-    merger = make_merger(cfg, calibration=loaded, allow_pickle=allow_pickle)
-    family = Family(base_src, expert_srcs)
-    work = Timer()
-    merged = merge_family(merger, family, progress=progress)
-    if vocab is not None:
-        merged = vocab.grow(merged)  # the extra vocabulary rows: the mean of the experts that have them
-    merged = cast_floating(merged, plan.dtype)
-    check_finite_state(f"the {cfg.method} merge", merged)  # finite inputs can still overflow the output dtype
-    merge_seconds = work.seconds
-    log.info("merged %d experts with %s in %.2f s", len(expert_srcs), cfg.method, merge_seconds)
-
-    if out is not None:
-        _write_output(Path(out), overwrite, merged, merger, family,
-                      seconds={"validate": validate_seconds, **data_seconds, "merge": merge_seconds}, total=total,
-                      vocab=vocab, plan=plan)
-    return merged
+    if r.calibration:
+        data = check_calibration_data(r.calibration, model_dir=model_dir, config=cfg, max_length=r.options.max_length,
+                                      allow_fewer=r.options.allow_fewer, experts=experts)
+    validate_family(base_src, expert_srcs, progress=r.progress)
+    plan = plan_output(base, experts, base_src, expert_srcs, sorted(base_src.keys()), r.outputs, vocab)
+    return _Opened(Family(base_src, expert_srcs), vocab, plan, data)
