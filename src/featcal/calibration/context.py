@@ -55,14 +55,31 @@ def masks_to_device(stack: Stack, batch: Batch, device: torch.device) -> Batch:
     return {k: batch[k].to(device) for k in stack.mask_keys if isinstance(batch.get(k), torch.Tensor)}
 
 
-class RunContext:
-    """One calibration's models, data and chains (see the module docstring)."""
+@dataclass(frozen=True)
+class ExpertReads:
+    """Where the engine reads the experts' and the base's parameters from (core._checked_sources), and how.
 
-    def __init__(self, merged: nn.Module, template: nn.Module, adapter: Adapter, experts: dict[str, ParamSource],
-                 base: ParamSource | None, calibration: dict[str, list[Batch]], config: FeatCalConfig,
-                 device: torch.device, group: RankGroup, placement: Placement) -> None:
+    `prefetch`: read the experts' next block on a background thread (prefetch.py); off, every read is made on the
+    main thread when the block needs it (the same values, later). `check_as_read`: the tasks whose tensors are
+    checked for NaN / Inf as they are read (streamed experts not scanned before the run). `resident`
+    (expert_placement.py): the experts are models on the device, used in place (nothing to read ahead)."""
+
+    experts: dict[str, ParamSource]
+    base: ParamSource | None
+    prefetch: bool = True
+    check_as_read: frozenset[str] | set[str] = frozenset()
+    resident: bool = False
+
+
+class RunContext:
+    """One calibration's models, data and chains (see the module docstring). The device is the placement's."""
+
+    def __init__(self, merged: nn.Module, template: nn.Module, adapter: Adapter, reads: ExpertReads,
+                 calibration: dict[str, list[Batch]], config: FeatCalConfig, group: RankGroup,
+                 placement: Placement) -> None:
         self.merged, self.template, self.adapter = merged, template, adapter
-        self.experts, self.base, self.cfg = experts, base, config
+        self.experts, self.base, self.cfg = reads.experts, reads.base, config
+        device = placement.device
         self.device, self.group, self.place = device, group, placement
         self.tasks = list(calibration)
         # this rank's share of every task's batches, with their global indices (the chain keys)
@@ -73,8 +90,8 @@ class RunContext:
         # per task, the first batch of this rank's share: where the uncalibrated merge is followed end to end
         self.reference = {t: self.shares[t][0][0] for t in self.tasks if self.shares[t]}
         self.reader: BlockReader | None = None  # the engine's background reads of the next blocks (prefetch.py)
-        self.check_as_read: set[str] = set()  # tasks whose tensors are checked for NaN / Inf as they are read
-        self.resident = False  # expert_placement.py: the template's parameters point at the experts' own tensors
+        self.check_as_read: set[str] = set(reads.check_as_read)  # tasks whose tensors are checked as they are read
+        self.resident = reads.resident  # expert_placement.py: the template's parameters point at the experts' own
         self.block_tuning: Any = None  # tune_scope "block" (block_tuning.BlockTuning): what each block chose
 
     def batches(self, task: str) -> list[tuple[int, Batch]]:

@@ -51,7 +51,7 @@ from featcal.blocks.adapters import Adapter, Stack
 from featcal.blocks.discovery import ROUTED_EXPERTS, kept_merged
 from featcal.calibration import block_tuning, gather, one_pass, outer_norms
 from featcal.calibration.block_tuning import BlockTuning
-from featcal.calibration.context import RunContext
+from featcal.calibration.context import ExpertReads, RunContext  # ExpertReads: re-exported
 from featcal.calibration.distributed import RankGroup, current_group
 from featcal.calibration.drift import DriftSums
 from featcal.calibration.param_names import block_param_names, stem_param_names
@@ -63,7 +63,6 @@ from featcal.calibration.template import block_storage
 from featcal.config import FeatCalConfig
 from featcal.data.batch import Batch
 from featcal.io import host_allocator, interrupts
-from featcal.io.param_sources import ParamSource
 
 log = logging.getLogger("featcal.calibration")
 
@@ -95,22 +94,6 @@ def kept_merged_record(model: nn.Module, stacks: list[Stack], log_it: bool = Tru
             level = logging.WARNING if why == ROUTED_EXPERTS else logging.INFO
             log.log(level, "featcal %s blocks: %s keep(s) the merged values: %s", stack.name, names, why)
     return out
-
-
-@dataclass(frozen=True)
-class ExpertReads:
-    """Where the engine reads the experts' and the base's parameters from (core._checked_sources), and how.
-
-    `prefetch`: read the experts' next block on a background thread (prefetch.py); off, every read is made on the
-    main thread when the block needs it (the same values, later). `check_as_read`: the tasks whose tensors are
-    checked for NaN / Inf as they are read (streamed experts not scanned before the run). `resident`
-    (expert_placement.py): the experts are models on the device, used in place (nothing to read ahead)."""
-
-    experts: dict[str, ParamSource]
-    base: ParamSource | None
-    prefetch: bool = True
-    check_as_read: frozenset[str] | set[str] = frozenset()
-    resident: bool = False
 
 
 @dataclass(frozen=True)
@@ -159,10 +142,7 @@ class FeatCalEngine:
         self.resume = options.resume
         # where the models live; the caller has already placed them (Placement.setup)
         self.place = options.placement if options.placement is not None else Placement(device, config.offload_blocks)
-        self.ctx = RunContext(merged, template, adapter, reads.experts, reads.base, calibration, config, device,
-                              self.group, self.place)
-        self.ctx.check_as_read = set(reads.check_as_read)
-        self.ctx.resident = reads.resident
+        self.ctx = RunContext(merged, template, adapter, reads, calibration, config, self.group, self.place)
         self.ctx.block_tuning = options.block_tuning  # tune_scope "block": ρ and λ chosen per block (block_tuning.py)
         self.chains = self.ctx.chains
         self.progress = options.progress and self.group.is_main
