@@ -47,8 +47,6 @@ PARAMS_ALLOWED = {
     "calibration/tuning/run.py:calibrate_tuned": "the search's entry, the same keywords; request not built yet",
     "calibration/tuning/per_block.py:calibrate_per_block": "the per-block search, likewise",
     "calibration/task_data.py:resolve_calibration": "featcal.calibrate's data keywords, to go through the request",
-    "calibration/context.py:RunContext.__init__": "the gatherers' context beside the numerical modules being "
-                                                  "profiled; could take engine.ExpertReads",
     # numerical and planning code another engineer is profiling: not touched this session
     "calibration/solver.py:linear_weight_bias": "the closed-form solve's arguments (numerical code, not touched)",
     "calibration/planner.py:_offloaded": "the planner's memory pricing (being profiled, not touched)",
