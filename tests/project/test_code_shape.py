@@ -32,9 +32,7 @@ ENTRY_POINTS = {
 LONG_ALLOWED = {
     "experiments/zoo/text_build.py:build_text": "the text zoo's build script, one recipe in order; not reached yet",
     "experiments/zoo/vision_build.py:build_vision_real": "the vision zoo's build script, likewise; not reached yet",
-    "merging/mergekit_config.py:translate": "the mergekit translation, to be read from the method table (issue 52)",
     "io/onnx_dinov2.py:convert": "zoo-only ONNX conversion, to move under experiments/ with the io/ walls (issue 52)",
-    "evaluation/api.py:evaluate": "the public featcal.evaluate: its eval use case is not in jobs/ yet",
 }
 
 # functions (other than ENTRY_POINTS) still taking more than MAX_PARAMS parameters, and why

@@ -95,9 +95,18 @@ def evaluate(
                 report["lm_eval"] = _lm_eval(plan, lm_tasks, Path(tmp), opts)
         report["seconds"] = seconds
         return report
+    _write_eval(out, overwrite, report, seconds, plan, (lm_tasks, opts))
+    return report
+
+
+def _write_eval(out: str | Path, overwrite: bool, report: dict[str, Any], seconds: float, plan: EvalPlan,
+                lm: tuple[Any, EvalOptions]) -> None:
+    """The output folder, atomically: the harness's results (`lm`: its tasks, if any, and the options), eval.json
+    (completed in place: lm_eval, seconds), table.md and, with matplotlib, eval.png."""
     from featcal.io.atomic import atomic_output_dir
     from featcal.io.report import write_report
 
+    lm_tasks, opts = lm
     with atomic_output_dir(out, overwrite) as tmp:
         if lm_tasks:
             report["lm_eval"] = _lm_eval(plan, lm_tasks, tmp / "lm_eval", opts, Path(out) / "lm_eval")
@@ -109,7 +118,6 @@ def evaluate(
         elif report["results"]:
             log.warning("%s not drawn: it needs matplotlib (pip install 'featcal[plot]'); eval.json and %s hold "
                         "every figure", PLOT_PNG, TABLE_MD)
-    return report
 
 
 def _check_output(out, overwrite: bool, tasks, models, base, merged, calibrated, experts) -> None:

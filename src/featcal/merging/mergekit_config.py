@@ -89,18 +89,7 @@ def translate(data: Mapping[str, Any], source: str = "the mergekit config") -> d
     if not inputs:
         raise ConfigError(f"{where} no model to merge besides the base_model")
 
-    weights, densities = {}, {}
-    for name, _, values in inputs:
-        weight = values.get("weight", defaults.get("weight"))
-        if weight is None:
-            raise ConfigError(f"{where} model {name!r} has no weight (mergekit requires one per model for "
-                              f"{method}; give it under the model's parameters or the top-level parameters)")
-        weights[name] = weight
-        density = values.get("density", defaults.get("density", 1.0))
-        if method in ("linear", "task_arithmetic") and density != 1.0:
-            raise ConfigError(f"{where} model {name!r}: {method} takes no density")
-        densities[name] = density
-
+    weights, densities = _weights_and_densities(inputs, defaults, method, where)
     normalize = shared.get("normalize", default_normalize)
     rescale = shared.get("rescale", default_rescale)
     params: dict[str, Any] = {"weights": weights, "normalize": normalize,
@@ -108,19 +97,7 @@ def translate(data: Mapping[str, Any], source: str = "the mergekit config") -> d
     _say_what_differs(method, shared, densities, data.get("seed", 0), source)
     if method != "linear":
         params["scaling"] = shared.get("lambda", 1.0)
-    if method == "ties":
-        params.update(ties_threshold="per_tensor", density=1.0, densities=densities)
-    if method.startswith("dare_"):
-        drops = {}
-        for name, density in densities.items():
-            if not isinstance(density, (int, float)) or isinstance(density, bool) or not 0.0 < density <= 1.0:
-                raise ConfigError(f"{where} model {name!r}: density {density!r} is outside (0, 1]")
-            drops[name] = 1.0 - density
-        params.update(drop_rates=drops, dare_rescale="l1" if rescale else "none")
-        if method == "dare_ties":
-            params.update(density=1.0, ties_threshold="per_tensor")  # mergekit's dare_ties trims by the drop only
-    elif rescale:
-        raise ConfigError(f"{where} rescale: true is not implemented for {method} in featcal")
+    params.update(_sparsity(method, densities, rescale, where))
     if "seed" in data:
         params["seed"] = data["seed"]
 
@@ -134,6 +111,43 @@ def translate(data: Mapping[str, Any], source: str = "the mergekit config") -> d
     if tokenizer is not None:
         run["tokenizer_source"] = _tokenizer_source(tokenizer, base, inputs, where)
     return run
+
+
+def _weights_and_densities(inputs: list[tuple[str, Any, dict]], defaults: Mapping[str, Any], method: str,
+                           where: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Each merged model's weight (required) and density (1.0 by default; refused for linear and task_arithmetic),
+    from its own parameters, else the top-level ones."""
+    weights, densities = {}, {}
+    for name, _, values in inputs:
+        weight = values.get("weight", defaults.get("weight"))
+        if weight is None:
+            raise ConfigError(f"{where} model {name!r} has no weight (mergekit requires one per model for "
+                              f"{method}; give it under the model's parameters or the top-level parameters)")
+        weights[name] = weight
+        density = values.get("density", defaults.get("density", 1.0))
+        if method in ("linear", "task_arithmetic") and density != 1.0:
+            raise ConfigError(f"{where} model {name!r}: {method} takes no density")
+        densities[name] = density
+    return weights, densities
+
+
+def _sparsity(method: str, densities: Mapping[str, Any], rescale: bool, where: str) -> dict[str, Any]:
+    """The TIES / DARE parameters of mergekit's densities and rescale, as featcal's methods take them."""
+    params: dict[str, Any] = {}
+    if method == "ties":
+        params.update(ties_threshold="per_tensor", density=1.0, densities=densities)
+    if method.startswith("dare_"):
+        drops = {}
+        for name, density in densities.items():
+            if not isinstance(density, (int, float)) or isinstance(density, bool) or not 0.0 < density <= 1.0:
+                raise ConfigError(f"{where} model {name!r}: density {density!r} is outside (0, 1]")
+            drops[name] = 1.0 - density
+        params.update(drop_rates=drops, dare_rescale="l1" if rescale else "none")
+        if method == "dare_ties":
+            params.update(density=1.0, ties_threshold="per_tensor")  # mergekit's dare_ties trims by the drop only
+    elif rescale:
+        raise ConfigError(f"{where} rescale: true is not implemented for {method} in featcal")
+    return params
 
 
 def _arithmetic(dtype: Any) -> Any:
