@@ -38,8 +38,7 @@ from featcal.calibration.result import CalibrationResult, DriftRow
 from featcal.calibration.template import expert_template
 from featcal.config import FeatCalConfig
 from featcal.data.batch import Batch
-from featcal.io.family import open_family
-from featcal.io.param_sources import ParamSource
+from featcal.io.family import InputFamily, open_family
 from featcal.io.validate import validate_expert_names
 
 log = logging.getLogger("featcal.calibration")
@@ -107,23 +106,21 @@ def _open_resume_store(config: FeatCalConfig, model: nn.Module, base: ModelLike 
     return store
 
 
-def _checked_sources(model: nn.Module, template: nn.Module, stacks: list[Stack], base: ModelLike | None,
-                     experts: Mapping[str, ModelLike], allow_pickle: bool, check_finite: bool,
-                     expert_kind: Mapping[str, str] | None = None, final_names: list[str] | None = None,
-                     as_read: bool = False,
-                     ) -> tuple[dict[str, ParamSource], ParamSource | None, set[str]]:
-    """Where each expert's and the base's parameters are read from (io/family.py: the model given, or its files
-    read block by block into `template`; a LoRA adapter applied to the base, a GGUF file dequantised), completed
-    to a grown vocabulary, every parameter the run reads checked against the merged model (and, with
-    `check_finite`, for NaN/Inf). `final_names`: the parameters of the norms solved outside the blocks
-    (calibrate_final_norm, calibrate_stem_norm), which the base's anchor is read for too."""
-    family = open_family(base, experts, allow_pickle=allow_pickle, expert_kind=expert_kind, eager=False)
+def _checked_sources(model: nn.Module, template: nn.Module, stacks: list[Stack], family: InputFamily,
+                     experts: Mapping[str, ModelLike], check_finite: bool, final_names: list[str] | None = None,
+                     as_read: bool = False) -> ExpertReads:
+    """Where each expert's and the base's parameters are read from (`family`, opened by io/family.py: the model
+    given, or its files read block by block into `template`; a LoRA adapter applied to the base, a GGUF file
+    dequantised), completed to a grown vocabulary, every parameter the run reads checked against the merged model
+    (and, with `check_finite`, for NaN/Inf). `final_names`: the parameters of the norms solved outside the blocks
+    (calibrate_final_norm, calibrate_stem_norm), which the base's anchor is read for too. `as_read` (prefetch): the
+    streamed experts are checked as they are read; the ExpertReads says which (its `resident` left to the caller)."""
     stem_names, block_names = needed_param_names(model, stacks)
     block_names = block_names + list(final_names or [])  # read from experts and base like a block's (the anchor)
     experts_src, base_src = family.calibration_sources(model, template, stem_names + block_names, block_names,
                                                        check_finite, streamed_as_read=as_read)
     as_read_tasks = {t for t in experts if check_finite and as_read and family.streamed(t)}
-    return experts_src, base_src, as_read_tasks
+    return ExpertReads(experts_src, base_src, prefetch=as_read, check_as_read=as_read_tasks)
 
 
 def _run_engine(model: nn.Module, template: nn.Module, adapter: Adapter, reads: ExpertReads,
@@ -182,11 +179,11 @@ def calibrate_setting(
     final = adapter.final_norm(model, stacks[-1]) if config.calibrate_final_norm else None
     stem = adapter.stem_norm(model, stacks[0]) if config.calibrate_stem_norm else None
     solved_norms = [n for norm in (stem, final) if norm is not None for n in norm.param_names()]
-    sources, base_src, as_read = _checked_sources(model, template, stacks, base, experts, allow_pickle,
-                                                  check_finite, expert_kind, solved_norms, as_read=prefetch)
+    family = open_family(base, experts, allow_pickle=allow_pickle, expert_kind=expert_kind, eager=False)
+    reads = _checked_sources(model, template, stacks, family, experts, check_finite, solved_norms, as_read=prefetch)
     where = expert_placement.choose(experts, template, device, config, allowed=resident)
     log.info("featcal: experts %s (%s)", where.experts, where.why)
-    reads = ExpertReads(sources, base_src, prefetch=prefetch, check_as_read=as_read, resident=where.resident)
+    reads = dataclasses.replace(reads, resident=where.resident)
     ran = _run_engine(model, template, adapter, reads, data, config, device,
                       EngineOptions(progress, group, store, block_tuning=block_tuning))
     if store is not None and not keep_resume_state:
