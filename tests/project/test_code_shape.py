@@ -41,7 +41,6 @@ PARAMS_ALLOWED = {
     # is the next step (one for calibrate_models, calibrate_setting, the search and the per-block search)
     "calibration/in_memory.py:calibrate_models": "featcal.calibrate's keywords, one level down; request not built yet",
     "calibration/core.py:calibrate_setting": "the same keywords at one setting; request not built yet",
-    "calibration/core.py:_checked_sources": "the sources' read options, to go with that request",
     "calibration/tuning/run.py:calibrate_tuned": "the search's entry, the same keywords; request not built yet",
     "calibration/tuning/per_block.py:calibrate_per_block": "the per-block search, likewise",
     "calibration/task_data.py:resolve_calibration": "featcal.calibrate's data keywords, to go through the request",
@@ -53,7 +52,6 @@ PARAMS_ALLOWED = {
     "io/family.py:open_family": "the checkpoint door's read options; an options object is the next step",
     "data/calibration.py:load_calibration_batches": "the older data loader behind the door; not reached yet",
     "evaluation/data.py:read_eval_set": "the eval data reader's options; with an eval request, not reached yet",
-    "evaluation/generation.py:greedy_generations": "generation settings; not reached yet",
     # the experiment apparatus (extra `bench`)
     "experiments/bench/baselines.py:surgery_rows": "bench rows of the Surgery baselines; not reached yet",
     "experiments/bench/baselines.py:merge_baseline_rows": "bench rows of the merge baselines; not reached yet",

@@ -20,10 +20,10 @@ def generate_batch(model: Any, tokenizer: Any, texts: Sequence[str], *, device: 
 
 def greedy_generations(
     model: Any, tokenizer: Any, texts: Sequence[str], *, batch_size: int, device: Any, max_new_tokens: int = 10,
-    desc: str = "generate", max_length: int = 512, progress: bool = True,
+    desc: str = "generate", max_length: int = 512,
 ) -> Iterator[str]:
     """Greedy generations of `texts`, in their order, `batch_size` prompts at a time (`max_length`: 512, as
-    EvalOptions' evaluation default, not calibration's 128: a prompt is read whole)."""
-    for start in tqdm(range(0, len(texts), batch_size), desc=desc, disable=not progress):
+    EvalOptions' evaluation default, not calibration's 128: a prompt is read whole), under a progress bar."""
+    for start in tqdm(range(0, len(texts), batch_size), desc=desc):
         yield from generate_batch(model, tokenizer, texts[start : start + batch_size], device=device,
                                   max_new_tokens=max_new_tokens, max_length=max_length)
