@@ -140,3 +140,40 @@ def test_run_merges_then_calibrates_and_returns_what_it_wrote(tmp_path, capsys):
     rc, printed, err = cli(["run", only, "--out", tmp_path / "again", "--no-progress"], capsys)
     assert rc == 0, err
     assert printed.splitlines()[-1] == merged_only.summary().replace(str(merged_only.out), str(tmp_path / "again"))
+
+
+def test_merge_and_calibrate_jobs_write_what_the_cli_and_the_keyword_calls_write(bert, tmp_path):
+    """jobs.merge(MergeRequest) and jobs.calibrate(CalibrateRequest): the typed results of what `featcal merge` and
+    `featcal calibrate` write, the same weights as featcal.merge's and featcal.calibrate(out=)'s keywords."""
+    from safetensors.torch import load_file
+
+    from featcal.config import MergeConfig
+
+    merged = jobs.merge(jobs.MergeRequest(bert["base"], bert["experts"], MergeConfig(method="ties"), out=tmp_path / "m",
+                                          progress=False))
+    assert merged.out == tmp_path / "m" and merged.report["command"] == "merge"
+    state = featcal.merge(bert["base"], bert["experts"], "ties", progress=False)
+    assert all(torch.equal(merged.state[k], state[k]) for k in state)
+
+    config = FeatCalConfig(num_calibration_examples=4, calibration_batch_size=2)
+    done = jobs.calibrate(jobs.CalibrateRequest(bert["merged"], bert["base"], bert["experts"], bert["data"],
+                                                tmp_path / "c", config=config, options=RunOptions(max_length=16),
+                                                progress=False))
+    assert done.main and done.out == tmp_path / "c" and done.report["params"]["max_length"] == 16
+    assert len(done.result.drift) == len(done.report["drift"])
+    featcal.calibrate(bert["merged"], base=bert["base"], experts=bert["experts"], calibration=bert["data"],
+                      config=config, out=tmp_path / "k", progress=False, max_length=16)
+    ours, theirs = load_file(tmp_path / "c" / "model.safetensors"), load_file(tmp_path / "k" / "model.safetensors")
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    with pytest.raises(TypeError, match="CalibrateRequest"):
+        jobs.calibrate({"merged": bert["merged"]})
+
+
+def test_the_jobs_package_loads_merge_and_calibrate_lazily():
+    """`import featcal.jobs` (the CLI's help imports it) stays free of torch: merge and calibrate load on use."""
+    import subprocess
+    import sys
+
+    probe = "import sys, featcal.jobs; print('torch' in sys.modules); featcal.jobs.MergeRequest; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120)
+    assert done.stdout.split() == ["False", "True"]
