@@ -111,3 +111,22 @@ def test_calibrate_with_symmetric_grams_forced_on_equals_reference_and_plain(kin
     diff, where = max_abs_diff(sym, reference_calibrate(merged, base, experts, data, FeatCalConfig()))
     assert diff < 1e-5, f"{kind}: {where} differs by {diff}"
     assert max_abs_diff(sym, merged)[0] > 1e-3
+
+
+@pytest.mark.parametrize("d,chunks", [(7, 1), (100, 3), (300, None)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_means_are_the_mirrored_widened_sums_exactly_and_leave_the_sums_alone(d, chunks, dtype):
+    # means() widens, mirrors and scales in place on one new tensor (no in×in temporaries): bit for bit what
+    # mirroring, widening and dividing out of place gives, and the sums it read are neither changed nor aliased
+    g = GramSums.zeros(d, torch.device("cpu"), dtype)
+    if chunks is not None:
+        g.chunks = chunks
+    for x, w in _batches(d, 2, dtype):
+        g.add(x, w)
+    held = g.sxx.clone()
+    sw, mu, c = g.means()
+    sw64 = g.sw.to(torch.float64)
+    assert torch.equal(c, symmetrised(g.sxx, g.chunks).to(torch.float64) / sw64)
+    assert torch.equal(mu, g.sx.to(torch.float64) / sw64)
+    assert torch.equal(g.sxx, held) and c.data_ptr() != g.sxx.data_ptr()
+    assert torch.equal(g.means()[2], c)

@@ -148,3 +148,16 @@ def test_non_finite_solution_is_refused():
 def test_anchor_extrapolates_task_vector():
     m, b = torch.tensor([2.0]), torch.tensor([1.0])
     torch.testing.assert_close(solver.anchor(m, b, 2.2), torch.tensor([2.2 * 2 - 1.2 * 1], dtype=F64))
+
+
+def test_linear_weight_adds_the_ridge_on_the_diagonal_exactly_as_the_identity_sum():
+    # the ridge goes onto the diagonal of a copy (no in×in identity and sum temporaries): the same system, so the
+    # same solution bit for bit, and the caller's Gram is left as it was
+    x = _rand(50, 12, seed=3)
+    gram, target, anchor = x.T @ x / 50, _rand(12, 5, seed=4), _rand(5, 12, seed=5)
+    held = gram.clone()
+    lam, eps = 0.05, 1e-6
+    a = gram + (lam + eps) * torch.eye(12, dtype=torch.float64)
+    expected = torch.cholesky_solve(target + lam * anchor.T, torch.linalg.cholesky(a)).T
+    assert torch.equal(solver.linear_weight(gram, target, anchor, lam, eps), expected)
+    assert torch.equal(gram, held)

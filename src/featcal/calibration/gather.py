@@ -180,22 +180,17 @@ class GatherPass:
     def batch(self, t: str, b: int, batch: Batch, task_sums: TaskSums, teacher: dict | None, tokens: float) -> dict:
         """One batch: the expert side's forward recorded, the merged side's folded; the chains advanced.
         Returns the task's teacher-form choice (made on its first batch)."""
-        block, run = self.block, self.block.run
-        raw_e = ctx_e = None
-        with ExpertRecorder(self.linears_e, self.plan) as recorder, StopAfter(self.until_e) as stop:
-            if self.expert != "none":
-                ctx_e = run.chains.context(("e", t, b))
-                raw_e = stop.run(block.expert, run.chains.hidden(("e", t, b)), **block.kwargs(ctx_e))
+        block = self.block
+        with ExpertRecorder(self.linears_e, self.plan) as recorder:
+            ctx_e, raw_e = self._expert_forward(t, b)
         if self.plan is None:
             self.plan = plan_block(self.linears_e, recorder.calls, block.token_kind, recorder.changed_in_place())
             recorder.adopt(self.plan)
         if teacher is None:
             teacher = block.teacher_form(self.plan, self.linears_e, tokens)
         weights = partial(block.weights, batch=batch)
-        with MergedFolder(self.mods_m, self.plan, recorder, task_sums, weights, teacher), \
-                StopAfter(self.until_m) as stop:
-            ctx_m = block.kwargs(run.chains.context(("m", t, b)))
-            raw_m = stop.run(block.merged, run.chains.hidden(("m", t, b)), **ctx_m)
+        with MergedFolder(self.mods_m, self.plan, recorder, task_sums, weights, teacher):
+            raw_m = self._merged_forward(t, b)
         del recorder
         if self.advance_reference:  # the block as merged, outside the hooks
             block.advance_reference(t, b)
@@ -205,3 +200,22 @@ class GatherPass:
         if self.advance_experts:
             block.put_output(("e", t, b), ctx_e, raw_e)
         return teacher
+
+    # the two forwards of a batch, each its own function so that a profile names them
+    # (benchmarks/profile_phases.py); the hooks around them record and fold
+    def _expert_forward(self, t: str, b: int) -> tuple[dict | None, object]:
+        """Expert t's block on he(t) batch b (stopped after the stage's modules with expert "until"), or nothing
+        with expert "none"; returns (its chain context, its raw output)."""
+        if self.expert == "none":
+            return None, None
+        run = self.block.run
+        with StopAfter(self.until_e) as stop:
+            ctx_e = run.chains.context(("e", t, b))
+            return ctx_e, stop.run(self.block.expert, run.chains.hidden(("e", t, b)), **self.block.kwargs(ctx_e))
+
+    def _merged_forward(self, t: str, b: int) -> object:
+        """The merged block on hm(t) batch b (stopped after the stage's modules with merged_until)."""
+        run = self.block.run
+        with StopAfter(self.until_m) as stop:
+            ctx_m = self.block.kwargs(run.chains.context(("m", t, b)))
+            return stop.run(self.block.merged, run.chains.hidden(("m", t, b)), **ctx_m)

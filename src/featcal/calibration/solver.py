@@ -41,8 +41,8 @@ def linear_weight(
 
     gram_sum: Σt Ct/st (in×in); target_sum: Σt (Xt/st) Wtᵀ (in×out); anchor: Ā (out×in).
     """
-    d = gram_sum.shape[0]
-    a = gram_sum.to(_F64) + (lam + eps) * torch.eye(d, dtype=_F64, device=gram_sum.device)
+    a = gram_sum.to(_F64, copy=True)  # + (λ+ε)I on the diagonal alone: no in×in identity and sum temporaries
+    a.diagonal().add_(lam + eps)
     b = target_sum.to(_F64) + lam * anchor.to(_F64).T
     return solve_spd(a, b, what=what or "linear weight").T
 
