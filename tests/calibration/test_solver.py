@@ -161,3 +161,19 @@ def test_linear_weight_adds_the_ridge_on_the_diagonal_exactly_as_the_identity_su
     expected = torch.cholesky_solve(target + lam * anchor.T, torch.linalg.cholesky(a)).T
     assert torch.equal(solver.linear_weight(gram, target, anchor, lam, eps), expected)
     assert torch.equal(gram, held)
+
+
+def test_linear_weight_bias_adds_the_ridge_on_the_diagonal_exactly_as_the_identity_sum():
+    x = _rand(50, 12, seed=6)
+    gram, target, mean = x.T @ x / 50, _rand(12, 5, seed=7), x.mean(0)
+    bias_target, mean_bias, anchor_w, anchor_b = _rand(5, seed=9), _rand(12, 5, seed=10), _rand(5, 12, seed=11), \
+        _rand(5, seed=12)
+    lam, eps, inv = 0.05, 1e-6, 1.7
+    a = torch.empty(13, 13, dtype=F64)
+    a[:12, :12] = gram + (lam + eps) * torch.eye(12, dtype=F64)
+    a[:12, 12] = a[12, :12] = mean
+    a[12, 12] = inv + lam
+    b = torch.cat([target + mean_bias + lam * anchor_w.T, (bias_target + lam * anchor_b)[None]])
+    expected = torch.cholesky_solve(b, torch.linalg.cholesky(a))
+    w, bias = solver.linear_weight_bias(gram, target, mean, inv, bias_target, mean_bias, anchor_w, anchor_b, lam, eps)
+    assert torch.equal(w, expected[:12].T) and torch.equal(bias, expected[12])

@@ -158,7 +158,7 @@ class GramSums:
             return None
         # widened into one new float64 tensor, mirrored and scaled in place: the same values as mirroring, widening
         # and dividing out of place, without the 2-3 extra in×in temporaries (each a fresh mapping whose pages
-        # fault in: 5.9 % of a 1B-shape calibration, docs/scaling.md "Where the time goes")
+        # fault in: 7.2 % of a 1B-shape calibration's engine time, 3.4 % after; docs/scaling.md)
         sxx = mirror_upper_(self.sxx.to(_F64, copy=True), self.chunks)
         return sw, self.sx.to(_F64) / sw, sxx.div_(sw)
 

@@ -62,7 +62,8 @@ def linear_weight_bias(
     """
     d = gram_sum.shape[0]
     a = torch.empty(d + 1, d + 1, dtype=_F64, device=gram_sum.device)
-    a[:d, :d] = gram_sum.to(_F64) + (lam + eps) * torch.eye(d, dtype=_F64, device=gram_sum.device)
+    a[:d, :d] = gram_sum  # copied in (widened), then + (λ+ε)I on its diagonal alone, as linear_weight does
+    a[:d, :d].diagonal().add_(lam + eps)
     a[:d, d] = a[d, :d] = mean_sum.to(_F64)
     a[d, d] = torch.as_tensor(inv_scale_sum, dtype=_F64) + lam
     b = torch.cat([target_sum.to(_F64) + mean_bias_sum.to(_F64) + lam * anchor_w.to(_F64).T,
