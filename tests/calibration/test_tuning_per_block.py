@@ -12,6 +12,7 @@ import torch
 from featcal import FeatCalConfig, calibrate
 from featcal.calibration import core
 from featcal.calibration.block_tuning import LADDERS, BlockTuning
+from featcal.calibration.engine import SearchHooks
 from featcal.errors import ConfigError
 from tests.builders.reference_featcal import family_data, max_abs_diff, noisy_family, ta_merge
 
@@ -36,7 +37,7 @@ def test_scoring_only_the_configured_setting_is_the_papers_calibration_bit_for_b
     tuning = BlockTuning(held, {"anchor_blend_rho": cfg.anchor_blend_rho, "lambda_ratio": cfg.lambda_ratio},
                          ("anchor_blend_rho", "lambda_ratio"), limit=1)
     tuned = core.calibrate_setting(merged, base=base, experts=experts, calibration=ordered, config=cfg,
-                                   progress=False, block_tuning=tuning)
+                                   progress=False, search=SearchHooks(block_tuning=tuning))
     # the held-out batch is each task's last one folded: the fit sums plus its sums are the plain sums exactly
     assert max_abs_diff(plain.model, tuned.model)[0] == 0.0
     assert [b["chosen"] for b in tuning.blocks] == [{"anchor_blend_rho": 2.2, "lambda_ratio": 0.05}] * len(plain.drift)
@@ -51,7 +52,7 @@ def test_alpha_blended_from_the_sums_at_0_and_1_is_the_configured_calibration(fa
     plain = core.calibrate_setting(merged, base=base, experts=experts, calibration=data, config=cfg, progress=False)
     tuning = BlockTuning(held, dict(START), tuple(START), limit=1)
     tuned = core.calibrate_setting(merged, base=base, experts=experts, calibration=data, config=cfg,
-                                   progress=False, block_tuning=tuning)
+                                   progress=False, search=SearchHooks(block_tuning=tuning))
     diff, name = max_abs_diff(plain.model, tuned.model)
     scale = max(p.abs().max().item() for p in plain.model.parameters())
     assert diff <= 1e-5 * scale, name

@@ -93,6 +93,7 @@ class RunContext:
         self.check_as_read: set[str] = set(reads.check_as_read)  # tasks whose tensors are checked as they are read
         self.resident = reads.resident  # expert_placement.py: the template's parameters point at the experts' own
         self.block_tuning: Any = None  # tune_scope "block" (block_tuning.BlockTuning): what each block chose
+        self.expert_tape: Any = None  # a search's candidates: the experts' block forwards kept (expert_tape.py)
 
     def batches(self, task: str) -> list[tuple[int, Batch]]:
         """(global batch index, batch) of this rank's share of `task`."""

@@ -18,9 +18,8 @@ from torch import nn
 from featcal.blocks.adapters import Adapter, Stack, adapter_for
 from featcal.calibration import expert_placement
 from featcal.calibration import resume as resume_mod
-from featcal.calibration.block_tuning import BlockTuning
 from featcal.calibration.distributed import RankGroup, current_group
-from featcal.calibration.engine import EngineOptions, EngineResult, ExpertReads, FeatCalEngine
+from featcal.calibration.engine import EngineOptions, EngineResult, ExpertReads, FeatCalEngine, SearchHooks
 from featcal.calibration.inputs import (
     ModelLike,
     as_model,
@@ -159,14 +158,15 @@ def calibrate_setting(
     expert_kind: Mapping[str, str] | None = None,
     prefetch: bool = True,
     resident: bool = True,
-    block_tuning: BlockTuning | None = None,
+    search: SearchHooks = SearchHooks(),
 ) -> CalibrationResult:
     """Calibrate `merged` toward its experts at `config`'s setting (its `tune` is not looked at); see
     `featcal.calibrate` for the arguments. Every input is checked before any work, except that with `prefetch`
     (the default) the experts read from files are checked for NaN / Inf as their blocks are read, ahead of
     the block that needs them (prefetch.py). `prefetch=False`: every read on the main thread when needed, every
     input scanned first (the same result bit for bit; tests compare the two). `resident=False`: experts in
-    memory on the device are copied into the template block by block too (expert_placement.py; the same result)."""
+    memory on the device are copied into the template block by block too (expert_placement.py; the same result).
+    `search`: what a search asks of its calibrations (engine.SearchHooks)."""
     device = _check_request(config, base, experts, calibration)
     model = _model_to_calibrate(merged, inplace, allow_pickle)
     adapter = adapter_for(model)  # unsupported architectures fail here, before any work
@@ -185,7 +185,7 @@ def calibrate_setting(
     log.info("featcal: experts %s (%s)", where.experts, where.why)
     reads = dataclasses.replace(reads, resident=where.resident)
     ran = _run_engine(model, template, adapter, reads, data, config, device,
-                      EngineOptions(progress, group, store, block_tuning=block_tuning))
+                      EngineOptions(progress, group, store, search=search))
     if store is not None and not keep_resume_state:
         store.delete()
     del template

@@ -54,6 +54,7 @@ from featcal.calibration.block_tuning import BlockTuning
 from featcal.calibration.context import ExpertReads, RunContext  # ExpertReads: re-exported
 from featcal.calibration.distributed import RankGroup, current_group
 from featcal.calibration.drift import DriftSums
+from featcal.calibration.expert_tape import ExpertTape
 from featcal.calibration.param_names import block_param_names, stem_param_names
 from featcal.calibration.placement import Placement
 from featcal.calibration.prefetch import BlockReader
@@ -97,15 +98,27 @@ def kept_merged_record(model: nn.Module, stacks: list[Stack], log_it: bool = Tru
 
 
 @dataclass(frozen=True)
+class SearchHooks:
+    """What a search (tuning/) asks of the calibrations it runs: per-block tuning (tune_scope "block"); for the
+    model-wide search's candidates, no end-to-end drift (`end_to_end` off: its reference chain is one more block
+    forward per task, and a candidate's record is not kept) and the experts' tape kept across them
+    (expert_tape.py; used with block_statistics "as_merged" only). The default: a plain calibration."""
+
+    block_tuning: BlockTuning | None = None
+    end_to_end: bool = True
+    expert_tape: ExpertTape | None = None
+
+
+@dataclass(frozen=True)
 class EngineOptions:
     """How the engine runs, beside what it calibrates: progress bar, ranks (None: the current group), per-block
-    resume store, where the models live (None: placed by the config), per-block tuning (tune_scope "block")."""
+    resume store, where the models live (None: placed by the config), what a search asks of it (SearchHooks)."""
 
     progress: bool = True
     group: RankGroup | None = None
     resume: ResumeStore | None = None
     placement: Placement | None = None
-    block_tuning: BlockTuning | None = None
+    search: SearchHooks = SearchHooks()
 
 
 @dataclass(frozen=True)
@@ -135,7 +148,7 @@ class FeatCalEngine:
         options: EngineOptions = EngineOptions(),
     ) -> None:
         """`reads`: where the experts' and the base's parameters come from, and how they are read (ExpertReads);
-        `options`: the run's progress bar, ranks, resume store, placement and per-block tuning (EngineOptions)."""
+        `options`: the run's progress bar, ranks, resume store, placement and what a search asks (EngineOptions)."""
         self.merged, self.template, self.adapter, self.cfg = merged, template, adapter, config
         self.prefetch = reads.prefetch and not reads.resident
         self.group = options.group if options.group is not None else current_group()
@@ -143,7 +156,14 @@ class FeatCalEngine:
         # where the models live; the caller has already placed them (Placement.setup)
         self.place = options.placement if options.placement is not None else Placement(device, config.offload_blocks)
         self.ctx = RunContext(merged, template, adapter, reads, calibration, config, self.group, self.place)
-        self.ctx.block_tuning = options.block_tuning  # tune_scope "block": ρ and λ chosen per block (block_tuning.py)
+        search = options.search
+        self.ctx.block_tuning = search.block_tuning  # tune_scope "block": ρ and λ chosen per block (block_tuning.py)
+        if not search.end_to_end:
+            self.ctx.reference = {}  # no as-merged reference chain: end_to_end stays None
+        tape = search.expert_tape
+        if tape is not None and config.block_statistics == "as_merged" and search.block_tuning is None:
+            tape.bind(calibration, config)
+            self.ctx.expert_tape = tape
         self.chains = self.ctx.chains
         self.progress = options.progress and self.group.is_main
         self.stacks = adapter.stacks(merged)
@@ -356,6 +376,8 @@ class FeatCalEngine:
         """
         held = set(self.chains.keys())
         reference = self.ctx.reference
+        if not reference:  # a search's candidate (SearchHooks.end_to_end off)
+            return None
         if not self.ctx.tasks or any(("r", t, b) not in held for t, b in reference.items()):
             log.info("featcal: no reference chain held; end-to-end drift not measured")
             return None

@@ -25,6 +25,7 @@ from featcal.blocks.capture import hidden_of
 from featcal.blocks.discovery import Calibrated
 from featcal.calibration.context import BlockContext
 from featcal.calibration.drift import DriftSums
+from featcal.calibration.expert_tape import TapeEntry
 from featcal.calibration.hooks import ExpertRecorder, MergedFolder, StopAfter, group_inputs, plan_block
 from featcal.calibration.statistics import NormalisedSums, TaskSums
 from featcal.data.batch import Batch
@@ -181,11 +182,7 @@ class GatherPass:
         """One batch: the expert side's forward recorded, the merged side's folded; the chains advanced.
         Returns the task's teacher-form choice (made on its first batch)."""
         block = self.block
-        with ExpertRecorder(self.linears_e, self.plan) as recorder:
-            ctx_e, raw_e = self._expert_forward(t, b)
-        if self.plan is None:
-            self.plan = plan_block(self.linears_e, recorder.calls, block.token_kind, recorder.changed_in_place())
-            recorder.adopt(self.plan)
+        recorder, ctx_e, raw_e = self._expert_side(t, b)
         if teacher is None:
             teacher = block.teacher_form(self.plan, self.linears_e, tokens)
         weights = partial(block.weights, batch=batch)
@@ -200,6 +197,28 @@ class GatherPass:
         if self.advance_experts:
             block.put_output(("e", t, b), ctx_e, raw_e)
         return teacher
+
+    def _expert_side(self, t: str, b: int) -> tuple[ExpertRecorder, dict | None, object]:
+        """Expert t's forward on batch b with its recorder: replayed from the run's expert tape where a
+        candidate before this one recorded it (expert_tape.py), else run (and recorded when a tape is kept)."""
+        block, run = self.block, self.block.run
+        tape = run.expert_tape if self.whole and self.advance_experts else None
+        kept = tape.get(block.stack.name, block.layer, t, b, run.device) if tape is not None else None
+        if kept is not None:
+            plan, entry = kept
+            self.plan = self.plan or plan
+            recorder = ExpertRecorder(self.linears_e, self.plan)
+            recorder.inputs, recorder.outputs = entry.inputs, entry.outputs
+            return recorder, entry.ctx, entry.raw
+        with ExpertRecorder(self.linears_e, self.plan) as recorder:
+            ctx_e, raw_e = self._expert_forward(t, b)
+        if self.plan is None:
+            self.plan = plan_block(self.linears_e, recorder.calls, block.token_kind, recorder.changed_in_place())
+            recorder.adopt(self.plan)
+        if tape is not None:
+            tape.put(block.stack.name, block.layer, t, b, self.plan,
+                     TapeEntry(ctx_e, raw_e, dict(recorder.inputs), dict(recorder.outputs)))
+        return recorder, ctx_e, raw_e
 
     # the two forwards of a batch, each its own function so that a profile names them
     # (benchmarks/profile_phases.py); the hooks around them record and fold

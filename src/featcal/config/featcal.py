@@ -147,6 +147,12 @@ class TuneOptions(StrictModel):
         "(the configured setting is always confirmed too); 0: none, the screen's best is the choice, refitted on all "
         "data (docs/tuning.md)",
     )
+    tune_cache_gb: float = Field(
+        2.0, ge=0.0, le=1024.0,
+        description="tune: GiB of host memory the model-wide search may keep of the experts' block forwards on the "
+        "fit data, recorded by the first candidate and replayed for the others (they do not depend on the merge or "
+        "the knobs: the same values, computed once); past it later blocks are recomputed; 0: off (docs/tuning.md)",
+    )
     tune_min_evidence: float = Field(
         0.0, ge=0.0, le=10.0,
         description="tune: a candidate replaces the best so far only if its held-out improvement is at least this "

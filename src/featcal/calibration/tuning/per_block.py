@@ -13,6 +13,7 @@ from typing import Any
 from featcal.blocks.adapters import adapter_for
 from featcal.calibration import core
 from featcal.calibration.block_tuning import BLOCK_CANDIDATES, BLOCK_KNOBS, BlockTuning
+from featcal.calibration.engine import SearchHooks
 from featcal.calibration.inputs import as_model, check_base_for_rho, check_tasks, normalise_batches
 from featcal.calibration.result import BlockTuningRecord, CalibrationResult
 from featcal.calibration.tuning.search import resolve_fixed
@@ -68,7 +69,7 @@ def calibrate_per_block(merged: Any, *, base: Any, experts: Mapping[str, Any],
                                     config=config.model_copy(update={"tune": False, "resume": False}),
                                     progress=progress, inplace=inplace or model is not merged,
                                     allow_pickle=allow_pickle, check_finite=check_finite, expert_kind=expert_kind,
-                                    block_tuning=tuning)
+                                    search=SearchHooks(block_tuning=tuning))
     record = BlockTuningRecord(criterion=CRITERION, holdout=config.tune_holdout, seed=config.seed,
                                split=folds_record([split]), searched=list(knobs), start=dict(tuning.start),
                                limit_per_block=tuning.limit, blocks=tuning.blocks,

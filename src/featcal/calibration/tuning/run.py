@@ -13,6 +13,8 @@ from torch import nn
 
 from featcal.blocks.adapters import Adapter, adapter_for
 from featcal.calibration import core
+from featcal.calibration.engine import SearchHooks
+from featcal.calibration.expert_tape import ExpertTape
 from featcal.calibration.inputs import (
     adapter_reader,
     as_model,
@@ -117,7 +119,9 @@ def calibrate_tuned(
         screen = _CandidateScorer(request, plan, plan.screen, "screen", scorer)
         walk = PatternSearch(plan.start, plan.knobs, plan.limit, config.tune_min_evidence, plan.tiebreak, screen)
         walk.run()
+        screen.tapes.clear()  # the screen's fit data is not used again
         best, best_score, chosen = _confirm(plan, walk, scorer, config)
+    scorer.tapes.clear()  # the refit runs on all the data: nothing taped applies
     search_seconds = search.seconds
     refit = Timer()
     result = _refit(request, plan, scorer, best, progress, inplace, keep_resume_state)
@@ -199,6 +203,9 @@ class _CandidateScorer:
         self.search_cfg = config.model_copy(update={"tune": False, "resume": False})
         # per split: the experts' references on its held-out part; and every candidate scored, in order
         self.refs: list[dict[str, Reference]] = shared.refs if shared else [{} for _ in splits]
+        # per split: the experts' block forwards on its fit part, kept across this scorer's candidates
+        cache = int(config.tune_cache_gb * 2**30) // max(1, len(splits))
+        self.tapes = [ExpertTape(cache) if cache > 0 else None for _ in splits]
         self.candidates: list[TunedCandidate] = shared.candidates if shared else []
 
     def start_model(self, s: Setting, target: nn.Module | None = None) -> nn.Module:
@@ -221,7 +228,8 @@ class _CandidateScorer:
             out = core.calibrate_setting(m, base=request.base, experts=request.experts, calibration=split.fit,
                                          config=cfg, progress=False, inplace=m is not plan.model,
                                          allow_pickle=request.allow_pickle, check_finite=request.check_finite and first,
-                                         expert_kind=request.expert_kind).model
+                                         expert_kind=request.expert_kind,
+                                         search=SearchHooks(end_to_end=False, expert_tape=self.tapes[k])).model
             if first:  # the first calibration validated every input: now the experts' references, once
                 self._references()
             fold_scores.append(score(out.to(self.where), plan.adapter, split.held, self.refs[k], plan.heads,
