@@ -42,7 +42,8 @@ OLD_DEFAULTS = {
     "tune_fixed": (), "tune_head_pooling": "auto",
 }
 # keywords added since the cut, with their defaults
-NEW_DEFAULTS = {"tune_next_token": True, "tune_screen": "off", "tune_confirm": 2, "tune_scope": "model"}
+NEW_DEFAULTS = {"tune_next_token": True, "tune_screen": "off", "tune_confirm": 2, "tune_scope": "model",
+                "tune_cache_gb": 2.0}
 
 
 def test_every_old_keyword_is_still_an_option_with_its_old_default():

@@ -109,10 +109,10 @@ OPTIONS_ADDED_LATER: dict[str, Any] = {"calibrate_final_norm": False, "block_sta
 def config_digest(config: Any) -> str:
     """The config's JSON, less the fields that say where and when things are kept (not what is computed).
 
-    A run may be resumed with another spill dir, block placement or checkpoint interval: the result is
+    A run may be resumed with another spill dir, block placement, checkpoint interval or tune cache: the result is
     the same bits either way (and states written before those fields existed keep their digest)."""
     data = config.model_dump(mode="json")
-    for k in ("spill_dir", "resume_dir", "resume", "offload_blocks", "checkpoint_every"):
+    for k in ("spill_dir", "resume_dir", "resume", "offload_blocks", "checkpoint_every", "tune_cache_gb"):
         data.pop(k, None)
     for k, default in OPTIONS_ADDED_LATER.items():  # at its default: the digest states written before it had
         if data.get(k, default) == default:

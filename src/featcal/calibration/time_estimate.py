@@ -152,5 +152,8 @@ def tune_line(config: FeatCalConfig, one_calibration_s: float) -> str:
     from featcal.calibration.tuning.search import planned_calibrations
 
     calibrations, how = planned_calibrations(config, config.num_calibration_examples)
+    tape = ("" if config.tune_scope == "block" or not config.tune_cache_gb else
+            f"; host memory: up to {config.tune_cache_gb:g} GiB more for the experts' block forwards kept across "
+            "candidates (tune_cache_gb)")
     return (f"\n  --tune: at most {calibrations:.1f} calibrations' work ({how}) ≈ "
-            f"{cost.duration(calibrations * one_calibration_s)}")
+            f"{cost.duration(calibrations * one_calibration_s)}{tape}")

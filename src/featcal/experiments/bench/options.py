@@ -42,7 +42,7 @@ class BenchOptions(StrictModel):
         "(--tune --tune-tiebreak soft), tuned_auto (--tune --tune-tiebreak auto), blockwise (--tune --tune-scope block: ρ and λ "
         "chosen per block in one calibration), fixed_lambda (with a tuned one: "
         "--tune-fixed lambda_ratio), scaling_only (with a tuned one: only the merge's scaling searched), cross_fit (with a tuned one: --tune-folds 2), one_split (with a tuned one: "
-        "--tune-folds 1), screened (with a tuned one: --tune-screen auto, candidates screened on 32 examples per task, the best confirmed); join several with '+' (tuned+sequential_one_pass) (docs/variants.md)",
+        "--tune-folds 1), screened (with a tuned one: --tune-screen auto, candidates screened on 32 examples per task, the best confirmed), screened16 (--tune-screen 16), unconfirmed (with a screened one: --tune-confirm 0); join several with '+' (tuned+sequential_one_pass) (docs/variants.md)",
     )
     baselines: str = Field(
         "", description="comparison baselines, comma-separated, from surgery, probsurgery and the whole-model merges "

@@ -86,6 +86,7 @@ FEATCAL_VARIANTS: dict[str, dict[str, Any]] = {
     "one_split": {"tune_folds": 1},  # with a tuned variant: one held-out split at every size (before tune_folds)
     "screened": {"tune_screen": "auto"},  # with a tuned variant: candidates screened on 32 per task, the best confirmed
     "unconfirmed": {"tune_confirm": 0},  # with tuned+screened: the screen's best is the choice, nothing confirmed
+    "screened16": {"tune_screen": 16},  # with a tuned variant: candidates screened on 16 per task (issue 50)
 }
 
 
@@ -198,7 +199,7 @@ def variant_options(variant: str) -> dict[str, Any]:
                                   "different options")
             options[key] = value
     for key, part in (("tune_fixed", "fixed_lambda or scaling_only"), ("tune_folds", "cross_fit or one_split"),
-                      ("tune_screen", "screened"), ("tune_confirm", "unconfirmed")):
+                      ("tune_screen", "screened or screened16"), ("tune_confirm", "unconfirmed")):
         if key in options and not options.get("tune"):
             raise ConfigError(f"FeatCal variant {variant!r}: {part} changes how a tuned variant searches; "
                               f"combine it with one (tuned+{part.split()[0]})")
@@ -631,7 +632,10 @@ def _variant_record(variant: str, result) -> dict[str, Any]:
         out.update({"tuning_chosen": rec["chosen"], "tuning_criterion": rec.get("criterion"),
                     "tuning_min_evidence": rec.get("min_evidence"),
                     "tuning_candidates": [{k: v for k, v in c.items() if k != "per_task"} for c in rec["candidates"]],
-                    "tuning_comparisons": rec.get("comparisons", [])})
+                    "tuning_comparisons": rec.get("comparisons", []),
+                    # search / refit / their sum over the refit: a ratio to one calibration taken inside the row,
+                    # so a machine slowing between rows does not move it
+                    "tuning_seconds": rec.get("seconds")})
     return out
 
 
