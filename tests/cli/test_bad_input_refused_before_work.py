@@ -265,6 +265,7 @@ BAD_FEATCAL = {
     "tune_screen": [0, 1, 1.5, True, "some", -4],
     "tune_scope": ["layer", "Block", 1],
     "tune_confirm": [-1, 11, 1.5, math.nan],
+    "tune_cache_gb": [-0.5, 2000, math.nan, "big"],
     "tune_tiebreak": ["kl", 1],
     "tune_fixed": ["lambda", ["rho"], "auto,lambda_ratio", 3],
     "tune_head_pooling": ["cls", 1],

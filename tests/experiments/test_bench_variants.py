@@ -96,7 +96,7 @@ def test_cli_prints_each_variants_gap(runs, capsys):
     (("cross_fit",), "cross_fit or one_split changes how a tuned variant searches; combine it with one"),
     (("one_split+joint_bias",), "cross_fit or one_split changes how a tuned variant searches; combine it with one"),
     (("tuned+cross_fit+one_split",), "two of its parts set tune_folds"),
-    (("screened",), "screened changes how a tuned variant searches; combine it with one"),
+    (("screened",), "screened or screened16 changes how a tuned variant searches; combine it with one"),
 ])
 def test_bad_variants_are_refused_before_any_work(variants, message, tmp_path, capsys):
     with pytest.raises(ConfigError, match=message):
