@@ -34,7 +34,7 @@ def refused(run: subprocess.CompletedProcess, extra: str) -> bool:
 
 def main(tests: Path, work: Path) -> None:
     import featcal
-    from featcal.io.extras import EXTRAS, installed
+    from featcal.io.process.extras import EXTRAS, installed
 
     check(Path(featcal.__file__).resolve().is_relative_to(Path(sys.prefix).resolve()),
           f"featcal imported from the venv ({featcal.__file__})")

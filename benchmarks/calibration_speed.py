@@ -130,7 +130,7 @@ def _sync(device: str) -> None:
 
 def _peak_rss_mb() -> float:
     # this process's own peak (VmHWM): ru_maxrss would carry the parent's peak across fork + exec
-    from featcal.io.report import peak_rss_mb
+    from featcal.io.write.report import peak_rss_mb
 
     return peak_rss_mb()
 
@@ -181,7 +181,7 @@ def warm_up(model, data: dict, device: str) -> None:
     """One small forward and the lazy imports calibrate() triggers, so neither is timed."""
     import importlib
 
-    for name in ("featcal.calibration.api", "featcal.calibration.engine", "featcal.io.param_sources",
+    for name in ("featcal.calibration.api", "featcal.calibration.engine", "featcal.io.read.param_sources",
                  "transformers.conversion_mapping", "transformers.core_model_loading"):
         importlib.import_module(name)
     first = next(iter(data.values()))[0]
@@ -214,7 +214,7 @@ def start_libraries(device: str) -> None:
 
 def measure_floor(spec: dict, data: dict) -> dict:
     """One forward of the merged model over all tasks' data + one of each expert over its own data."""
-    from featcal.io.models import load_model
+    from featcal.io.read.models import load_model
 
     device = spec["device"]
     merged = load_model(spec["merged"]).to(device)
@@ -235,7 +235,7 @@ def measure_floor(spec: dict, data: dict) -> dict:
 def measure_calibrate(spec: dict, data: dict) -> dict:
     """A full calibrate(): merged model in memory; base and experts as paths (streamed) or loaded."""
     from featcal import FeatCalConfig, calibrate
-    from featcal.io.models import load_model
+    from featcal.io.read.models import load_model
 
     merged = load_model(spec["merged"])
     base: object = spec["base"]
@@ -285,7 +285,7 @@ def _straightforward_module():
 def measure_straightforward(spec: dict, data: dict) -> dict:
     """The straightforward FeatCal on the same family and data: every model in memory on the device, as the demo."""
     from featcal import FeatCalConfig
-    from featcal.io.models import load_model
+    from featcal.io.read.models import load_model
 
     sf = _straightforward_module()
     device = spec["device"]
@@ -334,7 +334,7 @@ def worker(mode: str, spec_path: str) -> None:
 
 def run_worker(mode: str, spec_path: Path, allocator: str = "tuned") -> dict:
     """One measurement in a fresh process; every mode gets the same host allocator setting (the floor too)."""
-    from featcal.io import host_allocator
+    from featcal.io.process import host_allocator
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     proc = subprocess.run(
@@ -376,7 +376,7 @@ def ratio_to_floor(calibrate_seconds: float, floor_seconds: float, what: str = "
 def compare_parameters(root: Path) -> dict:
     """--quick: featcal's and the straightforward implementation's calibrated parameters, and how far
     calibration moved them from the merge (the comparison is meaningful only when the move is much larger)."""
-    from featcal.io.models import load_model
+    from featcal.io.read.models import load_model
 
     ours = torch.load(root / "calibrate.pt", weights_only=True)
     theirs = torch.load(root / "straightforward.pt", weights_only=True)
@@ -483,7 +483,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch threads in each measurement (default: 1)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--host-allocator", choices=("tuned", "default"), default="tuned",
-                   help="glibc malloc settings of every measured process, the floor's too (featcal.io.host_allocator; "
+                   help="glibc malloc settings of every measured process, the floor's too (featcal.io.process.host_allocator; "
                         "default: tuned: the floor at its fastest, so the ratios are not flattered)")
     p.add_argument("--offload-blocks", action="store_true", help="calibrate with FeatCalConfig(offload_blocks=True)")
     p.add_argument("--process-group", choices=("gloo", "nccl"),

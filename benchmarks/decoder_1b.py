@@ -233,7 +233,7 @@ def save_tokenizer(texts: dict[str, Path], vocab: int, where: Path) -> None:
 # ---------------------------------------------------------------------------------------------- runs
 
 # Started by the benchmark (a large process), a child's ru_maxrss would include the benchmark's own peak: execve
-# folds the old memory map's high-water mark into it (see featcal.io.report.peak_rss_mb). So each command runs
+# folds the old memory map's high-water mark into it (see featcal.io.write.report.peak_rss_mb). So each command runs
 # under this small wrapper, whose fresh memory map is what its forked child inherits.
 _WRAPPER = """import json, os, sys
 pid = os.fork()
@@ -334,7 +334,7 @@ def calibrate_run(args, work: Path, dirs: dict, data: dict, chain: str, rates: d
     from featcal.calibration.planner import model_shape
     from featcal.config import FeatCalConfig
     from featcal.experiments.bench.cost import run_macs
-    from featcal.io.models import load_config
+    from featcal.io.read.models import load_config
 
     out = work / f"calibrated-{chain}"
     common = ["--base", dirs["base"], "--merged", dirs["merged"], "--out", str(out), "--no-progress",

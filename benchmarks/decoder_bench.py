@@ -4,7 +4,7 @@ experts trained here, TA / TIES / RegMean / WUDI each alone and + FeatCal, --tun
 
 The base is SmolLM2-135M-Instruct (Llama architecture, 30 blocks, width 576), or with --model gemma3
 Gemma-3-270M (18 blocks, sliding-window and global layers), each read from the GGUF inside pinned PyPI
-wheels through featcal's own loader (`featcal.io.gguf`, dequantised to float32). Four domain experts
+wheels through featcal's own loader (`featcal.io.read.gguf`, dequantised to float32). Four domain experts
 are fine-tuned from it here on real offline text (decoderbench/sources.py: stdlib Python, French and
 Dutch book reviews, biomedical sentences). Then everything else is a `featcal` command, one per stage:
 
@@ -593,7 +593,7 @@ def main(argv: list[str] | None = None) -> int:
     command = "python benchmarks/decoder_bench.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     result = bench(s, out, cache, a.sources, command.strip(), a.regime_only, reports)
     text = report.markdown(result)
-    from featcal.io.atomic import atomic_write_text
+    from featcal.io.write.atomic import atomic_write_text
 
     atomic_write_text(out / "bench.json", json.dumps(result, indent=1) + "\n")
     atomic_write_text(out / "bench.md", text)

@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     from featcal.evaluation.options import EvalOptions
     from featcal.evaluation.runners.base import ModelEntry, length_sorted_batches
     from featcal.evaluation.runners.causal_lm import CausalLMRunner, _padded
-    from featcal.io.models import load_config
+    from featcal.io.read.models import load_config
 
     with tempfile.TemporaryDirectory(prefix="featcal-eval-speed-") as tmp:
         model_dir = Path(args.model) if args.model else build_model(Path(tmp) / "model", args.preset, 4000, args.seed)

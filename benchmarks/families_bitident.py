@@ -9,7 +9,7 @@ Uses only the public API (featcal.calibrate, FeatCalConfig), so it runs against 
 
 Each family is calibrated with the default settings and with a few that take other engine paths
 (sequential statistics, the one-pass mode, the final and stem norms, the joint bias solve), once more with
-base and experts read from checkpoint folders (the front door's path, io/family.py), and tuned
+base and experts read from checkpoint folders (the front door's path, io/read/family.py), and tuned
 (`tune`: the label-free search over the merge's scaling, rho, lambda and alpha, scored by the held-out
 drift; `tune_heads`: scored through a callable head reading the model's logits, where it has them).
 A version whose `tune` scores causal LMs by next-token agreement (tune_next_token) runs `tune` with it

@@ -136,7 +136,7 @@ def _family(root: Path, size: str, tasks: int, examples: int, batch_size: int, s
 
 def _calibrate(family: dict, data: dict, config: dict) -> dict[str, torch.Tensor]:
     from featcal import FeatCalConfig, calibrate
-    from featcal.io.models import load_model
+    from featcal.io.read.models import load_model
 
     model = calibrate(load_model(family["merged"]), base=family["base"], experts=dict(family["experts"]),
                        calibration=data, config=FeatCalConfig(**config), progress=False).model
@@ -160,7 +160,7 @@ def _max_rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[fl
 def equality(device: str, backend: str, size: str = "small", tasks: int = 4, examples: int = 32,
              batch_size: int = 16, seed: int = 0) -> dict:
     """calibrate() on the CPU path vs on `device` with offload_blocks in a one-rank `backend` group."""
-    from featcal.io.models import load_model
+    from featcal.io.read.models import load_model
 
     torch.backends.cuda.matmul.allow_tf32 = False  # float32 means float32 on the GPU too
     torch.backends.cudnn.allow_tf32 = False  # (CLIP's patch embedding is a convolution)

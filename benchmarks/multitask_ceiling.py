@@ -29,7 +29,7 @@ from featcal.evaluation.classification import accuracy
 from featcal.experiments.zoo.presets import get_preset
 from featcal.experiments.zoo.store import Zoo
 from featcal.experiments.zoo.train import schedule
-from featcal.io.models import load_model
+from featcal.io.read.models import load_model
 
 
 def train_jointly(base, heads, train, steps: int, per_task: int, lr: float, warmup: int, seed: int):

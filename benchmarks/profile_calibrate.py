@@ -46,14 +46,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--expert-source", choices=("path", "memory"), default="memory")
     p.add_argument("--skip-cprofile", action="store_true", help="only the timed runs and torch.profiler")
     p.add_argument("--host-allocator", choices=("tuned", "default"), default="tuned",
-                   help="glibc malloc settings of this process (featcal.io.host_allocator; default: tuned, as "
+                   help="glibc malloc settings of this process (featcal.io.process.host_allocator; default: tuned, as "
                         "calibration_speed.py times)")
     p.add_argument("--block-statistics", default="as_merged", choices=("as_merged", "sequential", "sequential_one_pass"))
     p.add_argument("--top", type=int, default=40, help="rows in each report (default: 40)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="folder for the reports")
     args = p.parse_args(argv)
-    from featcal.io import host_allocator
+    from featcal.io.process import host_allocator
 
     host_allocator.apply(args.host_allocator)  # before the family is built: every run sees the same malloc
     # the family exactly as calibration_speed.py builds it from these settings (its defaults for the rest)
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
 
     from featcal import FeatCalConfig, calibrate
-    from featcal.io.models import load_model
+    from featcal.io.read.models import load_model
 
     with tempfile.TemporaryDirectory(prefix="featcal-profile-") as tmp:
         family = speed.build_family(Path(tmp), family_args)

@@ -36,7 +36,7 @@ cfg = FeatCalConfig(num_calibration_examples=n, calibration_batch_size=bs, chain
 start = time.perf_counter()
 calibrate(spec["merged"], base=spec["base"], experts=spec["experts"], calibration=data, config=cfg, progress=False)
 seconds = time.perf_counter() - start
-from featcal.io.report import peak_rss_mb  # own peak: ru_maxrss would carry the parent's across fork + exec
+from featcal.io.write.report import peak_rss_mb  # own peak: ru_maxrss would carry the parent's across fork + exec
 print(json.dumps({"seconds": seconds, "peak_rss_mb": peak_rss_mb()}))
 """
 

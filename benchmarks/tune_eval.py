@@ -29,7 +29,7 @@ from featcal.evaluation.features import batches as _batches
 from featcal.evaluation.features import features
 from featcal.experiments.bench.metrics import gap_closed
 from featcal.experiments.zoo.store import Zoo
-from featcal.io.report import Timer
+from featcal.io.write.report import Timer
 from featcal.merging.api import merge
 
 

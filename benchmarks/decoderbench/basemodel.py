@@ -9,10 +9,10 @@ from pathlib import Path
 
 
 def load_base(gguf_path: Path):
-    """The base model (featcal.io.gguf: dequantised float32) and its tokenizer, both from the GGUF file."""
+    """The base model (featcal.io.read.gguf: dequantised float32) and its tokenizer, both from the GGUF file."""
     import transformers as T
 
-    from featcal.io.gguf import load_gguf_model
+    from featcal.io.read.gguf import load_gguf_model
 
     model = load_gguf_model(gguf_path, "base")
     tokenizer = T.AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)

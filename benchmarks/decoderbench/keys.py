@@ -31,9 +31,9 @@ BENCH_ROOT = Path(__file__).resolve().parent
 
 # area -> {root: paths under that root (a folder: every .py below it)}
 AREAS: dict[str, dict[str, tuple[str, ...]]] = {
-    # featcal.io.gguf.load_gguf_model (+ the model class and tied-name lookups it calls), the bench's loader
+    # featcal.io.read.gguf.load_gguf_model (+ the model class and tied-name lookups it calls), the bench's loader
     # and checkpoint writer: what the dequantised base, and so every expert's starting point, is
-    "base": {"featcal": ("io/gguf.py", "io/models.py", "io/param_sources.py"), "bench": ("basemodel.py",)},
+    "base": {"featcal": ("io/read/gguf.py", "io/read/models.py", "io/read/param_sources.py"), "bench": ("basemodel.py",)},
     "train": {"bench": ("training.py",)},  # the fine-tuning loop (the data is keyed by content)
     # featcal merge imports merging/, io/, data/, config/ and (RegMean, WUDI) blocks/; never calibration/
     "merge": {"featcal": ("merging", "blocks", "io", "data", "config")},

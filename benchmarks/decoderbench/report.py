@@ -65,7 +65,7 @@ def _header(r: dict) -> list[str]:
         f", --tune-fixed {s['tune_fixed']}" if s.get("tune_fixed") is not None else "") + (
         f", --tune-confirm {s['tune_confirm']}" if s.get("tune_confirm") is not None else "")
     return [f"# Decoder benchmark ({title})", "", f"Produced by: `{r['command']}`", "",
-            f"Base: {b['source']} ({b['layers']} blocks, width {b['hidden']}), read with featcal.io.gguf and saved "
+            f"Base: {b['source']} ({b['layers']} blocks, width {b['hidden']}), read with featcal.io.read.gguf and saved "
             f"once as safetensors ({b['checkpoint_for_eval']}): `featcal eval` scores that copy, and "
             + ("merges and calibrations get the .gguf itself as --base (RegMean the copy). " if s.get("base_from_gguf")
                else "every merge and calibration gets it as --base. ") +

@@ -48,7 +48,7 @@ def log(msg: str) -> None:
 
 
 def sha256(path: Path) -> str:
-    from featcal.io.report import file_sha256
+    from featcal.io.read.hashes import file_sha256
 
     return file_sha256(path)
 

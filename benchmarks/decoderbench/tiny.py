@@ -1,6 +1,6 @@
 """The --tiny base: a random LlamaForCausalLM (or, with --model gemma3, a Gemma3ForCausalLM) with a
 vocabulary trained on the bench's own domains, written as a GGUF file with the gguf package's writer, so
-the tiny mode reads its base through featcal.io.gguf exactly as the real run does."""
+the tiny mode reads its base through featcal.io.read.gguf exactly as the real run does."""
 
 from __future__ import annotations
 

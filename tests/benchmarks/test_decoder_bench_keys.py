@@ -105,11 +105,11 @@ def test_training_code_retrains_the_experts_and_reruns_what_reads_them(frozen, t
 
 def test_the_base_loader_changes_every_key(frozen, tmp_path):
     every = _all_keys(frozen[1], tmp_path)
-    assert _changed(frozen, "featcal/io/gguf.py", tmp_path) == set(every)
+    assert _changed(frozen, "featcal/io/read/gguf.py", tmp_path) == set(every)
 
 
 def test_io_outside_the_loader_keeps_the_base_and_the_experts(frozen, tmp_path):
-    changed = _changed(frozen, "featcal/io/card.py", tmp_path)
+    changed = _changed(frozen, "featcal/io/write/card.py", tmp_path)
     every = _all_keys(frozen[1], tmp_path)
     assert changed == set(every) - _names(every, "expert:") - {"base"}
 

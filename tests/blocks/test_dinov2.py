@@ -12,7 +12,7 @@ import transformers as T
 from featcal import FeatCalConfig, calibrate
 from featcal.blocks.adapters import adapter_for
 from featcal.errors import CheckpointError
-from featcal.io import onnx_dinov2
+from featcal.experiments.zoo import onnx_dinov2
 from tests.builders.reference_featcal import max_abs_diff, reference_calibrate
 from tests.builders.tiny import family_of, pixel_batch, tiny_dinov2
 

@@ -243,7 +243,7 @@ def test_gguf_round_trip_then_merge_and_calibrate_through_the_cli(tmp_path, caps
     1 global) and safetensors experts: featcal merge (TA, TIES) and featcal calibrate write checkpoints that
     load as Gemma3ForCausalLM."""
     from featcal.cli.main import main
-    from featcal.io.gguf import load_gguf_model
+    from featcal.io.read.gguf import load_gguf_model
 
     model = tiny_gemma3(layer_types=(SLIDING,) * 5 + (GLOBAL,))
     base, experts, _ = family_of(model, scale=0.1)

@@ -19,7 +19,7 @@ import featcal.calibration.pipeline as calibration_pipeline
 from featcal import FeatCalConfig, calibrate
 from featcal.calibration import solver
 from featcal.config import CALIBRATED_MERGE_METHODS
-from featcal.io.models import load_model
+from featcal.io.read.models import load_model
 from featcal.merging import available_methods
 from tests.builders.guarantees import (
     CALIB_FLAGS,

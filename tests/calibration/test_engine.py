@@ -107,7 +107,7 @@ def test_paths_give_the_same_result_as_models(setting, tmp_path):
 
 def test_path_experts_are_streamed_not_loaded(monkeypatch, tmp_path):
     """With merged in memory, no model is ever loaded whole from the expert or base paths."""
-    import featcal.io.models
+    import featcal.io.read.models
 
     kind, base, experts, merged, data, expected = _setting("llama")
     for t, e in experts.items():
@@ -117,7 +117,7 @@ def test_path_experts_are_streamed_not_loaded(monkeypatch, tmp_path):
     def refuse(*args, **kwargs):
         raise AssertionError("load_model called")
 
-    monkeypatch.setattr(featcal.io.models, "load_model", refuse)
+    monkeypatch.setattr(featcal.io.read.models, "load_model", refuse)
     out = calibrate(merged, base=tmp_path / "base", experts={t: tmp_path / t for t in experts}, calibration=data,
                     progress=False).model
     assert max_abs_diff(out, expected)[0] == 0.0

@@ -3,7 +3,7 @@
 transformers 5 holds Mixtral's, Qwen2-MoE's, Qwen3-MoE's and PhiMoE's experts fused in 3-D parameters but writes
 them one tensor per expert (`experts.0.w1.weight`, ...), as the hub's checkpoints hold them. `featcal calibrate`
 reads an expert folder block by block and builds each fused parameter from its per-expert tensors with
-transformers' own converter (io/conversions.py). Checked here: the folders really are per-expert; the fused
+transformers' own converter (io/read/conversions.py). Checked here: the folders really are per-expert; the fused
 parameters read from them equal what from_pretrained builds; `featcal calibrate` on the folders writes a
 checkpoint that from_pretrained loads, equal to the calibration of the same models held in memory (no
 conversion), with the experts and the router at their merged values and featcal.json saying so.
@@ -19,8 +19,8 @@ import transformers as T
 from safetensors import safe_open
 
 from featcal import FeatCalConfig, calibrate
-from featcal.io.models import load_model
-from featcal.io.param_sources import CheckpointSource
+from featcal.io.read.models import load_model
+from featcal.io.read.param_sources import CheckpointSource
 from tests.builders.guarantees import calibrate_argv, cli
 from tests.builders.pipeline_family import saved_model_family
 from tests.builders.reference_featcal import max_abs_diff
@@ -108,7 +108,7 @@ def test_every_verified_family_whose_checkpoints_need_a_conversion_is_calibrated
     families whose save_pretrained output transformers converts back on load are the ones this file checks."""
     from transformers.core_model_loading import revert_weight_conversion
 
-    from featcal.io.param_sources import checkpoint_key_map
+    from featcal.io.read.param_sources import checkpoint_key_map
     from tests.blocks.test_families import FAMILIES, tiny
 
     converted = set()

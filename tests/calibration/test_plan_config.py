@@ -14,7 +14,7 @@ from featcal.calibration.planner import BlockShape, ModelShape, StackShape, esti
 from featcal.cli.main import main
 from featcal.config import FeatCalConfig
 from featcal.experiments.bench.cost import block_macs
-from featcal.io.models import load_config
+from featcal.io.read.models import load_config
 from tests.builders.pipeline_family import bert_family
 from tests.builders.tiny import perturbed, tiny_model
 

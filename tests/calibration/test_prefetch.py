@@ -16,7 +16,7 @@ from featcal.blocks.adapters import adapter_for
 from featcal.calibration import engine, prefetch
 from featcal.calibration.core import calibrate_setting
 from featcal.errors import CheckpointError
-from featcal.io.sources import UnmappedReader
+from featcal.io.read.sources import UnmappedReader
 from tests.builders.reference_featcal import Crash, family_data, killed_after, noisy_family
 
 KINDS = ("clip", "bert", "t5", "llama")

@@ -18,7 +18,7 @@ from featcal.calibration import core, tuning
 from featcal.cli.main import main
 from featcal.config import parse
 from featcal.errors import CalibrationDataError, ConfigError
-from featcal.io.param_sources import ModelSource
+from featcal.io.read.param_sources import ModelSource
 from tests.builders.reference_featcal import family_data, max_abs_diff, noisy_family, ta_merge
 
 

@@ -15,7 +15,7 @@ import yaml
 import featcal
 from featcal.cli import manners
 from featcal.cli.main import build_parser, main
-from featcal.io import extras
+from featcal.io.process import extras
 from tests.builders.data_fixtures import sentences, write_jsonl
 from tests.builders.pipeline_family import llama_text_family
 

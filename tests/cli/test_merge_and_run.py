@@ -8,7 +8,7 @@ import transformers as T
 import yaml
 
 from featcal.cli.main import main
-from featcal.io.checkpoint import CheckpointReader
+from featcal.io.read.checkpoint import CheckpointReader
 from tests.builders.pipeline_family import clip_family
 from tests.builders.tiny import make_family, without_log_lines
 

@@ -4,8 +4,8 @@ import pytest
 
 from featcal.config import FeatCalConfig, MergeConfig, parse
 from featcal.errors import CheckpointError, ConfigError, OutputExistsError
-from featcal.io.atomic import atomic_output_dir
-from featcal.io.checkpoint import CheckpointReader
+from featcal.io.read.checkpoint import CheckpointReader
+from featcal.io.write.atomic import atomic_output_dir
 from tests.builders.tiny import make_family
 
 

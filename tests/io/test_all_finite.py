@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from featcal.io.validate import all_finite, first_non_finite, non_finite_count
+from featcal.io.read.validate import all_finite, first_non_finite, non_finite_count
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])

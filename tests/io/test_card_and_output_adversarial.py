@@ -14,7 +14,7 @@ from huggingface_hub import ModelCard
 import featcal
 from featcal.config import FeatCalConfig
 from featcal.errors import ConfigError
-from featcal.io.card import build_card
+from featcal.io.write.card import build_card
 from tests.builders.guarantees import calibrate_argv, cli, one_line_error
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -16,7 +16,7 @@ from huggingface_hub import ModelCard
 from featcal import merge
 from featcal.cli.main import main
 from featcal.errors import ConfigError
-from featcal.io.card import build_card, find_hub_ids, write_card
+from featcal.io.write.card import build_card, find_hub_ids, write_card
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

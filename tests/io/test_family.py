@@ -1,4 +1,4 @@
-"""The one front door to checkpoints (io/family.py, issue #35): every kind of input opens as one TensorSource, and
+"""The one front door to checkpoints (io/read/family.py, issue #35): every kind of input opens as one TensorSource, and
 merge, calibrate (the Python API and the CLI's checks) and the whole-model merges open their inputs through it."""
 
 from __future__ import annotations
@@ -8,20 +8,20 @@ import copy
 import pytest
 import torch
 
-import featcal.io.family as front_door
+import featcal.io.read.family as front_door
 from featcal import FeatCalConfig
 from featcal.calibration.api import calibrate
 from featcal.calibration.pipeline import CalibrateRequest, check_calibration_inputs
 from featcal.errors import CheckpointError
-from featcal.io.checkpoint import CheckpointReader
-from featcal.io.family import open_family, open_input
-from featcal.io.gguf import GGUFHeader, GGUFSource
-from featcal.io.layouts import RenamedSource
-from featcal.io.lora import LoraSource
-from featcal.io.param_sources import CheckpointSource, ModelSource, ParamSource
-from featcal.io.sources import ModuleSource, UnmappedReader
-from featcal.io.tensor_source import TensorSource
-from featcal.io.vocab import PaddedRows, RowsView
+from featcal.io.read.checkpoint import CheckpointReader
+from featcal.io.read.family import open_family, open_input
+from featcal.io.read.gguf import GGUFHeader, GGUFSource
+from featcal.io.read.layouts import RenamedSource
+from featcal.io.read.lora import LoraSource
+from featcal.io.read.param_sources import CheckpointSource, ModelSource, ParamSource
+from featcal.io.read.sources import ModuleSource, UnmappedReader
+from featcal.io.read.tensor_source import TensorSource
+from featcal.io.read.vocab import PaddedRows, RowsView
 from featcal.merging.api import merge
 from tests.builders.pipeline_family import clip_family
 from tests.builders.tiny import make_family, perturbed, sample_inputs, save, tiny_model

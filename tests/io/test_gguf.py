@@ -92,7 +92,7 @@ def test_gguf_without_the_gguf_package_names_the_install(family, monkeypatch):
 
 def test_gguf_base_and_expert_calibrate(family, tmp_path, capsys, monkeypatch):
     """featcal calibrate --base X.gguf --expert a=Y.gguf: dequantised, checked, calibrated, reported."""
-    import featcal.io.gguf as io_gguf
+    import featcal.io.read.gguf as io_gguf
 
     _, st, gg = family
     merged = tmp_path / "merged"

@@ -1,4 +1,4 @@
-"""The host allocator's settings (io/host_allocator.py): under `tuned` a freed block is reused instead of
+"""The host allocator's settings (io/process/host_allocator.py): under `tuned` a freed block is reused instead of
 faulted in afresh; the command line applies it when asked, and refuses an unknown setting."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ import sys
 import pytest
 
 from featcal.cli.main import main
-from featcal.io import host_allocator
+from featcal.io.process import host_allocator
 
 # 20 rounds of what a forward does: 40 activations of 0.9 MB each, written, then all freed together
 FAULTS = """
 import resource, sys, torch
-from featcal.io import host_allocator
+from featcal.io.process import host_allocator
 print(host_allocator.apply(sys.argv[1]))
 def forward():
     return [torch.empty(225_000).fill_(1.0) for _ in range(40)]
@@ -72,7 +72,7 @@ def test_the_cli_refuses_an_unknown_setting_before_any_work(monkeypatch, tmp_pat
 # heap's top cannot give back, which release_free_pages returns (RSS in MB before and after; what it returned)
 FRAGMENTED = """
 import sys
-from featcal.io import host_allocator
+from featcal.io.process import host_allocator
 host_allocator.apply(sys.argv[1])
 def rss():
     return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) // 1024

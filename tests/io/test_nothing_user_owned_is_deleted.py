@@ -16,8 +16,8 @@ import yaml
 
 from featcal.calibration.resume import CREATED, KILL_ENV, default_resume_dir
 from featcal.cli.main import main
-from featcal.io import atomic
-from featcal.io.atomic import OutputWriteError, _host_tag, atomic_output_dir
+from featcal.io.write import atomic
+from featcal.io.write.atomic import OutputWriteError, _host_tag, atomic_output_dir
 from tests.builders.guarantees import calibrate_argv, cli, copy_family, merge_argv, one_line_error
 from tests.builders.pipeline_family import clip_family
 from tests.builders.tiny import make_family

@@ -79,7 +79,7 @@ def test_calibrating_a_mergekit_merge_replaces_its_card_and_recipe_file(bert, tm
     assert "merge_method: task_arithmetic" in card.text  # the merge's recipe, said to be the merge's
     replaced = json.loads((out / "featcal.json").read_text())["replaced_input_files"]
     assert set(replaced) == {"merged/README.md", "merged/mergekit_config.yml"}
-    from featcal.io.report import file_sha256
+    from featcal.io.read.hashes import file_sha256
 
     assert replaced["merged/mergekit_config.yml"]["sha256"] == file_sha256(merged / "mergekit_config.yml")
 

@@ -19,9 +19,9 @@ import json, subprocess, sys
 big = bytearray(600 * 2**20)
 for i in range(0, len(big), 4096):
     big[i] = 1  # resident
-child = "import json; from featcal.io.report import peak_rss_mb; print(json.dumps(peak_rss_mb()))"
+child = "import json; from featcal.io.write.report import peak_rss_mb; print(json.dumps(peak_rss_mb()))"
 out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, check=True).stdout
-from featcal.io.report import peak_rss_mb
+from featcal.io.write.report import peak_rss_mb
 print(json.dumps({"child": json.loads(out), "parent": peak_rss_mb()}))
 """
 

@@ -21,7 +21,7 @@ import yaml
 import featcal
 from featcal import calibrate, merge
 from featcal.errors import CheckpointError
-from featcal.io.models import load_model
+from featcal.io.read.models import load_model
 from tests.builders.guarantees import (
     calibrate_argv,
     cli,

@@ -22,8 +22,9 @@ import featcal.merging.writer as writer
 from featcal import merge
 from featcal.calibration.engine import FeatCalEngine
 from featcal.calibration.resume import default_resume_dir
-from featcal.io import atomic, interrupts
-from featcal.io.atomic import OutputWriteError, atomic_output_dir
+from featcal.io.process import interrupts
+from featcal.io.write import atomic
+from featcal.io.write.atomic import OutputWriteError, atomic_output_dir
 from featcal.merging.mergers import TaskArithmetic
 from tests.builders.guarantees import (
     calibrate_argv,

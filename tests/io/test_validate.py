@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from featcal.errors import CheckpointError, ConfigError
-from featcal.io.checkpoint import CheckpointReader
-from featcal.io.validate import dtype_class, validate_expert_names, validate_family
+from featcal.io.read.checkpoint import CheckpointReader
+from featcal.io.read.validate import dtype_class, validate_expert_names, validate_family
 from tests.builders.guarantees import rewrite
 from tests.builders.tiny import make_family, save, tiny_model
 

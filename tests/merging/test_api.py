@@ -11,8 +11,8 @@ from torch import nn
 import featcal.merging.api as api
 from featcal import MergeConfig, merge
 from featcal.errors import CheckpointError, ConfigError, OutputExistsError
-from featcal.io.checkpoint import CheckpointReader
-from featcal.io.sources import checkpoint_state_dict
+from featcal.io.read.checkpoint import CheckpointReader
+from featcal.io.read.sources import checkpoint_state_dict
 from featcal.merging import available_methods, register
 from featcal.merging.methods import dare, derive_seed, task_vector, ties_from_task_vectors
 from featcal.merging.methods import task_arithmetic as ta_reference
@@ -204,7 +204,7 @@ def test_report_and_output_files(bert, tmp_path):
     finally:
         (base / "tokenizer_config.json").unlink()
     assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "featcal.json", "model.safetensors",
-                                                       "tokenizer_config.json"]  # README.md: the card (io/card.py)
+                                                       "tokenizer_config.json"]  # README.md: the card (io/write/card.py)
     report = json.loads((out / "featcal.json").read_text())
     assert report["command"] == "merge"
     assert report["params"] == {"method": "ties", "scaling": 0.3, "density": 0.5}
@@ -354,7 +354,7 @@ def test_registry_refuses_a_second_method_of_the_same_name():
 
 
 def test_unmapped_reader_reads_what_safetensors_reads(tmp_path):
-    from featcal.io.sources import UnmappedReader
+    from featcal.io.read.sources import UnmappedReader
 
     base, experts = make_family("bert", tmp_path, n_experts=1)
     rewrite(base, lambda sd: sd.update({

@@ -16,8 +16,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from featcal import merge
-from featcal.io.checkpoint import CheckpointReader
-from featcal.io.sources import UnmappedReader
+from featcal.io.read.checkpoint import CheckpointReader
+from featcal.io.read.sources import UnmappedReader
 from tests.builders.tiny import perturbed, save
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -19,8 +19,8 @@ from featcal import merge
 from featcal.config import MergeConfig
 from featcal.errors import CalibrationDataError, ConfigError
 from featcal.experiments.baselines import run_baseline
-from featcal.io.checkpoint import CheckpointReader
-from featcal.io.models import load_model
+from featcal.io.read.checkpoint import CheckpointReader
+from featcal.io.read.models import load_model
 from featcal.merging.method_params import RegMeanParams, WudiParams
 from tests.builders.data_fixtures import save_tokenizer, sentences, write_jsonl
 from tests.builders.guarantees import cli, merge_argv, one_line_error, weights_sha

@@ -108,7 +108,7 @@ def test_plus_plus_uses_the_merged_models_propagated_inputs():
 def test_checkpoint_paths_work_like_models(tmp_path):
     base_dir, expert_dirs = make_family("clip", tmp_path, n_experts=2, scale=0.2)
     calib = {t: sample_inputs("clip", batch=4, seed=i) for i, t in enumerate(expert_dirs)}
-    from featcal.io.models import load_model
+    from featcal.io.read.models import load_model
 
     from_paths = regmean(base_dir, expert_dirs, calib)
     from_models = regmean(load_model(base_dir), {t: load_model(p) for t, p in expert_dirs.items()}, calib)

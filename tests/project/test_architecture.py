@@ -30,6 +30,8 @@ FLOORS: dict[str, int] = {
 }
 # inside experiments/: the GLUE / CLIP task data (evaluation) below the baselines, both below the zoo, the zoo below bench / reproduce
 EXPERIMENT_FLOORS: dict[str, int] = {"": 0, "evaluation": 1, "baselines": 2, "zoo": 3, "bench": 4, "reproduce": 4}
+# inside io/ (issue 52): the process (signals, host allocator, extras) below reading, reading below writing
+IO_FLOORS: dict[str, int] = {"": 0, "process": 1, "read": 2, "write": 3}
 
 
 def module_files(package_dir: Path, package: str) -> dict[str, Path]:
@@ -157,6 +159,11 @@ def test_no_package_imports_upward_or_sideways():
 def test_experiments_keep_their_own_floors():
     graph = import_graph(PACKAGE_DIR, "featcal")
     assert floor_violations(graph, "featcal", EXPERIMENT_FLOORS, sub="experiments") == []
+
+
+def test_io_keeps_its_own_floors():
+    graph = import_graph(PACKAGE_DIR, "featcal")
+    assert floor_violations(graph, "featcal", IO_FLOORS, sub="io") == []
 
 
 def test_no_import_circle():

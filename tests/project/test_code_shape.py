@@ -32,7 +32,7 @@ ENTRY_POINTS = {
 LONG_ALLOWED = {
     "experiments/zoo/text_build.py:build_text": "the text zoo's build script, one recipe in order; not reached yet",
     "experiments/zoo/vision_build.py:build_vision_real": "the vision zoo's build script, likewise; not reached yet",
-    "io/onnx_dinov2.py:convert": "zoo-only ONNX conversion, to move under experiments/ with the io/ walls (issue 52)",
+    "experiments/zoo/onnx_dinov2.py:convert": "the vision zoo's ONNX-to-transformers conversion, one graph walk; not reached yet",
 }
 
 # functions (other than ENTRY_POINTS) still taking more than MAX_PARAMS parameters, and why
@@ -49,7 +49,7 @@ PARAMS_ALLOWED = {
     "calibration/planner.py:_offloaded": "the planner's memory pricing (being profiled, not touched)",
     "calibration/fit.py:plan_report": "the planner's report, beside its memory pricing; not reached yet",
     # the lower floors' doors
-    "io/family.py:open_family": "the checkpoint door's read options; an options object is the next step",
+    "io/read/family.py:open_family": "the checkpoint door's read options; an options object is the next step",
     "data/calibration.py:load_calibration_batches": "the older data loader behind the door; not reached yet",
     "evaluation/data.py:read_eval_set": "the eval data reader's options; with an eval request, not reached yet",
     # the experiment apparatus (extra `bench`)

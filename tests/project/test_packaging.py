@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import featcal
-from featcal.io.extras import EXTRAS
+from featcal.io.process.extras import EXTRAS
 from tests.builders.data_fixtures import save_tokenizer, sentences, write_jsonl
 from tests.builders.tiny import make_family
 

@@ -33,8 +33,8 @@ def config_of(name: str | Path) -> Any:
     """The transformers config of a checkpoint directory (its config.json), or the default config of a model type.
 
     A folder without a config.json, and a name transformers has no model type for, are refused before any
-    config class is imported (each imports torch: io/configs.py)."""
-    from featcal.io.configs import load_config
+    config class is imported (each imports torch: io/read/configs.py)."""
+    from featcal.io.read.configs import load_config
 
     if Path(name).expanduser().is_dir():
         return load_config(Path(name).expanduser())

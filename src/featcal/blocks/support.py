@@ -46,7 +46,7 @@ def check_config(config: Any) -> nn.Module:
     """A model of `config`'s class built on the meta device (no memory, no weights) and checked; the model."""
     from transformers import PreTrainedModel
 
-    from featcal.io.models import model_class_for
+    from featcal.io.read.models import model_class_for
 
     cls = model_class_for(config)
     try:

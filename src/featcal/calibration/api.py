@@ -38,7 +38,7 @@ The arguments of `calibrate` in full:
   dataset ids) and `heads` as head files (--tune-head), as the CLI does, so that featcal.json can name and hash
   every input; the data is read with the checkpoints' own tokenizer (`tokenizer` is refused), and the resume state
   is deleted once the folder is in place (`keep_resume_state` is refused). `hub_id` (role -> hub id; role "base"
-  or an expert's name): how the card names an input whose own record names none (io/card.py). The result's
+  or an expert's name): how the card names an input whose own record names none (io/write/card.py). The result's
   `.model` is the calibrated model as written."""
 
 from __future__ import annotations

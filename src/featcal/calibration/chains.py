@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from featcal.io.atomic import make_marked, owned_tempdir, remove_marked_if_empty, sweep_stale
+from featcal.io.write.atomic import make_marked, owned_tempdir, remove_marked_if_empty, sweep_stale
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -33,7 +33,7 @@ from featcal.calibration.prefetch import BlockReader, checked_reads
 from featcal.calibration.statistics import NormalisedSums
 from featcal.config import FeatCalConfig
 from featcal.data.batch import Batch
-from featcal.io.param_sources import ParamSource, copy_into
+from featcal.io.read.param_sources import ParamSource, copy_into
 
 # An "output" Linear takes the teacher form (hooks.py) when tokens × this < its input width: 1 counts the
 # pass's float32 tokens·in·out against the fold's float64 in·in·out as equal work (float64 is slower, so

@@ -37,8 +37,8 @@ from featcal.calibration.result import CalibrationResult, DriftRow
 from featcal.calibration.template import expert_template
 from featcal.config import FeatCalConfig
 from featcal.data.batch import Batch
-from featcal.io.family import InputFamily, open_family
-from featcal.io.validate import validate_expert_names
+from featcal.io.read.family import InputFamily, open_family
+from featcal.io.read.validate import validate_expert_names
 
 log = logging.getLogger("featcal.calibration")
 

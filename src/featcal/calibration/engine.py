@@ -63,7 +63,7 @@ from featcal.calibration.resume import Position, ResumeStateError, ResumeStore, 
 from featcal.calibration.template import block_storage
 from featcal.config import FeatCalConfig
 from featcal.data.batch import Batch
-from featcal.io import host_allocator, interrupts
+from featcal.io.process import host_allocator, interrupts
 
 log = logging.getLogger("featcal.calibration")
 

@@ -28,7 +28,7 @@ from featcal.calibration.planner import (
 )
 from featcal.config import DEFAULT_MAX_LENGTH, FeatCalConfig
 from featcal.errors import ConfigError
-from featcal.io.models import load_config
+from featcal.io.read.models import load_config
 
 GiB = 2**30
 SPILL = Path("DIR")  # what the options name; a run picks its own folder

@@ -1,6 +1,6 @@
 """What every calibration checks and prepares before any work: the device, the merged model, the
 calibration batches (normalised and checked against the model) and the task names. The checkpoints are opened
-and checked by the front door (io/family.py). Shared by a single calibration (core.py) and the
+and checked by the front door (io/read/family.py). Shared by a single calibration (core.py) and the
 hyperparameter search (tuning.py).
 """
 
@@ -18,9 +18,9 @@ from featcal.blocks.adapters import Adapter
 from featcal.calibration import resume as resume_mod
 from featcal.config import FeatCalConfig
 from featcal.errors import CalibrationDataError, ConfigError
-from featcal.io import models as io_models  # looked up at call time (tests watch load_model)
-from featcal.io.family import open_input
-from featcal.io.tensor_source import TensorSource
+from featcal.io.read import models as io_models  # looked up at call time (tests watch load_model)
+from featcal.io.read.family import open_input
+from featcal.io.read.tensor_source import TensorSource
 
 log = logging.getLogger("featcal.calibration")
 
@@ -45,7 +45,7 @@ def check_variant_packages(config: FeatCalConfig) -> None:
     """The packages an option's variant runs on, before any work: block_statistics sequential_one_pass runs each
     block forward in a greenlet (the `one-pass` extra)."""
     if config.block_statistics == "sequential_one_pass":
-        from featcal.io.extras import require
+        from featcal.io.process.extras import require
 
         require("one-pass", "block_statistics sequential_one_pass")
 
@@ -110,7 +110,7 @@ def identity(source: ModelLike) -> str:
 
 def adapter_reader(expert: ModelLike, base: ModelLike | None, label: str, allow_pickle: bool,
                    kind: str | None = None) -> TensorSource:
-    """`expert` opened as calibrate opens it (io/family.py's `open_input`): a LoRA / PEFT adapter folder read as
+    """`expert` opened as calibrate opens it (io/read/family.py's `open_input`): a LoRA / PEFT adapter folder read as
     base + ΔW, a GGUF file dequantised, a checkpoint folder read one tensor at a time. `kind` (full / adapter)
     settles an expert folder holding both; the base (`label` "base") is read as its full weights."""
     opened_base = None if base is None else (lambda: open_input(base, label="base", allow_pickle=allow_pickle))

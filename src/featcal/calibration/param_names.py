@@ -1,6 +1,6 @@
 """Which parameters a calibration reads and writes, by name: a block's, the stem's, and both together.
 
-Why by name: experts and the base are read tensor by tensor from their files (io/param_sources.py), and the
+Why by name: experts and the base are read tensor by tensor from their files (io/read/param_sources.py), and the
 resume checkpoints store each block's parameters under the merged model's own names.
 """
 

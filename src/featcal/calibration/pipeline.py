@@ -43,20 +43,20 @@ from featcal.data.preprocess import (
     model_modality,
 )
 from featcal.errors import CalibrationDataError, CheckpointError, ConfigError
-from featcal.io.atomic import (
+from featcal.io.read.checkpoint import HEADS_DIR, CheckpointReader, copy_side_files, read_json
+from featcal.io.read.family import BASE, MERGED, expert_label, is_gguf, open_family
+from featcal.io.read.hashes import checkpoint_hashes
+from featcal.io.read.models import hf_progress_bars, load_config, load_model
+from featcal.io.read.validate import check_finite_state
+from featcal.io.write.atomic import (
     atomic_output_dir,
     check_output_dir,
     check_replaceable,
     refuse_output_over_inputs,
 )
-from featcal.io.card import check_hub_ids, replaced_files, write_card
-from featcal.io.checkpoint import CheckpointReader, copy_side_files, read_json
-from featcal.io.family import BASE, MERGED, expert_label, is_gguf, open_family
-from featcal.io.models import hf_progress_bars, load_config, load_model
-from featcal.io.report import Timer, build_report, checkpoint_hashes, peak_rss_mb, write_report
-from featcal.io.task_heads import HEADS_DIR
-from featcal.io.tokenizer import TokenizerPlan, input_folder, plan_tokenizer
-from featcal.io.validate import check_finite_state
+from featcal.io.write.card import check_hub_ids, replaced_files, write_card
+from featcal.io.write.report import Timer, build_report, peak_rss_mb, write_report
+from featcal.io.write.tokenizer import TokenizerPlan, input_folder, plan_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -305,7 +305,7 @@ def calibrate_to_dir(request: CalibrateRequest) -> CalibratedCheckpoint:
     and the choice (tuning/); `heads` (task -> a head saved by featcal) add agreement with the experts' predictions
     to its score. `outputs.dtype` ('float32', 'bfloat16', 'float16'): the written weights' floating dtype (default:
     the merged checkpoint's stored one). `outputs.hub_id` (role -> hub id; role "base" or an expert's name): how the
-    model card names an input whose own record names no hub id (io/card.py).
+    model card names an input whose own record names no hub id (io/write/card.py).
     """
     with hf_progress_bars(request.progress):
         return _calibrate_to_dir(request)
@@ -473,7 +473,7 @@ def _tuning_report(result: CalibrationResult, scaling_from: str | None,
 
 def _tokenizer_plan(checked: CheckedInputs, merged_dir: Path) -> TokenizerPlan | None:
     """The calibrated output carries the merge's tokenizer (else the base's: `data_dir`), completed by a chat
-    template every expert agrees on where it lacks one (io/tokenizer.py); a disagreement among the experts is
+    template every expert agrees on where it lacks one (io/write/tokenizer.py); a disagreement among the experts is
     logged, not refused (calibrate keeps the merge's tokenizer, which a merge tool chose)."""
     experts = {t: input_folder(d) for t, d in checked.experts.items()}
     try:

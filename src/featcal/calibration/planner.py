@@ -49,8 +49,8 @@ from featcal.calibration.cost import input_groups
 from featcal.calibration.placement import stem_parts
 from featcal.config import DEFAULT_MAX_LENGTH, FeatCalConfig
 from featcal.errors import ConfigError
-from featcal.io.models import load_config
-from featcal.io.report import peak_rss_mb
+from featcal.io.read.models import load_config
+from featcal.io.write.report import peak_rss_mb
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
           "g": 2**30, "gb": 10**9, "gib": 2**30, "t": 2**40, "tb": 10**12, "tib": 2**40}

@@ -25,8 +25,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import torch
 
-from featcal.io.family import refuse_non_finite_tensor
-from featcal.io.param_sources import ParamSource
+from featcal.io.read.family import refuse_non_finite_tensor
+from featcal.io.read.param_sources import ParamSource
 
 Load = tuple[str, tuple[str, ...]]  # (task, parameter names): one expert's block
 

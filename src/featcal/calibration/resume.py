@@ -41,7 +41,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from featcal.errors import ConfigError, FeatCalError
-from featcal.io.atomic import (
+from featcal.io.write.atomic import (
     CREATED_MARKER,
     OutputWriteError,
     atomic_write_text,

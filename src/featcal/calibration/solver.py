@@ -10,7 +10,7 @@ import logging
 
 import torch
 
-from featcal.io.validate import all_finite, non_finite_count
+from featcal.io.read.validate import all_finite, non_finite_count
 
 log = logging.getLogger("featcal.calibration")
 

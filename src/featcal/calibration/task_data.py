@@ -26,7 +26,7 @@ from featcal.data.calibration import DataReader
 from featcal.data.calibration_set import CalibrationSet, open_calibration
 from featcal.data.preprocess import has_processor_files, model_modality
 from featcal.errors import CalibrationDataError
-from featcal.io.models import load_config
+from featcal.io.read.models import load_config
 
 
 def resolve_calibration(

@@ -121,7 +121,7 @@ def run_time(source, *, tasks: int, config: FeatCalConfig, max_length: int, meas
     one of config.device when None). `source`: the merged checkpoint or a config."""
     from featcal.calibration.fit import file_bytes
     from featcal.calibration.planner import model_shape
-    from featcal.io.models import load_config
+    from featcal.io.read.models import load_config
 
     model_config = load_config(source)
     shape = model_shape(model_config, max_length)

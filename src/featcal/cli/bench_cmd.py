@@ -26,7 +26,7 @@ def _run(args: argparse.Namespace) -> int:
     from featcal.experiments.bench.options import BenchOptions
     from featcal.experiments.bench.run import BenchSettings, run_bench, validate, write_bench
     from featcal.experiments.bench.table import bench_table, variant_tag
-    from featcal.io.atomic import check_output_dir, check_replaceable
+    from featcal.io.write.atomic import check_output_dir, check_replaceable
 
     opts = options_from_args(args, BenchOptions, "")
     apply_threads(opts.threads)

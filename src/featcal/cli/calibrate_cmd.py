@@ -58,7 +58,7 @@ def print_data_lines(report: dict) -> None:
 def write_drift_figure(report: dict, out: str) -> Path:
     """drift.png beside the checkpoint (written atomically, after it): per block, the drift as merged and after."""
     from featcal.evaluation.drift_plot import PLOT_PNG, calibration_drift_png
-    from featcal.io.atomic import atomic_write_bytes
+    from featcal.io.write.atomic import atomic_write_bytes
 
     path = Path(out) / PLOT_PNG
     atomic_write_bytes(path, calibration_drift_png(report.get("drift") or [], f"featcal calibrate: {Path(out).name}"))
@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     from featcal.calibration.distributed import init_from_env
 
     if args.plot:  # before any work: the figure needs matplotlib
-        from featcal.io.extras import require
+        from featcal.io.process.extras import require
 
         require("plot", "--plot")
     config = config_from_args(args, FeatCalConfig)
@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     outputs = output_options_from_args(args)
     if args.dry_run or args.max_memory is not None:
         from featcal.cli.plan_cmd import check_plan
-        from featcal.io.card import check_hub_ids
+        from featcal.io.write.card import check_hub_ids
 
         check_hub_ids(outputs.hub_id, parse_pairs(args.expert, "--expert"))  # the run refuses these: so does its plan
 

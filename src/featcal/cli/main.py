@@ -19,9 +19,9 @@ import threading
 from featcal.cli import manners
 from featcal.cli.commands import COMMANDS, HELP
 from featcal.errors import FeatCalError
-from featcal.io import host_allocator, interrupts
-from featcal.io.atomic import os_error_of
-from featcal.io.interrupts import Terminated
+from featcal.io.process import host_allocator, interrupts
+from featcal.io.process.interrupts import Terminated
+from featcal.io.write.atomic import os_error_of
 
 
 class Parser(argparse.ArgumentParser):
@@ -106,7 +106,7 @@ def interrupted_message(args: argparse.Namespace, exc: KeyboardInterrupt) -> str
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(chosen_command(argv)).parse_args(argv)
-    try:  # before any model is read: FEATCAL_HOST_ALLOCATOR=tuned keeps and reuses freed pages (io/host_allocator.py)
+    try:  # before any model is read: FEATCAL_HOST_ALLOCATOR=tuned keeps and reuses freed pages (io/process/host_allocator.py)
         applied = host_allocator.apply(host_allocator.requested())
     except ValueError as exc:
         print(f"featcal: error: {host_allocator.ENV}: {exc}", file=sys.stderr)

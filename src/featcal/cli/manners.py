@@ -31,7 +31,7 @@ LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.W
 LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
 # the libraries whose own progress bars --no-progress turns off, and their environment switch (read at import)
 _DATASETS_BARS_ENV = "HF_DATASETS_DISABLE_PROGRESS_BARS"
-# commands that run the experiment apparatus: their packages come with an extra (featcal/io/extras.py)
+# commands that run the experiment apparatus: their packages come with an extra (featcal/io/process/extras.py)
 COMMAND_EXTRAS = {("bench",): "bench", ("reproduce",): "bench", ("zoo", "build"): "bench"}
 
 
@@ -209,7 +209,7 @@ def _no_library_bars() -> Iterator[None]:
 @contextlib.contextmanager
 def applied(args: argparse.Namespace) -> Iterator[None]:
     """The global flags in force while the command runs (ConfigError on a bad combination, before any work)."""
-    from featcal.io.extras import require
+    from featcal.io.process.extras import require
 
     level = log_level(args)
     if args.quiet:

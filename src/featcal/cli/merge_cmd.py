@@ -51,7 +51,7 @@ def _add_method_flags(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from featcal import jobs
-    from featcal.io.report import Timer
+    from featcal.io.write.report import Timer
 
     timer = Timer()
     # --weight NAME=W etc. included: MergeConfig's per-expert fields; a method's own flags go to its own model

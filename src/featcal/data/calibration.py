@@ -35,8 +35,8 @@ from featcal.data.preprocess import TextPreprocessor, is_causal_lm, make_preproc
 from featcal.data.sources import TextSource, open_source
 from featcal.data.types import Example, ExampleSource, Modality
 from featcal.errors import CalibrationDataError, ConfigError
-from featcal.io.models import load_config
-from featcal.io.validate import validate_expert_names
+from featcal.io.read.models import load_config
+from featcal.io.read.validate import validate_expert_names
 
 log = logging.getLogger(__name__)
 

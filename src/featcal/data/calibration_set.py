@@ -1,4 +1,4 @@
-"""The one door to calibration data, beside the checkpoints' (io/family.py `open_family`).
+"""The one door to calibration data, beside the checkpoints' (io/read/family.py `open_family`).
 
 `open_calibration(data, reader=, options=)` takes every task's data at once: a source to read (a path, a hub
 id, a `datasets.Dataset`, a list of texts, conversations, records or images: docs/data.md) or batches already

@@ -75,7 +75,7 @@ def load(model: ModelLike, what: str) -> nn.Module:
     if isinstance(model, nn.Module):
         return model
     if isinstance(model, (str, os.PathLike)):
-        from featcal.io.models import load_model
+        from featcal.io.read.models import load_model
 
         return load_model(model)
     raise CheckpointError(f"{what} must be a model or a checkpoint path, not {type(model).__name__}")
@@ -87,8 +87,8 @@ def validate_family_inputs(base: ModelLike, experts: Mapping[str, ModelLike]) ->
     Checkpoint paths are checked from their headers and streamed one tensor at a time, so a bad third
     expert is refused before the first one is even loaded.
     """
-    from featcal.io.family import open_family
-    from featcal.io.validate import validate_family
+    from featcal.io.read.family import open_family
+    from featcal.io.read.validate import validate_family
 
     if not isinstance(experts, Mapping) or not experts:
         raise CheckpointError("experts must be a non-empty mapping task -> model or checkpoint path")

@@ -27,7 +27,7 @@ from featcal.data.batch import Batch
 from featcal.data.bounds import bounded_text, render_chat
 from featcal.data.types import Example, Modality
 from featcal.errors import CalibrationDataError
-from featcal.io.checkpoint import TOKENIZER_FILES
+from featcal.io.read.checkpoint import TOKENIZER_FILES
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ def has_processor_files(model_dir: str | Path | None, modality: Modality) -> boo
 
 def accepted_inputs(config) -> set[str] | None:
     """Keyword inputs the model's forward names explicitly (None: unknown, keep everything)."""
-    from featcal.io.models import model_class_for
+    from featcal.io.read.models import model_class_for
 
     cls = model_class_for(config)
     if not hasattr(cls, "forward"):  # no architectures recorded: the base model class of this config

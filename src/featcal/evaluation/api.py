@@ -27,9 +27,9 @@ from featcal.evaluation.metrics import check_metric_packages
 from featcal.evaluation.options import EvalOptions
 from featcal.evaluation.plan import EXPERTS, EvalPlan, build_plan
 from featcal.evaluation.report import GAP, eval_plot, eval_table, gap_rows
-from featcal.io.extras import installed
-from featcal.io.models import hf_progress_bars
-from featcal.io.report import Timer, build_report
+from featcal.io.process.extras import installed
+from featcal.io.read.models import hf_progress_bars
+from featcal.io.write.report import Timer, build_report
 
 log = logging.getLogger(__name__)
 
@@ -103,8 +103,8 @@ def _write_eval(out: str | Path, overwrite: bool, report: dict[str, Any], second
                 lm: tuple[Any, EvalOptions]) -> None:
     """The output folder, atomically: the harness's results (`lm`: its tasks, if any, and the options), eval.json
     (completed in place: lm_eval, seconds), table.md and, with matplotlib, eval.png."""
-    from featcal.io.atomic import atomic_output_dir
-    from featcal.io.report import write_report
+    from featcal.io.write.atomic import atomic_output_dir
+    from featcal.io.write.report import write_report
 
     lm_tasks, opts = lm
     with atomic_output_dir(out, overwrite) as tmp:
@@ -122,7 +122,7 @@ def _write_eval(out: str | Path, overwrite: bool, report: dict[str, Any], second
 
 def _check_output(out, overwrite: bool, tasks, models, base, merged, calibrated, experts) -> None:
     """Refuse, before any work, an output that exists, is not featcal's, or holds an input."""
-    from featcal.io.atomic import check_output_dir, check_replaceable, refuse_output_over_inputs
+    from featcal.io.write.atomic import check_output_dir, check_replaceable, refuse_output_over_inputs
 
     check_output_dir(out, overwrite)
     check_replaceable(out, overwrite, marker=EVAL_JSON)

@@ -8,7 +8,7 @@ import io
 import os
 from collections.abc import Mapping, Sequence
 
-from featcal.io.extras import require
+from featcal.io.process.extras import require
 
 PLOT_PNG = "drift.png"
 

@@ -1,7 +1,7 @@
 """Per-task heads of a classifier merge: each task scored through its own expert's head (issue 49.7).
 
 A merge of classifiers whose experts' label maps differ writes each expert's head beside the model,
-`heads/<task>.safetensors` with `heads/<task>.json` (its id2label and tensor names; io/task_heads.py); the
+`heads/<task>.safetensors` with `heads/<task>.json` (its id2label and tensor names; io/write/task_heads.py); the
 model's own head is then the method's merge of theirs, right for no task. `featcal calibrate` carries
 heads/ on. `featcal eval` scores a model holding heads/ on task T through heads/T (its tensors put in place
 of the model's head, its id2label reading the labels); a task with no head there is refused, naming the
@@ -20,9 +20,9 @@ from typing import Any
 import torch
 
 from featcal.errors import CheckpointError, ConfigError
-from featcal.io.task_heads import HEADS_DIR
+from featcal.io.read.checkpoint import HEADS_DIR
 
-LINEAR = ("weight", "bias")  # how io/task_heads.py saves a head that is one Linear
+LINEAR = ("weight", "bias")  # how io/write/task_heads.py saves a head that is one Linear
 
 
 @dataclass(frozen=True)
@@ -104,9 +104,9 @@ def head_for(heads: Mapping[str, TaskHead], task: str, *, model: str, path: Path
 def check_head_shapes(head: TaskHead, path: Path, *, model: str) -> None:
     """Refuse, from the checkpoint's headers, a head whose tensors the model does not have at these shapes, or
     that replaces a tensor of the model's body (inside its `base_model_prefix`): a head is what lies outside it
-    (io/task_heads.py), and a "head" replacing the embeddings would score another model under this one's name."""
-    from featcal.io.checkpoint import CheckpointReader
-    from featcal.io.task_heads import base_model_prefix
+    (io/write/task_heads.py), and a "head" replacing the embeddings would score another model under this one's name."""
+    from featcal.io.read.checkpoint import CheckpointReader
+    from featcal.io.write.task_heads import base_model_prefix
 
     reader = CheckpointReader(path)
     present = set(reader.keys())

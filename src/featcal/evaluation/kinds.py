@@ -71,7 +71,7 @@ def model_kind(config, *, name: str, zero_shot_base: bool = False) -> ModelKind:
     `zero_shot_base`: an image-text model is given as --base, whose text head can score a bare vision tower.
     """
     from featcal.data.preprocess import model_modality
-    from featcal.io.models import model_class_for
+    from featcal.io.read.models import model_class_for
 
     cls = model_class_for(config)
     for kind, classes in _task_classes():

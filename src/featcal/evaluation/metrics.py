@@ -14,13 +14,13 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-# metrics computed by an optional package: the featcal extra that brings it (featcal/io/extras.py)
+# metrics computed by an optional package: the featcal extra that brings it (featcal/io/process/extras.py)
 METRIC_EXTRAS = {"macro_f1": "eval", "spearman": "eval"}
 
 
 def check_metric_packages(metrics) -> None:
     """Refuse, before any model is run, metrics whose package is missing, naming the extra."""
-    from featcal.io.extras import require
+    from featcal.io.process.extras import require
 
     for metric in sorted(set(metrics) & set(METRIC_EXTRAS)):
         require(METRIC_EXTRAS[metric], f"the {metric} metric")

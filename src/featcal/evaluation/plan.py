@@ -83,8 +83,8 @@ def build_plan(tasks: Mapping[str, str | Path], models: Mapping[str, str | Path]
                calibrated, experts: Mapping[str, str | Path] | None, options: EvalOptions) -> EvalPlan:
     """Resolve and check everything (no model weight is read); see the module docstring."""
     from featcal.evaluation.runners import runner_for
-    from featcal.io.checkpoint import resolve_checkpoint
-    from featcal.io.models import load_config
+    from featcal.io.read.checkpoint import resolve_checkpoint
+    from featcal.io.read.models import load_config
 
     _check_task_names(tasks, experts)
     sources = model_sources(models, base=base, merged=merged, calibrated=calibrated, experts=experts)

@@ -224,7 +224,7 @@ def _check_inputs(r: PlanRequest):
     scan, which reads all weights, is left."""
     from featcal.calibration.pipeline import CalibrateRequest, check_calibration_inputs, feature_width
     from featcal.calibration.tuning import load_heads
-    from featcal.io.models import load_config
+    from featcal.io.read.models import load_config
 
     heads = dict(r.heads)
     checked = check_calibration_inputs(CalibrateRequest(
@@ -254,7 +254,7 @@ def _plan_from_config(r: PlanRequest) -> PlanResult:
     if measure:  # time_from "probe": this machine's rates, for the plan and its targets' times
         from featcal.calibration import time_estimate
         from featcal.calibration.planner import model_shape
-        from featcal.io.models import load_config
+        from featcal.io.read.models import load_config
 
         shape = model_shape(load_config(r.model_config), r.options.max_length)
         found = time_estimate.probe(shape, r.config, device=time_estimate.probe_device(r.config.device))

@@ -37,7 +37,7 @@ from typing import Any
 
 from featcal.config import RunConfig, RunOptions, is_task_vector_merge, read_run_data, run_config
 from featcal.errors import ConfigError
-from featcal.io.atomic import (
+from featcal.io.write.atomic import (
     check_output_dir,
     check_replaceable,
     make_owned,
@@ -153,7 +153,7 @@ def run_file(request: RunRequest | str | os.PathLike, /, **options: Any) -> RunR
     run = load(path, request.out)
     refuse_output_over_inputs(run.out, {"run file": path})  # `out: .` with overwrite would delete the file itself
     out = execute(run, progress=request.progress)
-    from featcal.io.checkpoint import read_json
+    from featcal.io.read.checkpoint import read_json
 
     report = read_json(out / "featcal.json") if (out / "featcal.json").is_file() else {}
     source = run.merged if run.merged is not None else run.merge
@@ -229,8 +229,8 @@ def _calibrate_request(run: RunConfig, merged: str | Path | None, base: str, exp
 
 def _base_config(base: str):
     """The base's transformers config (None for a GGUF base, refused later by the calibration checks)."""
-    from featcal.io.checkpoint import resolve_checkpoint
-    from featcal.io.models import load_config
+    from featcal.io.read.checkpoint import resolve_checkpoint
+    from featcal.io.read.models import load_config
 
     try:
         return load_config(resolve_checkpoint(base))

@@ -30,23 +30,24 @@ from featcal.config import (
     run_options,
 )
 from featcal.errors import ConfigError
-from featcal.io.atomic import (
+from featcal.io.read.checkpoint import CheckpointReader, copy_side_files
+from featcal.io.read.family import open_family
+from featcal.io.read.hashes import checkpoint_hashes
+from featcal.io.read.layouts import RenamedSource
+from featcal.io.read.lora import kind_record
+from featcal.io.read.sources import MergeInput, ModuleSource
+from featcal.io.read.validate import check_finite_state, validate_expert_names, validate_family
+from featcal.io.read.vocab import VocabPlan
+from featcal.io.write.atomic import (
     atomic_output_dir,
     check_output_dir,
     check_replaceable,
     refuse_output_over_inputs,
 )
-from featcal.io.card import check_hub_ids, replaced_files, write_card
-from featcal.io.checkpoint import CheckpointReader, copy_side_files
-from featcal.io.family import open_family
-from featcal.io.layouts import RenamedSource
-from featcal.io.lora import kind_record
-from featcal.io.report import Timer, build_report, checkpoint_hashes, peak_rss_mb, write_report
-from featcal.io.sources import MergeInput, ModuleSource
-from featcal.io.task_heads import HeadPlan, plan_heads
-from featcal.io.tokenizer import TokenizerPlan, input_folder, plan_tokenizer
-from featcal.io.validate import check_finite_state, validate_expert_names, validate_family
-from featcal.io.vocab import VocabPlan
+from featcal.io.write.card import check_hub_ids, replaced_files, write_card
+from featcal.io.write.report import Timer, build_report, peak_rss_mb, write_report
+from featcal.io.write.task_heads import HeadPlan, plan_heads
+from featcal.io.write.tokenizer import TokenizerPlan, input_folder, plan_tokenizer
 from featcal.merging.calibration_data import (
     CalibrationInput,
     check_calibration_data,
@@ -91,7 +92,7 @@ def check_expert_options(config: MergeConfig, experts: Iterable[str]) -> None:
 
 
 def _describe(source) -> dict[str, Any]:
-    if hasattr(source, "describe"):  # a LoRA adapter applied to the base (io/lora.py), a dequantised GGUF
+    if hasattr(source, "describe"):  # a LoRA adapter applied to the base (io/read/lora.py), a dequantised GGUF
         return source.describe()
     if isinstance(source, RenamedSource):  # read under other names (layouts.py): say which
         return {**_describe(source.source), "read_as": source.view}
@@ -109,7 +110,7 @@ class OutputPlan:
     tokenizer: TokenizerPlan | None = None
     heads: HeadPlan | None = None
     replaced: dict[str, dict[str, str]] = field(default_factory=dict)
-    hub_ids: dict[str, str] = field(default_factory=dict)  # role -> hub id given for the card (io/card.py)
+    hub_ids: dict[str, str] = field(default_factory=dict)  # role -> hub id given for the card (io/write/card.py)
 
 
 def plan_output(base: MergeInput, experts: Mapping[str, MergeInput], base_src, expert_srcs: Mapping[str, Any],
@@ -159,7 +160,7 @@ def _write_output(request: MergeRequest, merged: dict[str, Tensor], merger, open
         if isinstance(family.base, ModuleSource):
             family.base.save_config(tmp)
         else:
-            copy_side_files(family.base.path, tmp)  # never the base's card nor a mergekit recipe (io/card.py)
+            copy_side_files(family.base.path, tmp)  # never the base's card nor a mergekit recipe (io/write/card.py)
             if isinstance(family.base, RenamedSource):
                 family.base.write_config(tmp)  # a CLIPModel base's vision tower: a CLIPVisionModel config
         files = save_state_dict(merged, tmp)
@@ -247,10 +248,10 @@ def merge(
 
     `dtype` ('float32', 'bfloat16', 'float16'): the floating dtype of the result and the written weights
     (default: the base's). `tokenizer_source` ('base' or an expert's name): whose tokenizer the output carries
-    when the experts' disagree where the base lacks one (a chat template; io/tokenizer.py). The output also
+    when the experts' disagree where the base lacks one (a chat template; io/write/tokenizer.py). The output also
     gets a model card (README.md) and, when the experts' label sets differ, each task's head in heads/. `hub_id`
     (role -> hub id; role "base" or an expert's name): how the card names an input its own record names no hub id
-    for (io/card.py); the card never names an input by an absolute path.
+    for (io/write/card.py); the card never names an input by an absolute path.
 
     `calibration` (regmean, regmean++ only; data-free methods refuse it): task -> a data source path,
     read like `featcal calibrate` reads it (`num_calibration_examples` drawn with `seed`, in batches of

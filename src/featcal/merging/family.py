@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from featcal.io.validate import TensorSource
+from featcal.io.read.validate import TensorSource
 from featcal.merging.methods import compute_dtype
 
 

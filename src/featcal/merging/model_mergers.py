@@ -23,8 +23,8 @@ from torch import Tensor, nn
 from featcal.config import MergeConfig, MethodKind, method_spec
 from featcal.data.inputs import ModelLike, load, validate_family_inputs
 from featcal.errors import CheckpointError, ConfigError
-from featcal.io.family import load_source_model
-from featcal.io.sources import checkpoint_state_dict
+from featcal.io.read.family import load_source_model
+from featcal.io.read.sources import checkpoint_state_dict
 from featcal.merging.calibration_data import LoadedCalibration
 from featcal.merging.family import Family
 from featcal.merging.method import Merger, register

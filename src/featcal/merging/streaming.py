@@ -9,7 +9,7 @@ from __future__ import annotations
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from featcal.io import interrupts
+from featcal.io.process import interrupts
 from featcal.merging.family import Family
 from featcal.merging.method import Merger
 

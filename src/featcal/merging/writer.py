@@ -9,7 +9,7 @@ from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors.torch import save_file
 from torch import Tensor
 
-from featcal.io.checkpoint import SAFE_INDEX, SAFE_SINGLE
+from featcal.io.read.checkpoint import SAFE_INDEX, SAFE_SINGLE
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 

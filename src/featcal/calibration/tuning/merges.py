@@ -21,9 +21,10 @@ from featcal.config import (
     TASK_VECTOR_METHODS as TASK_VECTOR_METHODS,  # the method table's, importable here as before
 )
 from featcal.config import is_task_vector_merge
-from featcal.io.checkpoint import read_json
-from featcal.io.param_sources import CheckpointSource, ModelSource, ParamSource
-from featcal.io.report import REPORT_NAME, checkpoint_hashes
+from featcal.io.read.checkpoint import read_json
+from featcal.io.read.hashes import checkpoint_hashes
+from featcal.io.read.param_sources import CheckpointSource, ModelSource, ParamSource
+from featcal.io.write.report import REPORT_NAME
 
 
 @torch.no_grad()

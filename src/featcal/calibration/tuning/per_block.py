@@ -20,8 +20,8 @@ from featcal.calibration.tuning.search import resolve_fixed
 from featcal.calibration.tuning.split import fewest_held_out, folds_record, split_calibration
 from featcal.config import FeatCalConfig
 from featcal.errors import ConfigError
-from featcal.io.report import Timer
-from featcal.io.validate import validate_expert_names
+from featcal.io.read.validate import validate_expert_names
+from featcal.io.write.report import Timer
 
 log = logging.getLogger("featcal.calibration")
 

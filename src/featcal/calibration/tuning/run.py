@@ -45,9 +45,9 @@ from featcal.calibration.tuning.split import (
 )
 from featcal.config import FeatCalConfig
 from featcal.data.batch import Batch
-from featcal.io.param_sources import CheckpointSource, ParamSource, load_into
-from featcal.io.report import Timer
-from featcal.io.validate import validate_expert_names
+from featcal.io.read.param_sources import CheckpointSource, ParamSource, load_into
+from featcal.io.read.validate import validate_expert_names
+from featcal.io.write.report import Timer
 
 log = logging.getLogger("featcal.calibration")
 

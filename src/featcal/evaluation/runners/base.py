@@ -75,7 +75,7 @@ class Runner(ABC):
         return None
 
     def load_model(self) -> nn.Module:
-        from featcal.io.models import load_model
+        from featcal.io.read.models import load_model
 
         model = load_model(self.entry.path, model_class=self.entry.kind.model_class,
                            allow_pickle=self.options.allow_pickle)

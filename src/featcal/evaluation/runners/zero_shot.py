@@ -80,7 +80,7 @@ class ZeroShotRunner(Runner):
 
     def text_model(self) -> nn.Module:
         if self._text_model is None:
-            from featcal.io.models import load_model
+            from featcal.io.read.models import load_model
 
             self._text_model = load_model(self.text_entry.path, model_class=self.text_entry.kind.model_class,
                                           allow_pickle=self.options.allow_pickle).to(self.options.device).eval()

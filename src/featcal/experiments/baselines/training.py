@@ -215,7 +215,7 @@ def collect_features(
     progress: bool = True,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Features of the merged model and of expert t on task t's calibration inputs, [N_t, d] each."""
-    from featcal.io.family import open_input
+    from featcal.io.read.family import open_input
 
     fn = feature_fn or pooled_features
     batches = calibration_batches(calibration, experts)

@@ -51,7 +51,7 @@ from featcal.experiments.bench.rows import (
 )
 from featcal.experiments.bench.table import variant_tag
 from featcal.experiments.zoo.presets import get_preset
-from featcal.io.report import Timer, build_report
+from featcal.io.write.report import Timer, build_report
 
 log = logging.getLogger(__name__)
 
@@ -346,7 +346,7 @@ def run_bench(settings: BenchSettings, progress: bool = True) -> dict[str, Any]:
     loading and saving bars included, so `progress=False` silences them all."""
     from tqdm.contrib.logging import logging_redirect_tqdm
 
-    from featcal.io.models import hf_progress_bars
+    from featcal.io.read.models import hf_progress_bars
 
     with hf_progress_bars(False), logging_redirect_tqdm():
         return _run_bench(settings, progress)
@@ -524,7 +524,7 @@ def _reused(run: _Run, key: str) -> dict[str, float] | None:
 
 def _expert_rows(run: _Run) -> list[dict]:
     """Load every expert (kept in `run`) and score it on its own task (the demo: the zoo build's score)."""
-    from featcal.io.models import load_model
+    from featcal.io.read.models import load_model
 
     rows = []
     recorded = _reused(run, "expert_accuracy")
@@ -543,7 +543,7 @@ def _expert_rows(run: _Run) -> list[dict]:
 
 def _base_row(run: _Run) -> dict:
     """Load the base (kept in `run`) and score it on every task (the demo: the zoo build's scores)."""
-    from featcal.io.models import load_model
+    from featcal.io.read.models import load_model
 
     recorded = _reused(run, "base_accuracy")
     with PeakRSS() as rss:
@@ -737,7 +737,7 @@ def write_bench(report: dict[str, Any], out: str | os.PathLike, overwrite: bool 
 
     from featcal.experiments.bench.plot import drift_plot, sample_efficiency_plot
     from featcal.experiments.bench.table import bench_table
-    from featcal.io.atomic import atomic_output_dir
+    from featcal.io.write.atomic import atomic_output_dir
 
     with atomic_output_dir(out, overwrite) as tmp:
         (tmp / "bench.json").write_text(json.dumps(report, indent=2, default=str) + "\n")

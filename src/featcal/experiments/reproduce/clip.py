@@ -26,7 +26,7 @@ from featcal.evaluation.zero_shot import (
 from featcal.experiments.evaluation.templates import clip_prompts
 from featcal.experiments.reproduce.pipeline import Pipeline, calibration_indices, eval_indices
 from featcal.experiments.reproduce.settings import TaskSpec
-from featcal.io.checkpoint import CheckpointReader
+from featcal.io.read.checkpoint import CheckpointReader
 from featcal.merging.writer import save_state_dict
 
 

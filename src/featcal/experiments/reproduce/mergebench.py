@@ -18,8 +18,8 @@ from featcal.errors import CalibrationDataError
 from featcal.evaluation.lm_eval import lm_eval_command
 from featcal.experiments.reproduce.pipeline import Pipeline, calibration_indices, merge_paths
 from featcal.experiments.reproduce.settings import TaskSpec
-from featcal.io.checkpoint import copy_side_files
-from featcal.io.models import load_model
+from featcal.io.read.checkpoint import copy_side_files
+from featcal.io.read.models import load_model
 
 # (instruction column, input column or None, response column) of each MergeBench `_val` set
 MERGEBENCH_COLUMNS: dict[str, tuple[str, str | None, str]] = {

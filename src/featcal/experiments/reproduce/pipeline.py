@@ -21,8 +21,8 @@ from featcal.experiments.reproduce.options import ReproduceOptions
 from featcal.experiments.reproduce.resolve import Resolved, load_split, local_dir
 from featcal.experiments.reproduce.rundir import RunDir
 from featcal.experiments.reproduce.settings import Setting, TaskSpec
-from featcal.io.checkpoint import CheckpointReader
-from featcal.io.report import Timer, build_report, write_report
+from featcal.io.read.checkpoint import CheckpointReader
+from featcal.io.write.report import Timer, build_report, write_report
 
 log = logging.getLogger(__name__)
 
@@ -214,8 +214,8 @@ class Pipeline(ABC):
 
 def merge_paths(base_dir: Path, expert_dirs: dict[str, Path], scaling: float, tmp: Path) -> None:
     """Task Arithmetic of checkpoints on disk (streamed tensor by tensor) into the stage dir `tmp`."""
-    from featcal.io.checkpoint import copy_side_files
-    from featcal.io.vocab import plan_for_checkpoints
+    from featcal.io.read.checkpoint import copy_side_files
+    from featcal.io.read.vocab import plan_for_checkpoints
     from featcal.merging.api import merge
     from featcal.merging.writer import save_state_dict
 

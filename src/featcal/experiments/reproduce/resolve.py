@@ -82,7 +82,7 @@ def local_dataset(ref: DatasetRef, sources: Sources) -> Path | None:
 def _cached_model(model_id: str) -> str | None:
     from huggingface_hub import snapshot_download
 
-    from featcal.io.checkpoint import HUB_PATTERNS
+    from featcal.io.read.checkpoint import HUB_PATTERNS
 
     try:
         return snapshot_download(model_id, local_files_only=True, allow_patterns=HUB_PATTERNS)
@@ -216,6 +216,6 @@ def load_split(resolved: Resolved, ref: DatasetRef, split: str) -> Any:
 
 def local_dir(resolved: Resolved, model_id: str, *, allow_pickle: bool = False) -> Path:
     """A local directory for a resolved model (downloading a hub snapshot if needed)."""
-    from featcal.io.checkpoint import resolve_checkpoint
+    from featcal.io.read.checkpoint import resolve_checkpoint
 
     return resolve_checkpoint(resolved.model(model_id), allow_pickle=allow_pickle)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from featcal.errors import ConfigError, OutputExistsError
-from featcal.io.atomic import atomic_output_dir, atomic_write_text
+from featcal.io.write.atomic import atomic_output_dir, atomic_write_text
 
 RUN_CONFIG = "run_config.json"
 

@@ -25,7 +25,7 @@ from featcal.experiments.reproduce.resolve import Sources, resolve_all
 from featcal.experiments.reproduce.rundir import RunDir
 from featcal.experiments.reproduce.settings import get_setting
 from featcal.experiments.reproduce.t5_glue import T5GluePipeline
-from featcal.io.report import Timer, package_versions, peak_rss_mb
+from featcal.io.write.report import Timer, package_versions, peak_rss_mb
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from featcal.experiments.evaluation import glue as glue_eval
 from featcal.experiments.evaluation.templates import glue_prompt
 from featcal.experiments.reproduce.pipeline import Pipeline, calibration_indices, eval_indices, merge_paths
 from featcal.experiments.reproduce.settings import TaskSpec
-from featcal.io.checkpoint import copy_side_files
-from featcal.io.models import load_config, load_model
+from featcal.io.read.checkpoint import copy_side_files
+from featcal.io.read.models import load_config, load_model
 
 
 class T5GluePipeline(Pipeline):

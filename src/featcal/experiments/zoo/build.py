@@ -34,9 +34,9 @@ from featcal.experiments.zoo.store import MANIFEST, Zoo
 from featcal.experiments.zoo.tasks import TASKS, make_splits
 from featcal.experiments.zoo.text_build import build_text, check_text_inputs
 from featcal.experiments.zoo.train import finetune, pixel_values
-from featcal.io.atomic import atomic_output_dir, check_output_dir, check_replaceable
-from featcal.io.models import hf_progress_bars, load_model
-from featcal.io.report import peak_rss_mb
+from featcal.io.read.models import hf_progress_bars, load_model
+from featcal.io.write.atomic import atomic_output_dir, check_output_dir, check_replaceable
+from featcal.io.write.report import peak_rss_mb
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ import numpy as np
 import torch
 
 from featcal.experiments.zoo.store import MANIFEST
-from featcal.io.atomic import atomic_write_text
-from featcal.io.report import package_versions
+from featcal.io.write.atomic import atomic_write_text
+from featcal.io.write.report import package_versions
 
 log = logging.getLogger("featcal.experiments.zoo.build")
 

@@ -132,7 +132,7 @@ class Zoo:
 
     def load(self, experts: bool = True) -> LoadedZoo:
         """Base, experts (unless `experts=False`), heads and test splits, loaded."""
-        from featcal.io.models import load_model
+        from featcal.io.read.models import load_model
 
         return LoadedZoo(
             base=load_model(self.base_dir),

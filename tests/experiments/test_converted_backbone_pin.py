@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from featcal.experiments.zoo.onnx_dinov2 import content_sha256, graph_name
 from featcal.experiments.zoo.vision_sources import (
     BACKBONE_DIR,
     CONVERTED_CONTENT_SHA256,
@@ -14,8 +15,7 @@ from featcal.experiments.zoo.vision_sources import (
     VisionSourceError,
     backbone_dir,
 )
-from featcal.io.onnx_dinov2 import content_sha256, graph_name
-from featcal.io.report import file_sha256
+from featcal.io.read.hashes import file_sha256
 from tests.builders.tiny import tiny_dinov2
 
 

@@ -5,7 +5,7 @@ A checkpoint saved by transformers 4 may spell them differently (CLIPVisionModel
 prefix, ViT's `encoder.layer.N.attention.attention.query`); `checkpoint_key_map` maps them with
 transformers' own checkpoint-conversion rules, so a path expert is read block by block and never
 loaded whole. A parameter transformers builds from several checkpoint tensors (a mixture of experts' fused
-experts, saved one tensor per expert) is built the same way, when read (io/conversions.py).
+experts, saved one tensor per expert) is built the same way, when read (io/read/conversions.py).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from featcal.errors import CheckpointError
-from featcal.io.conversions import Conversion
-from featcal.io.tensor_source import DictSource, MappedSource, TensorSource
+from featcal.io.read.conversions import Conversion
+from featcal.io.read.tensor_source import DictSource, MappedSource, TensorSource
 
 
 def parameter_aliases(model: nn.Module) -> dict[str, list[str]]:
@@ -79,7 +79,7 @@ class ModelSource(DictSource):
 
     @property
     def config(self) -> dict:
-        from featcal.io.sources import module_config
+        from featcal.io.read.sources import module_config
 
         return module_config(self.module)
 
@@ -94,15 +94,15 @@ class CheckpointSource(MappedSource):
 
     A parameter transformers builds from several checkpoint tensors (a mixture of experts' fused experts,
     which `save_pretrained` writes one tensor per expert) is built from them when read, with transformers' own
-    converter (io/conversions.py): one block's experts at a time, never the whole model.
+    converter (io/read/conversions.py): one block's experts at a time, never the whole model.
     """
 
     def __init__(self, path: str | os.PathLike | None, template: nn.Module, label: str, *,
                  allow_pickle: bool = False, reader: TensorSource | None = None) -> None:
-        from featcal.io.sources import UnmappedReader
+        from featcal.io.read.sources import UnmappedReader
 
         self.label = label
-        # `reader`: the input as io/family.py opened it; else the folder `path`
+        # `reader`: the input as io/read/family.py opened it; else the folder `path`
         reader = reader or UnmappedReader(path, allow_pickle=allow_pickle)
         conversions: dict[str, Conversion] = {}
         key_map = checkpoint_key_map(template, reader.keys(), conversions)

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from featcal.errors import CheckpointError
-from featcal.io.checkpoint import (
+from featcal.io.read.checkpoint import (
     PICKLE_INDEX,
     PICKLE_SINGLE,
     SAFE_INDEX,
@@ -18,7 +18,9 @@ from featcal.io.checkpoint import (
     CheckpointReader,
     resolve_checkpoint,
 )
-from featcal.io.configs import load_config  # callers import it from here (torch-free: io/configs.py)
+from featcal.io.read.configs import (
+    load_config,  # callers import it from here (torch-free: io/read/configs.py)
+)
 
 
 @contextlib.contextmanager
@@ -81,7 +83,7 @@ def check_loadable(path: str | os.PathLike, allow_pickle: bool = False) -> None:
 
 def refuse_embedded_adapter(path: str | os.PathLike) -> None:
     """With `peft` installed, transformers' `from_pretrained` applies an adapter_config.json it finds beside full
-    weights on top of them: a third reading of a folder featcal reads as its full weights (io/lora.py). Refused
+    weights on top of them: a third reading of a folder featcal reads as its full weights (io/read/lora.py). Refused
     rather than loaded two ways."""
     from transformers.utils import is_peft_available
 

@@ -34,7 +34,7 @@ import regex
 import torch
 
 from featcal.errors import CheckpointError, ConfigError
-from featcal.io.layouts import RenamedSource
+from featcal.io.read.layouts import RenamedSource
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +197,7 @@ class _Patterns:
 class LoraSource(RenamedSource):
     """An expert = base + a LoRA adapter, read under the base's names, one adapted tensor at a time.
 
-    A RenamedSource (io/layouts.py) over the base, so that validation, the streaming merge, the
+    A RenamedSource (io/read/layouts.py) over the base, so that validation, the streaming merge, the
     whole-model merges (`load_view`) and reports treat it like any other view of a checkpoint.
     """
 
@@ -377,7 +377,7 @@ class LoraSource(RenamedSource):
 
     def describe(self) -> dict[str, Any]:
         """What featcal.json says of this expert."""
-        from featcal.io.report import file_sha256
+        from featcal.io.read.hashes import file_sha256
 
         files = {p.name: file_sha256(p) for p in sorted(self.adapter_dir.iterdir())
                  if p.is_file() and p.suffix in {".safetensors", ".json", ".bin"}}

@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 
 from featcal.errors import CheckpointError
-from featcal.io.tensor_source import TensorSource
+from featcal.io.read.tensor_source import TensorSource
 
 SAFE_SINGLE = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
@@ -91,7 +91,7 @@ class CheckpointReader(TensorSource):
         elif single.exists():
             self._files = {k: single for k in self._handle(single).keys()}
         else:
-            # a non-standard single-file name; never a LoRA adapter's weights beside them (io/lora.py)
+            # a non-standard single-file name; never a LoRA adapter's weights beside them (io/read/lora.py)
             others = sorted(p.name for p in self.path.glob("*.safetensors") if not p.name.startswith("adapter_model"))
             if others:
                 for name in others:
@@ -222,8 +222,11 @@ _DTYPES = {
 
 
 # an input's files that describe that input (its model card, mergekit's recipe): an output gets its own card
-# (io/card.py), so these are never copied stale; featcal.json keeps their sha256
+# (io/write/card.py), so these are never copied stale; featcal.json keeps their sha256
 CARRIED_FILES = ("README.md", "mergekit_config.yml", "mergekit_config.yaml")
+# the folder beside a model that holds each task's head (io/write/task_heads.py writes it; evaluation and
+# --tune-head read it; check_copied_links checks it): named here, on the reading floor, for all of them
+HEADS_DIR = "heads"
 
 
 def check_copied_links(folder: str | os.PathLike, label: str) -> None:
@@ -231,8 +234,6 @@ def check_copied_links(folder: str | os.PathLike, label: str) -> None:
     and processor files, anything beside the weights, and heads/) that is a symbolic link leading outside the
     folder: the file it reaches (a token, a key) would be copied into an output made to be shared (issue 49). A
     hub cache snapshot's links into its repository's blobs/ are the snapshot's own files."""
-    from featcal.io.task_heads import HEADS_DIR
-
     root = Path(folder)
     if not root.is_dir():
         return

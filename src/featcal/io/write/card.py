@@ -28,8 +28,8 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
 from featcal.errors import ConfigError
-from featcal.io.checkpoint import CARRIED_FILES
-from featcal.io.report import file_sha256
+from featcal.io.read.checkpoint import CARRIED_FILES
+from featcal.io.read.hashes import file_sha256
 
 CARD_NAME = "README.md"
 BASE_ROLE = "base"  # the --hub-id role of the base; an expert's role is its name

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from featcal.errors import CheckpointError
-from featcal.io.tensor_source import MappedSource
+from featcal.io.read.tensor_source import MappedSource
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ def _template(config: dict) -> torch.nn.Module | None:
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    from featcal.io.models import model_class_for
+    from featcal.io.read.models import model_class_for
 
     model_type = config.get("model_type")
     if model_type not in CONFIG_MAPPING:
@@ -93,7 +93,7 @@ def _view(source: Any, label: str, template: torch.nn.Module, config: dict, *, d
     A checkpoint key the template does not know is dropped when `drop(key)`, else kept under its own name,
     so that validation names it (an expert with one block more than the base is refused, not truncated).
     """
-    from featcal.io.param_sources import checkpoint_key_map, parameter_aliases
+    from featcal.io.read.param_sources import checkpoint_key_map, parameter_aliases
 
     keys = source.keys()
     aliases = parameter_aliases(template)  # every name -> all names of that parameter, canonical first
@@ -129,7 +129,7 @@ def harmonise(sources: Mapping[str, Any], reference: str) -> dict[str, Any]:
     Untouched when every source already has the reference's model type and tensor names, or when the
     model types differ other than as a CLIPModel and its vision towers (validation then says how).
     """
-    from featcal.io.sources import ModuleSource
+    from featcal.io.read.sources import ModuleSource
 
     out = dict(sources)
     if any(isinstance(s, ModuleSource) for s in out.values()):
@@ -172,8 +172,8 @@ def load_view(source: RenamedSource) -> torch.nn.Module:
     """
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    from featcal.io.models import model_class_for
-    from featcal.io.param_sources import parameter_aliases
+    from featcal.io.read.models import model_class_for
+    from featcal.io.read.param_sources import parameter_aliases
 
     config = CONFIG_MAPPING[source.config["model_type"]].from_dict(source.config)
     model = model_class_for(config)(config).to(torch.float32)

@@ -26,10 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from featcal.errors import ConfigError
-from featcal.io.checkpoint import TOKENIZER_FILES
+from featcal.io.read.checkpoint import TOKENIZER_FILES
 
 TEMPLATE_FILE = "chat_template.jinja"
-# every file that is part of a tokenizer (io/vocab.py's list, plus the processors' template file)
+# every file that is part of a tokenizer (io/read/vocab.py's list, plus the processors' template file)
 TOKENIZER_PARTS = (*TOKENIZER_FILES, "special_tokens_map.json", "added_tokens.json", "merges.txt", TEMPLATE_FILE,
                    "chat_template.json")
 

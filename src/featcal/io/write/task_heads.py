@@ -27,8 +27,9 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from featcal.io.read.checkpoint import HEADS_DIR
+
 log = logging.getLogger(__name__)
-HEADS_DIR = "heads"
 
 
 def label_map(config: Mapping[str, Any]) -> dict[str, str] | None:

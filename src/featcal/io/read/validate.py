@@ -5,7 +5,7 @@ the first offending tensor (in sorted name order), so that the user knows which 
 checks (config identity, names, shapes, dtypes) use only headers (`reader.meta`); the finite scan
 reads tensors one at a time, so it needs memory for a single tensor whatever the model size.
 
-The functions accept any input as io/family.py opens it (a `TensorSource`: io/tensor_source.py).
+The functions accept any input as io/read/family.py opens it (a `TensorSource`: io/read/tensor_source.py).
 """
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ import torch
 from tqdm.auto import tqdm
 
 from featcal.errors import CheckpointError, ConfigError
-from featcal.io.tensor_source import TensorSource  # noqa: F401  (the interface checked here; re-exported)
+from featcal.io.read.tensor_source import TensorSource  # noqa: F401  (the interface checked here; re-exported)
 
 # config.json fields that decide which class loads the weights; they must agree across the family.
 IDENTITY_FIELDS = ("model_type", "architectures")
 # config.json fields that may differ between a base and its fine-tunes: they do not change what the weights
 # compute. Bookkeeping (names, versions, dtype: the tensors' own dtypes are checked), a task head's labels,
-# runtime switches, and `vocab_size` (a grown vocabulary is checked on the tensors' rows, io/vocab.py). So are
+# runtime switches, and `vocab_size` (a grown vocabulary is checked on the tensors' rows, io/read/vocab.py). So are
 # every field of transformers' GenerationConfig (token ids, sampling, use_cache: how text is generated, not
 # what a forward computes), fields starting with "_" (transformers' private state) and fields naming
 # `dropout` or `init` (training and initialisation only), or ending `_token_id(s)` (the tokenizer's, checked with
@@ -297,7 +297,7 @@ def _meta_model(config: Mapping[str, Any]) -> Any:
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    from featcal.io.models import model_class_for
+    from featcal.io.read.models import model_class_for
 
     try:
         cfg = CONFIG_MAPPING[config["model_type"]].from_dict(dict(config))
@@ -409,8 +409,8 @@ def _check_fused_shapes(where: str, source: TensorSource, template: Any) -> None
     """The fused expert parameters transformers would build from the per-expert tensors (its own converters, on
     meta tensors: nothing read) have the shapes its config makes; else loading the merge would fail, after the
     work."""
-    from featcal.io.conversions import Conversion
-    from featcal.io.param_sources import checkpoint_key_map
+    from featcal.io.read.conversions import Conversion
+    from featcal.io.read.param_sources import checkpoint_key_map
 
     conversions: dict[str, Conversion] = {}
     try:

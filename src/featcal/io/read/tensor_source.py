@@ -2,9 +2,9 @@
 
 One interface for all of them (a checkpoint folder or hub id, an in-memory model, a LoRA adapter applied
 to its base, a dequantised GGUF file, any of those viewed under other names or at another vocabulary
-size), so that opening (io/family.py), validation (io/validate.py), the streaming merge and the block-by-
+size), so that opening (io/read/family.py), validation (io/read/validate.py), the streaming merge and the block-by-
 block calibration never ask which kind they were given. A source is named either as its checkpoint names
-its tensors (the merge's view) or by the parameter names of the model being calibrated (io/param_sources.py's
+its tensors (the merge's view) or by the parameter names of the model being calibrated (io/read/param_sources.py's
 views); the interface is the same.
 """
 
@@ -53,8 +53,8 @@ class TensorSource:
 
 class MappedSource(TensorSource):
     """Another source's tensors under other names (`key_map`: name here -> name there), with a config of its own:
-    a checkpoint under its class's names (io/layouts.py), a LoRA adapter over its base (io/lora.py), a checkpoint
-    by the calibrated model's parameter names (io/param_sources.py)."""
+    a checkpoint under its class's names (io/read/layouts.py), a LoRA adapter over its base (io/read/lora.py), a checkpoint
+    by the calibrated model's parameter names (io/read/param_sources.py)."""
 
     def __init__(self, source: Any, key_map: Mapping[str, str], config: dict, view: str) -> None:
         self.source = source

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import platform
@@ -12,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from featcal.io.atomic import atomic_write_text
+from featcal.io.write.atomic import atomic_write_text
 
 REPORT_NAME = "featcal.json"
 
@@ -48,23 +47,6 @@ def package_versions() -> dict[str, str]:
         except Exception:  # pragma: no cover - not installed
             out[name] = "unknown"
     return out
-
-
-def file_sha256(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
-def checkpoint_hashes(directory: str | os.PathLike) -> dict[str, str]:
-    """sha256 of each weight file and config of a checkpoint directory (what identifies an input)."""
-    d = Path(directory)
-    if d.is_file():  # a single-file input (a GGUF file)
-        return {d.name: file_sha256(d)}
-    files = sorted(p for p in d.iterdir() if p.suffix in {".safetensors", ".json", ".bin"} and p.is_file())
-    return {p.name: file_sha256(p) for p in files}
 
 
 class Timer:

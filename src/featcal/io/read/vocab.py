@@ -9,7 +9,7 @@ every row the base has is an ordinary fine-tune of it. So:
   same number in each, the other dimensions equal to the base's). Fewer rows than the base, another
   hidden size, or rows that disagree between the tensors of one expert are refused before any work;
 - the method merges the base's rows: each grown expert is read through `RowsView`, which shows its
-  first `base` rows only (a view like io/layouts.py's, so validation, the streaming merge, TIES'
+  first `base` rows only (a view like io/read/layouts.py's, so validation, the streaming merge, TIES'
   global selection and the whole-model merges see one shape);
 - each extra row is the mean of the experts that have it (a new token has no base value to take a
   task vector from, and an expert without that row knows nothing about it);
@@ -40,13 +40,13 @@ from typing import Any
 import torch
 
 from featcal.errors import CheckpointError
-from featcal.io.layouts import RenamedSource
-from featcal.io.tensor_source import TensorSource
+from featcal.io.read.layouts import RenamedSource
+from featcal.io.read.tensor_source import TensorSource
 
 log = logging.getLogger(__name__)
 
 EXTRA_ROWS_RULE = "mean of the experts that have the row"
-# files that make up a tokenizer (featcal.io.checkpoint.TOKENIZER_FILES plus the side files tokenizers write)
+# files that make up a tokenizer (featcal.io.read.checkpoint.TOKENIZER_FILES plus the side files tokenizers write)
 TOKENIZER_SIDE_FILES = ("special_tokens_map.json", "added_tokens.json", "merges.txt", "chat_template.jinja")
 
 
@@ -110,7 +110,7 @@ def _one_block_model(config: Mapping[str, Any]) -> torch.nn.Module | None:
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    from featcal.io.models import model_class_for
+    from featcal.io.read.models import model_class_for
 
     try:
         cfg = CONFIG_MAPPING[config["model_type"]].from_dict(dict(config))
@@ -271,7 +271,7 @@ class VocabPlan:
 
 
 def _tokenizer_files() -> tuple[str, ...]:
-    from featcal.io.checkpoint import TOKENIZER_FILES
+    from featcal.io.read.checkpoint import TOKENIZER_FILES
 
     return TOKENIZER_FILES + TOKENIZER_SIDE_FILES
 
@@ -501,6 +501,6 @@ def vocab_rows_view(reference: Any, reference_label: str, label: str, source: An
 def plan_for_checkpoints(base_dir: Any, expert_dirs: Mapping[str, Any]) -> VocabPlan | None:
     """The plan `featcal.merge` follows for these checkpoints (headers only): for callers that write a
     merged state dict themselves (featcal reproduce) and must make its config and tokenizer agree."""
-    from featcal.io.checkpoint import CheckpointReader
+    from featcal.io.read.checkpoint import CheckpointReader
 
     return grown_vocabulary(CheckpointReader(base_dir), {t: CheckpointReader(d) for t, d in expert_dirs.items()})[1]

@@ -1,8 +1,8 @@
-"""Reading a checkpoint's transformers config, apart from io/models.py so that it imports no torch itself.
+"""Reading a checkpoint's transformers config, apart from io/read/models.py so that it imports no torch itself.
 
 transformers 5's config classes import torch wherever torch is installed (configuration_utils through
 modeling_rope_utils, each model's configuration module through utils/type_validators), so a config that is
-read still brings torch in; what this module spares is featcal's own imports (io/models.py and io/checkpoint.py
+read still brings torch in; what this module spares is featcal's own imports (io/read/models.py and io/read/checkpoint.py
 import torch), and a folder without a config.json is refused before transformers is imported at all
 (`featcal supported DIR`, tests/cli/test_start_up.py).
 """

@@ -12,7 +12,7 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
-from featcal.io.report import file_sha256
+from featcal.io.read.hashes import file_sha256
 
 
 def ar_members(path: Path) -> dict[str, tuple[int, int]]:

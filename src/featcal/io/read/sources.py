@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from featcal.errors import CheckpointError
-from featcal.io.checkpoint import CheckpointReader
-from featcal.io.tensor_source import DictSource
+from featcal.io.read.checkpoint import CheckpointReader
+from featcal.io.read.tensor_source import DictSource
 
 MergeInput = Union[str, os.PathLike, nn.Module, CheckpointReader]
 

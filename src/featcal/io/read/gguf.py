@@ -27,9 +27,9 @@ from typing import Any
 import torch
 
 from featcal.errors import CheckpointError
-from featcal.io.sources import ModuleSource
-from featcal.io.tensor_source import DictSource
-from featcal.io.validate import config_differences, describe_differences
+from featcal.io.read.sources import ModuleSource
+from featcal.io.read.tensor_source import DictSource
+from featcal.io.read.validate import config_differences, describe_differences
 
 log = logging.getLogger(__name__)
 _BLOCK = re.compile(r"(?:^|\.)blk\.(\d+)\.")
@@ -121,7 +121,7 @@ def _model_class(config) -> type:
     """The config's built-in class for a language model (GGUF files hold decoders and T5s), else AutoModel's."""
     import transformers
 
-    from featcal.io.models import model_class_for
+    from featcal.io.read.models import model_class_for
 
     cls = model_class_for(config)
     if cls is not transformers.AutoModel:
@@ -138,7 +138,7 @@ def load_gguf_model(file: Path, label: str, config=None) -> torch.nn.Module:
     """The GGUF file's model, dequantised to float32 (transformers' GGUF tensor loader, no accelerate)."""
     from transformers import modeling_gguf_pytorch_utils as hf_gguf
 
-    from featcal.io.param_sources import parameter_aliases
+    from featcal.io.read.param_sources import parameter_aliases
 
     config = config if config is not None else gguf_config(file, label)
     cls = _model_class(config)
@@ -182,7 +182,7 @@ class GGUFSource(ModuleSource):
         self.path = self.file
 
     def describe(self) -> dict[str, Any]:
-        from featcal.io.report import file_sha256
+        from featcal.io.read.hashes import file_sha256
 
         return {"path": str(self.file), "sha256": {self.file.name: file_sha256(self.file)},
                 "dequantised_from_gguf": True, "dtype": "float32"}
@@ -200,7 +200,7 @@ class GGUFHeader(ModuleSource):
     def __init__(self, file: Path, label: str) -> None:  # no ModuleSource.__init__: it copies tensors to the CPU
         from transformers.modeling_utils import remove_tied_weights_from_state_dict, revert_weight_conversion
 
-        from featcal.io.sources import module_config
+        from featcal.io.read.sources import module_config
 
         config = gguf_config(file, label)
         with torch.device("meta"):

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from featcal.errors import ConfigError, FeatCalError, OutputExistsError
-from featcal.io import interrupts
+from featcal.io.process import interrupts
 
 TMP_PREFIX = ".featcal-tmp-"
 _OWNED = re.compile(r"-(\d+)_([0-9a-f]{8})-\w+$")  # `-PID_HOST-XXXXXX` at the end of an owned temp name

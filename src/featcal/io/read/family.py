@@ -1,11 +1,11 @@
 """The one front door to the checkpoints of a merge or a calibration: `open_family(base, experts, merged)`.
 
 Every input is opened by what it is, in one place (`open_input`): a checkpoint folder or hub id, a model in
-memory, a LoRA / PEFT adapter applied to the base (io/lora.py), a GGUF file, dequantised (io/gguf.py), each
-as a TensorSource (io/tensor_source.py). The family then gives each consumer the view it reads:
+memory, a LoRA / PEFT adapter applied to the base (io/read/lora.py), a GGUF file, dequantised (io/read/gguf.py), each
+as a TensorSource (io/read/tensor_source.py). The family then gives each consumer the view it reads:
 
-- the streaming merge, tensor by tensor (`merge_view`): base and experts under one naming (io/layouts.py),
-  experts with a grown vocabulary cut to the base's rows, and the plan that grows the merge back (io/vocab.py);
+- the streaming merge, tensor by tensor (`merge_view`): base and experts under one naming (io/read/layouts.py),
+  experts with a grown vocabulary cut to the base's rows, and the plan that grows the merge back (io/read/vocab.py);
 - the checks before a calibration (`check_model_types`, `check_consistent`): every input against the merge
   (or the base), its config, tensor names, shapes and architecture-defining fields, from headers only;
 - the calibration, block by block (`param_sources`): each expert's and the base's parameters by the merged
@@ -29,15 +29,15 @@ import torch
 from torch import nn
 
 from featcal.errors import CheckpointError
-from featcal.io.checkpoint import CheckpointReader, check_copied_links
-from featcal.io.gguf import GGUFHeader, GGUFSource, gguf_file, open_gguf
-from featcal.io.layouts import RenamedSource, harmonise, load_view
-from featcal.io.lora import LoraSource, kind_record, open_adapter, reads_as_adapter
-from featcal.io.models import check_loadable, load_model
-from featcal.io.param_sources import CheckpointSource, ModelSource, validate_source
-from featcal.io.sources import ModuleSource, UnmappedReader
-from featcal.io.tensor_source import TensorSource
-from featcal.io.validate import (
+from featcal.io.read.checkpoint import CheckpointReader, check_copied_links
+from featcal.io.read.gguf import GGUFHeader, GGUFSource, gguf_file, open_gguf
+from featcal.io.read.layouts import RenamedSource, harmonise, load_view
+from featcal.io.read.lora import LoraSource, kind_record, open_adapter, reads_as_adapter
+from featcal.io.read.models import check_loadable, load_model
+from featcal.io.read.param_sources import CheckpointSource, ModelSource, validate_source
+from featcal.io.read.sources import ModuleSource, UnmappedReader
+from featcal.io.read.tensor_source import TensorSource
+from featcal.io.read.validate import (
     check_expert_layout,
     check_same_config,
     check_same_fields,
@@ -45,7 +45,7 @@ from featcal.io.validate import (
     first_non_finite,
     scan_finite,
 )
-from featcal.io.vocab import VocabPlan, grown_vocabulary, pad_param_sources, vocab_rows_view
+from featcal.io.read.vocab import VocabPlan, grown_vocabulary, pad_param_sources, vocab_rows_view
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ def open_input(
 ) -> TensorSource:
     """One input opened by what it is; errors name it (`label`, e.g. "expert 'mnist'").
 
-    A LoRA / PEFT adapter folder is an expert over `base` (io/lora.py); a folder holding an adapter and full
+    A LoRA / PEFT adapter folder is an expert over `base` (io/read/lora.py); a folder holding an adapter and full
     weights is refused unless `kind` ("full" / "adapter") says which to read (`reads_as_adapter`).
     `may_be_adapter` (default: whether a base is given) is False for inputs that are models of their own (the
     base, a merge), which read such a folder as its full weights. A `.gguf` file (or a folder holding one) is
@@ -229,7 +229,7 @@ class InputFamily:
     # --- the checks before a calibration ----------------------------------------------------------------
     def check_model_types(self, reference: str) -> None:
         """Every input is of the reference's model type (adapters have their base's); a CLIPModel base with
-        vision-tower experts is one family (io/layouts.py reads it as vision towers)."""
+        vision-tower experts is one family (io/read/layouts.py reads it as vision towers)."""
         types = {label: self._model_type(label) for label in self.items
                  if not isinstance(self.source(label), LoraSource)}
         if set(types.values()) == {"clip", "clip_vision_model"}:
@@ -296,7 +296,7 @@ class InputFamily:
     def param_sources(self, template: nn.Module) -> tuple[dict[str, TensorSource], TensorSource | None]:
         """Each expert's and the base's parameters by `template`'s names (the merged model's): a model in
         memory read directly, any other input through its opened source, mapped by transformers' renaming
-        rules (io/param_sources.py), read block by block into `template`."""
+        rules (io/read/param_sources.py), read block by block into `template`."""
         experts = {t: self._params(expert_label(t), template) for t in self.tasks}
         base = self._params(BASE, template) if BASE in self.items else None
         return experts, base
