@@ -209,7 +209,8 @@ def test_mixed_attention_layer_types_get_each_their_own_arguments():
 
 def test_context_replay_check_catches_per_block_masks():
     """Independently of the adapter's own guard, a block-1 call that differs from the replay is caught."""
-    from featcal.blocks.adapters import Stack, StructuralAdapter
+    from featcal.blocks.adapters import StructuralAdapter
+    from featcal.blocks.structure import Stack
     from featcal.calibration.replay import check_context_replay
 
     cfg = T.Qwen2Config(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -229,7 +230,7 @@ def test_context_replay_check_catches_per_block_masks():
 
 def test_adapters_answer_what_calibration_and_the_planner_ask():
     """Architecture questions go to the adapter: the token limit, a batch's checks, the planner's sizes."""
-    from featcal.blocks.adapters.base import Stack
+    from featcal.blocks.structure import Stack
     from featcal.errors import CalibrationDataError
 
     bert, t5, llama, clip = (tiny.tiny_model(k) for k in ("bert", "t5", "llama", "clip"))

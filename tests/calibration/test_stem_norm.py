@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from featcal import FeatCalConfig, calibrate
-from featcal.blocks.adapters.base import get_path
+from featcal.blocks.structure import get_path
 from featcal.config import parse
 from featcal.errors import ConfigError
 from tests.builders.reference_featcal import Crash, family_data, killed_after, max_abs_diff, noisy_family

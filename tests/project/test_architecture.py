@@ -32,6 +32,15 @@ FLOORS: dict[str, int] = {
 EXPERIMENT_FLOORS: dict[str, int] = {"": 0, "evaluation": 1, "baselines": 2, "zoo": 3, "bench": 4, "reproduce": 4}
 # inside io/ (issue 52): the process (signals, host allocator, extras) below reading, reading below writing
 IO_FLOORS: dict[str, int] = {"": 0, "process": 1, "read": 2, "write": 3}
+# inside blocks/ (issue 52): leaves (capture, linear layers, norms, Grams, heads), then where the stacks are
+# (structure, with Stack) and what a block calibrates (discovery), then the probe and the support check, then
+# the adapters (which check support first) and the catalog `featcal supported` prints
+BLOCK_FLOORS: dict[str, int] = {
+    "": 0, "capture": 0, "linear": 0, "norms": 0, "grams": 0, "heads": 0,
+    "structure": 1, "discovery": 1,
+    "probe": 2, "support": 2,
+    "adapters": 3, "catalog": 3,
+}
 
 
 def module_files(package_dir: Path, package: str) -> dict[str, Path]:
@@ -164,6 +173,11 @@ def test_experiments_keep_their_own_floors():
 def test_io_keeps_its_own_floors():
     graph = import_graph(PACKAGE_DIR, "featcal")
     assert floor_violations(graph, "featcal", IO_FLOORS, sub="io") == []
+
+
+def test_blocks_keep_their_own_floors():
+    graph = import_graph(PACKAGE_DIR, "featcal")
+    assert floor_violations(graph, "featcal", BLOCK_FLOORS, sub="blocks") == []
 
 
 def test_no_import_circle():

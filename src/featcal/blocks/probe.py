@@ -24,9 +24,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from featcal.blocks.adapters.base import Stack, get_path
 from featcal.blocks.capture import split_call
 from featcal.blocks.norms import norm_form
+from featcal.blocks.structure import Stack, get_path
 from featcal.errors import UnsupportedModelError
 
 

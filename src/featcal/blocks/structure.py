@@ -16,20 +16,62 @@ transformers' conventions, not a table of model types:
   are called per type with the arguments the model itself gives each block (adapters/structural.py).
 
 The module layouts of transformers 4 (`vit.encoder.layer`) and 5 (`vit.layers`) are both found this way.
+
+`Stack` (what one stack is) and `make_stacks` live here, below the adapters and blocks/support.py, so that the
+support check, the probe and the adapters all describe a model's stacks from one floor (issue 52);
+`modules_reading_encoder` is the one call that finds a decoder's cross-attention inputs.
 """
 
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
+import torch
 from torch import nn
 
-from featcal.blocks.adapters.base import Stack, get_path
 from featcal.blocks.linear import is_linear
-from featcal.errors import UnsupportedModelError
+from featcal.errors import FeatCalError, UnsupportedModelError
 
 MAIN_INPUTS = ("input_ids", "pixel_values")
+
+
+def get_path(root: nn.Module, path: str) -> nn.Module | None:
+    """The sub-module at dotted `path` ("" is the root itself), or None."""
+    mod: Any = root
+    for part in filter(None, path.split(".")):
+        mod = getattr(mod, part, None)
+        if mod is None:
+            return None
+    return mod
+
+
+@dataclass(frozen=True)
+class Stack:
+    """One stack of residual blocks, calibrated in forward order."""
+
+    name: str  # "encoder", "decoder", "vision", ...
+    blocks_path: str  # dotted path of the nn.ModuleList of blocks, from the top model
+    entry_path: str  # module called with the batch to reach block 0
+    mask_key: str | None = "attention_mask"  # batch key of the 0/1 token mask of this stack's tokens
+    class_token_head: bool = False  # output read from token 0 only (CLIP/ViT): last-block weighting
+    cross_mask_key: str | None = None  # mask of the tokens cross-attention k/v read (T5 decoder)
+    cross_modules: tuple[str, ...] = field(default_factory=tuple)  # name suffixes of those modules
+    # attention type of each block (Gemma 3: "sliding_attention" / "full_attention"), when blocks get
+    # per-type arguments; empty when every block is called alike
+    layer_types: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def mask_keys(self) -> tuple[str, ...]:
+        """The batch keys that block-level code reads (the token masks); the model inputs feed the stem only."""
+        return tuple(k for k in (self.mask_key, self.cross_mask_key) if k)
+
+    def blocks(self, model: nn.Module) -> nn.ModuleList:
+        mod = get_path(model, self.blocks_path)
+        if not isinstance(mod, nn.ModuleList):
+            raise FeatCalError(f"{type(model).__name__}: no block list at {self.blocks_path!r}")
+        return mod
 
 
 @dataclass(frozen=True)
@@ -180,7 +222,7 @@ def layer_types_of(model: nn.Module, n_blocks: int) -> tuple[str, ...]:
 
 
 def make_stacks(model: nn.Module, cross_modules) -> list[Stack]:
-    """The model's stacks (adapters/base.py's Stack) from `find_lists`. `cross_modules(model, path)` names the
+    """The model's stacks (Stack, above) from `find_lists`. `cross_modules(model, path)` names the
     modules of a decoder's blocks that read the encoder output."""
     out = []
     lists = find_lists(model)
@@ -224,3 +266,42 @@ def has_class_token(model: nn.Module, entry_path: str, blocks_path: str) -> bool
         if any(p.numel() == hidden for p in mod.parameters(recurse=False)):
             return True
     return False
+
+
+def modules_reading_encoder(model: nn.Module, blocks_path: str) -> tuple[str, ...]:
+    """Call decoder block 0 once on a made-up input (2 tokens) and encoder output (3 tokens); the linear
+    layers whose input is that encoder output."""
+    block = get_path(model, blocks_path)[0]
+    param = next(block.parameters())
+    width = _input_width(block)
+    hidden = torch.zeros(1, 2, width, dtype=param.dtype, device=param.device)
+    encoder = torch.zeros(1, 3, width, dtype=param.dtype, device=param.device)
+    seen: list[str] = []
+    handles = [m.register_forward_hook(lambda _m, a, _o, n=n: seen.append(n) if a and a[0] is encoder else None)
+               for n, m in block.named_modules() if is_linear(m)]
+    try:
+        with torch.no_grad():
+            block(hidden, encoder_hidden_states=encoder)
+    except Exception as exc:
+        if param.device.type == "meta":
+            return ()
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: could not call its decoder block on a made-up input to find the modules "
+            f"reading the encoder output ({type(exc).__name__}: {' '.join(str(exc).split())[:200]})"
+        ) from None
+    finally:
+        for h in handles:
+            h.remove()
+    if not seen:
+        raise UnsupportedModelError(f"{type(model).__name__}: no module of its decoder blocks reads the encoder output")
+    return tuple(seen)
+
+
+def _input_width(block: nn.Module) -> int:
+    """The width of a block's hidden states: the input width of its first linear layer."""
+    from featcal.blocks.linear import features
+
+    for m in block.modules():
+        if is_linear(m):
+            return features(m)[0]
+    raise UnsupportedModelError(f"{type(block).__name__} holds no linear layer")

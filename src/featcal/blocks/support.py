@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from featcal.blocks.adapters.base import Stack, get_path
 from featcal.blocks.discovery import calibrated_modules, kept_merged
+from featcal.blocks.structure import Stack, block_lists, get_path, make_stacks, modules_reading_encoder
 from featcal.errors import UnsupportedModelError
 
 # transformers' names (configuration_utils.ALLOWED_ATTN_LAYER_TYPES) of layers that carry a state across tokens
@@ -33,10 +33,8 @@ RECURRENT_LAYER_TYPES = ("linear_attention", "conv", "hybrid", "hybrid_sliding")
 
 def check_model(model: nn.Module) -> list[Stack]:
     """The model's stacks, or UnsupportedModelError naming what cannot be calibrated."""
-    from featcal.blocks.adapters.structural import StructuralAdapter
-
     _refuse_recurrent(model)
-    stacks = StructuralAdapter(model).stacks(model)
+    stacks = make_stacks(model, modules_reading_encoder)  # what StructuralAdapter(model).stacks(model) finds
     for stack in stacks:
         _check_stack(model, stack)
     return stacks
@@ -81,8 +79,6 @@ def _refuse_recurrent(model: nn.Module) -> None:
 
 def _stateful_parts(model: nn.Module) -> str:
     """The parts of the first block list's first block that are neither linear layers nor norms."""
-    from featcal.blocks.structure import block_lists
-
     lists = block_lists(model)
     if not lists:
         return "no stack of attention blocks found"

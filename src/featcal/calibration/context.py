@@ -18,10 +18,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from featcal.blocks.adapters import Adapter, Stack
+from featcal.blocks.adapters import Adapter
 from featcal.blocks.capture import hidden_of
 from featcal.blocks.discovery import Calibrated, calibrated_modules
 from featcal.blocks.linear import features, weight_of
+from featcal.blocks.structure import Stack
 from featcal.calibration import solves
 from featcal.calibration.chains import ChainStore
 from featcal.calibration.distributed import RankGroup

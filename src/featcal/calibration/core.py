@@ -15,7 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from featcal.blocks.adapters import Adapter, Stack, adapter_for
+from featcal.blocks.adapters import Adapter, adapter_for
+from featcal.blocks.structure import Stack
 from featcal.calibration import expert_placement
 from featcal.calibration import resume as resume_mod
 from featcal.calibration.distributed import RankGroup, current_group

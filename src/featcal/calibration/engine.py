@@ -47,8 +47,9 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from featcal.blocks.adapters import Adapter, Stack
+from featcal.blocks.adapters import Adapter
 from featcal.blocks.discovery import ROUTED_EXPERTS, kept_merged
+from featcal.blocks.structure import Stack
 from featcal.calibration import block_tuning, gather, one_pass, outer_norms
 from featcal.calibration.block_tuning import BlockTuning
 from featcal.calibration.context import ExpertReads, RunContext  # ExpertReads: re-exported

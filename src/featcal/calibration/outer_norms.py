@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from featcal.blocks.adapters import FinalNorm, Stack
-from featcal.blocks.adapters.base import get_path
+from featcal.blocks.adapters import FinalNorm
 from featcal.blocks.discovery import module_kind
+from featcal.blocks.structure import Stack, get_path
 from featcal.calibration import solves
 from featcal.calibration.context import RunContext
 from featcal.calibration.drift import DriftSums

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from featcal.blocks.adapters import Stack
+from featcal.blocks.structure import Stack
 
 
 def block_param_names(model: nn.Module, stack: Stack, layer: int) -> list[str]:

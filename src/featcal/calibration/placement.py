@@ -26,7 +26,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from featcal.blocks.adapters.base import Stack, get_path
+from featcal.blocks.structure import Stack, get_path
 
 log = logging.getLogger("featcal.calibration")
 

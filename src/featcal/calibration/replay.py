@@ -15,8 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from featcal.blocks.adapters import Adapter, Stack
+from featcal.blocks.adapters import Adapter
 from featcal.blocks.capture import hidden_of, split_call
+from featcal.blocks.structure import Stack
 from featcal.calibration.placement import Placement
 from featcal.errors import FeatCalError
 

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from featcal.blocks.adapters import Stack
+from featcal.blocks.structure import Stack
 
 
 def expert_template(model: nn.Module, stacks: Sequence[Stack]) -> nn.Module:

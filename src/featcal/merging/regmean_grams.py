@@ -18,8 +18,9 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from featcal.blocks.adapters.base import Adapter, Stack
+from featcal.blocks.adapters.base import Adapter
 from featcal.blocks.grams import GramSums, WeightFn
+from featcal.blocks.structure import Stack
 from featcal.data.batch import BatchLike
 from featcal.errors import FeatCalError
 

@@ -9,17 +9,16 @@ from __future__ import annotations
 
 from torch import nn
 
-from featcal.blocks.adapters.base import Adapter, FinalNorm, Stack
+from featcal.blocks.adapters.base import Adapter, FinalNorm
 from featcal.blocks.adapters.structural import StructuralAdapter
 from featcal.blocks.adapters.t5 import PositionBiasAdapter, passes_position_bias
+from featcal.blocks.support import check_model
 
-__all__ = ["Adapter", "FinalNorm", "Stack", "StructuralAdapter", "adapter_for"]
+__all__ = ["Adapter", "FinalNorm", "StructuralAdapter", "adapter_for"]
 
 
 def adapter_for(model: nn.Module) -> Adapter:
     """The adapter for `model`; UnsupportedModelError (a FeatCalError) names what cannot be calibrated."""
-    from featcal.blocks.support import check_model
-
     stacks = check_model(model)
     cls = PositionBiasAdapter if passes_position_bias(model, stacks) else StructuralAdapter
     return cls(model)

@@ -12,51 +12,15 @@ computation a probe recognises (blocks/norms.py).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from featcal.blocks.capture import capture_block_input
-from featcal.errors import CalibrationDataError, FeatCalError
-
-
-def get_path(root: nn.Module, path: str) -> nn.Module | None:
-    """The sub-module at dotted `path` ("" is the root itself), or None."""
-    mod: Any = root
-    for part in filter(None, path.split(".")):
-        mod = getattr(mod, part, None)
-        if mod is None:
-            return None
-    return mod
-
-
-@dataclass(frozen=True)
-class Stack:
-    """One stack of residual blocks, calibrated in forward order."""
-
-    name: str  # "encoder", "decoder", "vision", ...
-    blocks_path: str  # dotted path of the nn.ModuleList of blocks, from the top model
-    entry_path: str  # module called with the batch to reach block 0
-    mask_key: str | None = "attention_mask"  # batch key of the 0/1 token mask of this stack's tokens
-    class_token_head: bool = False  # output read from token 0 only (CLIP/ViT): last-block weighting
-    cross_mask_key: str | None = None  # mask of the tokens cross-attention k/v read (T5 decoder)
-    cross_modules: tuple[str, ...] = field(default_factory=tuple)  # name suffixes of those modules
-    # attention type of each block (Gemma 3: "sliding_attention" / "full_attention"), when blocks get
-    # per-type arguments; empty when every block is called alike
-    layer_types: tuple[str, ...] = field(default_factory=tuple)
-
-    @property
-    def mask_keys(self) -> tuple[str, ...]:
-        """The batch keys that block-level code reads (the token masks); the model inputs feed the stem only."""
-        return tuple(k for k in (self.mask_key, self.cross_mask_key) if k)
-
-    def blocks(self, model: nn.Module) -> nn.ModuleList:
-        mod = get_path(model, self.blocks_path)
-        if not isinstance(mod, nn.ModuleList):
-            raise FeatCalError(f"{type(model).__name__}: no block list at {self.blocks_path!r}")
-        return mod
+from featcal.blocks.structure import Stack, get_path
+from featcal.errors import CalibrationDataError
 
 
 @dataclass(frozen=True)

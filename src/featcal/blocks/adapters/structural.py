@@ -13,7 +13,7 @@
   else one decoder start token); its cross-attention reads the encoder's output after the encoder's final
   norm, each side's own (blocks/probe.py finds that norm). The decoder modules reading the encoder's output
   (cross-attention keys and values, whose tokens are the encoder's) are found by calling the decoder's block
-  0 once on a made-up input and seeing which Linears read it.
+  0 once on a made-up input and seeing which Linears read it (blocks/structure.py).
 - Norms outside the blocks (the stem norm before block 0, the final norm before the head) come from the
   probe too (blocks/probe.py), and only when they are asked for.
 
@@ -28,11 +28,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from featcal.blocks.adapters.base import Adapter, FinalNorm, Stack, accepted_inputs, get_path
+from featcal.blocks.adapters.base import Adapter, FinalNorm, accepted_inputs
 from featcal.blocks.capture import capture_block_calls, capture_block_input
-from featcal.blocks.linear import is_linear
 from featcal.blocks.probe import StackProbe, probe_stacks
-from featcal.blocks.structure import forward_inputs, make_stacks
+from featcal.blocks.structure import Stack, forward_inputs, get_path, make_stacks, modules_reading_encoder
 from featcal.errors import CalibrationDataError, FeatCalError, UnsupportedModelError
 
 
@@ -75,7 +74,7 @@ class StructuralAdapter(Adapter):
     def _cross_modules(self, model: nn.Module, blocks_path: str) -> tuple[str, ...]:
         """Names (inside a decoder block) of the linear layers that read the encoder's output."""
         if blocks_path not in self._cross:
-            self._cross[blocks_path] = _modules_reading_encoder(model, blocks_path)
+            self._cross[blocks_path] = modules_reading_encoder(model, blocks_path)
         return self._cross[blocks_path]
 
     def main_input(self, model: nn.Module, stack: Stack) -> str:
@@ -218,42 +217,3 @@ def spread_over_heads(mask: torch.Tensor, x: torch.Tensor, module_name: str) -> 
     if tokens_second:
         return mask[:, :, None].expand(b, s, x.shape[2])
     return mask[:, None, :].expand(b, x.shape[1], s)
-
-
-def _modules_reading_encoder(model: nn.Module, blocks_path: str) -> tuple[str, ...]:
-    """Call decoder block 0 once on a made-up input (2 tokens) and encoder output (3 tokens); the linear
-    layers whose input is that encoder output."""
-    block = get_path(model, blocks_path)[0]
-    param = next(block.parameters())
-    width = _input_width(block)
-    hidden = torch.zeros(1, 2, width, dtype=param.dtype, device=param.device)
-    encoder = torch.zeros(1, 3, width, dtype=param.dtype, device=param.device)
-    seen: list[str] = []
-    handles = [m.register_forward_hook(lambda _m, a, _o, n=n: seen.append(n) if a and a[0] is encoder else None)
-               for n, m in block.named_modules() if is_linear(m)]
-    try:
-        with torch.no_grad():
-            block(hidden, encoder_hidden_states=encoder)
-    except Exception as exc:
-        if param.device.type == "meta":
-            return ()
-        raise UnsupportedModelError(
-            f"{type(model).__name__}: could not call its decoder block on a made-up input to find the modules "
-            f"reading the encoder output ({type(exc).__name__}: {' '.join(str(exc).split())[:200]})"
-        ) from None
-    finally:
-        for h in handles:
-            h.remove()
-    if not seen:
-        raise UnsupportedModelError(f"{type(model).__name__}: no module of its decoder blocks reads the encoder output")
-    return tuple(seen)
-
-
-def _input_width(block: nn.Module) -> int:
-    """The width of a block's hidden states: the input width of its first linear layer."""
-    from featcal.blocks.linear import features
-
-    for m in block.modules():
-        if is_linear(m):
-            return features(m)[0]
-    raise UnsupportedModelError(f"{type(block).__name__} holds no linear layer")

@@ -16,9 +16,8 @@ from typing import Any
 
 from torch import nn
 
-from featcal.blocks.adapters.base import Stack
 from featcal.blocks.adapters.structural import StructuralAdapter
-from featcal.blocks.structure import forward_inputs
+from featcal.blocks.structure import Stack, forward_inputs
 
 
 def passes_position_bias(model: nn.Module, stacks: list[Stack]) -> bool:
