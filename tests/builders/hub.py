@@ -123,7 +123,7 @@ def build_clip_hub(root: Path, tasks: tuple[str, ...] = ("eurosat", "mnist"), *,
     import datasets
     from PIL import Image
 
-    from featcal.experiments.evaluation.templates import clip_prompts
+    from featcal.experiments.task_data.templates import clip_prompts
 
     models, data = root / "models", root / "data"
     base_dir = models / "openai" / arch
@@ -174,7 +174,7 @@ def build_glue_hub(root: Path, tasks: tuple[str, ...] = ("rte", "stsb"), *, n_tr
     """(model_dir, data_dir) for `flan-t5-base-glue-ta8` restricted to `tasks`."""
     import datasets
 
-    from featcal.experiments.evaluation.templates import GLUE_PROMPTS, glue_eval_split
+    from featcal.experiments.task_data.templates import GLUE_PROMPTS, glue_eval_split
 
     models, data = root / "models", root / "data"
     texts = [p.template for p in GLUE_PROMPTS.values()] + list(WORDS)

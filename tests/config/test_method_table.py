@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-import featcal.config.registry as config_registry
+import featcal.config.method_specs as method_specs
 from featcal import merge
 from featcal.config import (
     TASK_VECTOR_METHODS,
@@ -37,7 +37,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture
 def registry(monkeypatch):
     """A copy of the registry for this test only (a method registered here is gone afterwards)."""
-    monkeypatch.setattr(config_registry, "_METHODS", dict(config_registry._METHODS))
+    monkeypatch.setattr(method_specs, "_METHODS", dict(method_specs._METHODS))
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from featcal.evaluation.zero_shot import (
     evaluate_zero_shot,
     zero_shot_logits,
 )
-from featcal.experiments.evaluation.templates import CLIP_CLASSNAMES, CLIP_TEMPLATES, clip_prompts
+from featcal.experiments.task_data.templates import CLIP_CLASSNAMES, CLIP_TEMPLATES, clip_prompts
 from tests.builders.hub import clip_tokenizer
 
 

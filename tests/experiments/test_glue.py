@@ -8,7 +8,7 @@ import scipy.stats
 import torch
 
 from featcal.errors import CalibrationDataError, ConfigError
-from featcal.experiments.evaluation.glue import (
+from featcal.experiments.task_data.glue import (
     STSB_FALLBACK,
     calibration_batches,
     evaluate_glue,
@@ -17,7 +17,7 @@ from featcal.experiments.evaluation.glue import (
     score,
     spearman,
 )
-from featcal.experiments.evaluation.templates import GLUE_PROMPTS, glue_eval_split, glue_prompt
+from featcal.experiments.task_data.templates import GLUE_PROMPTS, glue_eval_split, glue_prompt
 from tests.builders.hub import word_tokenizer
 
 

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import load_file
 
 import featcal
-import featcal.config.registry as config_registry
+import featcal.config.method_specs as method_specs
 from featcal import MergeConfig, merge
 from featcal.cli.main import main
 from featcal.config import MERGE_METHODS, method_names, method_spec, parse
@@ -34,7 +34,7 @@ def bert(tmp_path_factory):
 @pytest.fixture
 def registry(monkeypatch):
     """A copy of the registry for this test only (a method registered here is gone afterwards)."""
-    monkeypatch.setattr(config_registry, "_METHODS", dict(config_registry._METHODS))
+    monkeypatch.setattr(method_specs, "_METHODS", dict(method_specs._METHODS))
 
 
 class BlendParams(BaseModel):

@@ -28,8 +28,8 @@ FLOORS: dict[str, int] = {
     "cli": 8,
     "__main__": 9,
 }
-# inside experiments/: the GLUE / CLIP task data (evaluation) below the baselines, both below the zoo, the zoo below bench / reproduce
-EXPERIMENT_FLOORS: dict[str, int] = {"": 0, "evaluation": 1, "baselines": 2, "zoo": 3, "bench": 4, "reproduce": 4}
+# inside experiments/: the GLUE / CLIP task data (task_data) below the baselines, both below the zoo, the zoo below bench / reproduce
+EXPERIMENT_FLOORS: dict[str, int] = {"": 0, "task_data": 1, "baselines": 2, "zoo": 3, "bench": 4, "reproduce": 4}
 # inside io/ (issue 52): the process (signals, host allocator, extras) below reading, reading below writing
 IO_FLOORS: dict[str, int] = {"": 0, "process": 1, "read": 2, "write": 3}
 # inside blocks/ (issue 52): leaves (capture, linear layers, norms, Grams, heads), then where the stacks are

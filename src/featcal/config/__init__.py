@@ -6,7 +6,7 @@ a bad value is rejected with the same message whichever way it arrived, before a
 - base.py: the one strictness rule (`StrictModel`) and `parse`;
 - data.py: how calibration data is read and drawn (`DataOptions`, shared by FeatCal, RegMean, bench, reproduce);
 - featcal.py: FeatCal's options, by concern (solve, data, execution, resume, tune) -> `FeatCalConfig`;
-- registry.py, merge.py, methods.py: the merge methods' table (`MethodSpec`), `MergeConfig`, the built-in methods;
+- method_specs.py, merge.py, methods.py: the merge methods' table (`MethodSpec`), `MergeConfig`, the built-in methods;
 - run.py: run options, output options and a run file's sections; files.py: reading a YAML run file.
 
 Everything is importable from `featcal.config` as before the cut.
@@ -50,20 +50,7 @@ from featcal.config.files import (
     run_config,
 )
 from featcal.config.merge import RECIPE_OPTIONS, Densities, DropRates, MergeConfig, Weight, merge_field
-from featcal.config.methods import (
-    BUILTIN_METHODS,
-    CALIBRATED_MERGE_METHODS,
-    MERGE_METHODS,
-    REPORTED_WHEN_SET,
-    TASK_VECTOR_METHODS,
-    WHOLE_MODEL_MERGE_METHODS,
-    MethodParams,
-    ModulePatterns,
-    RegMeanParams,
-    WudiParams,
-    params_model,
-)
-from featcal.config.registry import (
+from featcal.config.method_specs import (
     ENTRY_POINT_GROUP,
     MergeMethod,
     MethodKind,
@@ -78,6 +65,19 @@ from featcal.config.registry import (
     own_parameters,
     registered_methods,
     unknown_method_message,
+)
+from featcal.config.methods import (
+    BUILTIN_METHODS,
+    CALIBRATED_MERGE_METHODS,
+    MERGE_METHODS,
+    REPORTED_WHEN_SET,
+    TASK_VECTOR_METHODS,
+    WHOLE_MODEL_MERGE_METHODS,
+    MethodParams,
+    ModulePatterns,
+    RegMeanParams,
+    WudiParams,
+    params_model,
 )
 from featcal.config.run import (
     EXPERT_ENTRY_KEYS,

@@ -20,7 +20,7 @@ from pydantic.fields import FieldInfo
 
 from featcal.config.base import parse, seed_field
 from featcal.config.data import DataOptions
-from featcal.config.registry import MethodName, find_method, method_spec
+from featcal.config.method_specs import MethodName, find_method, method_spec
 
 
 def _per_expert(low: float, high: float, low_open: bool = False, high_open: bool = False):

@@ -1,4 +1,4 @@
-"""The built-in merge methods: each one's registry entry (config/registry.py), in one table.
+"""The built-in merge methods: each one's registry entry (config/method_specs.py), in one table.
 
 Every fact about a method lives in its entry: its kind, its one parameter model (made of MergeConfig's fields,
 plus the method's own), whether it reads calibration data, whether it is a task-vector merge, the settings of
@@ -16,7 +16,7 @@ from pydantic.fields import FieldInfo
 
 from featcal.config.base import StrictModel
 from featcal.config.merge import MergeConfig, merge_field
-from featcal.config.registry import MethodSpec, add_method, is_task_vector_merge
+from featcal.config.method_specs import MethodSpec, add_method, is_task_vector_merge
 
 
 class MethodParams(StrictModel):

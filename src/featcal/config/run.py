@@ -12,7 +12,7 @@ from pydantic import AfterValidator, Field, field_validator, model_validator
 from featcal.config.base import DEFAULT_MAX_LENGTH, StrictModel, parse
 from featcal.config.featcal import FeatCalConfig
 from featcal.config.merge import MergeConfig
-from featcal.config.registry import MethodName
+from featcal.config.method_specs import MethodName
 from featcal.errors import ConfigError
 
 

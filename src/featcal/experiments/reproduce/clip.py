@@ -23,9 +23,9 @@ from featcal.evaluation.zero_shot import (
     evaluate_zero_shot,
     image_batches,
 )
-from featcal.experiments.evaluation.templates import clip_prompts
 from featcal.experiments.reproduce.pipeline import Pipeline, calibration_indices, eval_indices
 from featcal.experiments.reproduce.settings import TaskSpec
+from featcal.experiments.task_data.templates import clip_prompts
 from featcal.io.read.checkpoint import CheckpointReader
 from featcal.merging.writer import save_state_dict
 

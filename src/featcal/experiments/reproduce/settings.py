@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from featcal.errors import ConfigError
-from featcal.experiments.evaluation.templates import glue_eval_split
+from featcal.experiments.task_data.templates import glue_eval_split
 
 Family = Literal["clip", "glue", "mergebench"]
 

@@ -3,7 +3,7 @@
 Calibration batches are TRAIN examples as the experts saw them in fine-tuning: the task's prompt
 for the encoder, the label text (shifted right) for the decoder. Evaluation is on the validation
 splits (GLUE's test labels are hidden), exact match for the classification tasks and Spearman ρ
-for stsb (featcal.experiments.evaluation.glue).
+for stsb (featcal.experiments.task_data.glue).
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from typing import Any
 
 from torch import nn
 
-from featcal.experiments.evaluation import glue as glue_eval
-from featcal.experiments.evaluation.templates import glue_prompt
 from featcal.experiments.reproduce.pipeline import Pipeline, calibration_indices, eval_indices, merge_paths
 from featcal.experiments.reproduce.settings import TaskSpec
+from featcal.experiments.task_data import glue as glue_eval
+from featcal.experiments.task_data.templates import glue_prompt
 from featcal.io.read.checkpoint import copy_side_files
 from featcal.io.read.models import load_config, load_model
 

@@ -20,7 +20,7 @@ from featcal.data.preprocess import teacher_forced_decoder_inputs
 from featcal.errors import CalibrationDataError
 from featcal.evaluation.generation import greedy_generations
 from featcal.evaluation.metrics import exact_match, normalise_answer, spearman  # noqa: F401  (re-exported)
-from featcal.experiments.evaluation.templates import glue_prompt
+from featcal.experiments.task_data.templates import glue_prompt
 
 STSB_FALLBACK = 0.0
 _TARGET_MAX_LENGTH = 32  # label words and stsb scores are a few tokens
