@@ -4,6 +4,9 @@ Every `featcal` import counts, those inside functions included (a lazy import is
 dependency). Packages sit on floors; a module may import its own package or a package on a lower
 floor, never one above it or one beside it on the same floor (merging and calibration stand side by
 side and neither imports the other). And no file-level import circle exists anywhere.
+
+The same rule holds inside experiments/, io/ and blocks/, each with a floor table of its own parts (issue 52), and no
+two packages (nor two `registry` modules) share a name.
 """
 
 from __future__ import annotations
@@ -189,6 +192,30 @@ def test_every_part_has_a_floor():
     assert parts <= set(FLOORS), sorted(parts - set(FLOORS))
 
 
+def test_every_part_of_io_blocks_and_experiments_has_a_floor():
+    """A new sub-package (or, in blocks/, a new module) gets a floor before it is checked against the others."""
+    modules = module_files(PACKAGE_DIR, "featcal")
+    for sub, floors in (("io", IO_FLOORS), ("blocks", BLOCK_FLOORS), ("experiments", EXPERIMENT_FLOORS)):
+        parts = {_part(m, "featcal", 2).partition(".")[2] for m in modules if _part(m, "featcal", 1) == sub}
+        assert parts <= set(floors), (sub, sorted(parts - set(floors)))
+
+
+def shared_names(package_dir: Path) -> dict[str, list[str]]:
+    """Package (folder) names, and `registry` module names, used more than once under `package_dir`."""
+    seen: dict[str, list[str]] = {}
+    for init in sorted(package_dir.rglob("__init__.py")):
+        if init.parent != package_dir:
+            seen.setdefault(init.parent.name, []).append(init.parent.relative_to(package_dir).as_posix())
+    for module in sorted(package_dir.rglob("registry.py")):
+        seen.setdefault("registry.py", []).append(module.relative_to(package_dir).as_posix())
+    return {name: where for name, where in seen.items() if len(where) > 1}
+
+
+def test_no_two_packages_and_no_two_registries_share_a_name():
+    """Two `evaluation` packages or two `registry` modules leave a reader (and a `from ... import`) guessing which."""
+    assert shared_names(PACKAGE_DIR) == {}
+
+
 def test_the_old_baselines_path_still_works_with_a_deprecation_warning():
     import importlib
     import sys
@@ -224,3 +251,25 @@ def test_the_checker_sees_upward_sideways_lazy_and_circular_imports(tmp_path):
         ["pkg.calibration.engine", "pkg.calibration.helpers"],
         ["pkg.io.reader", "pkg.merging.api"],
     ]
+
+
+def test_the_checker_sees_imports_running_up_inside_a_package_and_shared_names(tmp_path):
+    """The floors inside io/ and blocks/ and the shared-name check catch what they are for."""
+    pkg = tmp_path / "pkg"
+    for folder in ("io", "io/read", "io/write", "evaluation", "experiments", "experiments/evaluation", "config",
+                   "merging"):
+        (pkg / folder).mkdir(parents=True)
+        (pkg / folder / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "io" / "read" / "reader.py").write_text("def f():\n    from pkg.io.write import card  # reading imports writing\n")
+    (pkg / "io" / "write" / "card.py").write_text("from pkg.io.read import reader\n")
+    (pkg / "config" / "registry.py").write_text("")
+    (pkg / "merging" / "registry.py").write_text("")
+    graph = import_graph(pkg, "pkg")
+    assert floor_violations(graph, "pkg", IO_FLOORS, sub="io") == [
+        "pkg.io.read.reader -> pkg.io.write.card: floor 2 imports floor 3",
+    ]
+    assert shared_names(pkg) == {
+        "evaluation": ["evaluation", "experiments/evaluation"],
+        "registry.py": ["config/registry.py", "merging/registry.py"],
+    }
