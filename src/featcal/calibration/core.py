@@ -109,7 +109,7 @@ def _open_resume_store(config: FeatCalConfig, model: nn.Module, base: ModelLike 
 def _checked_sources(model: nn.Module, template: nn.Module, stacks: list[Stack], family: InputFamily,
                      experts: Mapping[str, ModelLike], check_finite: bool, final_names: list[str] | None = None,
                      as_read: bool = False) -> ExpertReads:
-    """Where each expert's and the base's parameters are read from (`family`, opened by io/family.py: the model
+    """Where each expert's and the base's parameters are read from (`family`, opened by io/read/family.py: the model
     given, or its files read block by block into `template`; a LoRA adapter applied to the base, a GGUF file
     dequantised), completed to a grown vocabulary, every parameter the run reads checked against the merged model
     (and, with `check_finite`, for NaN/Inf). `final_names`: the parameters of the norms solved outside the blocks
