@@ -36,14 +36,14 @@ def _flatten(obj: Any, prefix: str, out: dict[str, torch.Tensor]) -> Any:
     return obj
 
 
-def _map_tensors(obj: Any, fn) -> Any:
+def map_tensors(obj: Any, fn) -> Any:
     """`obj` with every tensor in a nested dict/tuple/list replaced by fn(tensor)."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if isinstance(obj, dict):
-        return {k: _map_tensors(v, fn) for k, v in obj.items()}
+        return {k: map_tensors(v, fn) for k, v in obj.items()}
     if isinstance(obj, (tuple, list)):
-        return type(obj)(_map_tensors(v, fn) for v in obj)
+        return type(obj)(map_tensors(v, fn) for v in obj)
     return obj
 
 
@@ -150,7 +150,7 @@ class ChainStore:
 
     def put_context(self, key: tuple, ctx: dict[str, Any]) -> None:
         if self.dir is None:
-            self._ctx[key] = ctx if self.home is None else _map_tensors(ctx, lambda t: t.to(self.home))
+            self._ctx[key] = ctx if self.home is None else map_tensors(ctx, lambda t: t.to(self.home))
             return
         tensors: dict[str, torch.Tensor] = {}
         self._ctx[key] = _flatten(ctx, "c", tensors)
@@ -159,7 +159,7 @@ class ChainStore:
     def context(self, key: tuple) -> dict[str, Any]:
         if self.dir is None:
             ctx = self._ctx[key]
-            return ctx if self.home is None else _map_tensors(ctx, lambda t: t.to(self.device))
+            return ctx if self.home is None else map_tensors(ctx, lambda t: t.to(self.device))
         tensors = load_file(str(self._file("c", key)), device=str(self.device))
         return _unflatten(self._ctx[key], tensors)
 

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from featcal.calibration.chains import map_tensors
+
 log = logging.getLogger("featcal.calibration")
 
 # the knobs a search varies between candidates: the expert side does not depend on them
@@ -41,33 +43,13 @@ class TapeEntry:
 
 def _host(x: Any) -> Any:
     """Tensors (in dicts, tuples and lists) moved to the host; anything else as it is."""
-    if isinstance(x, torch.Tensor):
-        return x.detach().to("cpu")
-    if isinstance(x, dict):
-        return {k: _host(v) for k, v in x.items()}
-    if isinstance(x, (tuple, list)):
-        return type(x)(_host(v) for v in x)
-    return x
-
-
-def _to(x: Any, device: torch.device) -> Any:
-    if isinstance(x, torch.Tensor):
-        return x.to(device)
-    if isinstance(x, dict):
-        return {k: _to(v, device) for k, v in x.items()}
-    if isinstance(x, (tuple, list)):
-        return type(x)(_to(v, device) for v in x)
-    return x
+    return map_tensors(x, lambda t: t.detach().to("cpu"))
 
 
 def _bytes(x: Any) -> int:
-    if isinstance(x, torch.Tensor):
-        return x.numel() * x.element_size()
-    if isinstance(x, dict):
-        return sum(_bytes(v) for v in x.values())
-    if isinstance(x, (tuple, list)):
-        return sum(_bytes(v) for v in x)
-    return 0
+    sizes: list[int] = []
+    map_tensors(x, lambda t: sizes.append(t.numel() * t.element_size()) or t)
+    return sum(sizes)
 
 
 def data_key(calibration: Mapping[str, list[Mapping[str, Any]]]) -> tuple:
@@ -117,8 +99,10 @@ class ExpertTape:
         if entry is None:
             return None
         self.replayed += 1
-        return self.plans[(stack, layer)], TapeEntry(_to(entry.ctx, device), _to(entry.raw, device),
-                                                     _to(entry.inputs, device), _to(entry.outputs, device))
+        def on(x: Any) -> Any:
+            return map_tensors(x, lambda t: t.to(device))
+
+        return self.plans[(stack, layer)], TapeEntry(on(entry.ctx), on(entry.raw), on(entry.inputs), on(entry.outputs))
 
     def put(self, stack: str, layer: int, task: str, b: int, plan: Any, entry: TapeEntry) -> None:
         """Keep one forward's recording (on the host), unless that would pass max_bytes."""
