@@ -90,6 +90,36 @@ def test_trimming_padding_changes_no_feature():
     assert [b["input_ids"].shape[1] for b in batches(inputs, 1, trim=False)] == [32, 32]
 
 
+def test_features_are_read_shortest_first_and_returned_in_the_inputs_order(monkeypatch):
+    """pooled_features sorts text by length so each batch is trimmed to its own longest row, and puts every
+    feature back in its example's place: equal to reading each example alone, with narrower batches."""
+    import transformers
+
+    import featcal.evaluation.classification as classification
+
+    tok = transformers.AutoTokenizer.from_pretrained(model_path())
+    model = transformers.BertModel.from_pretrained(model_path()).eval()
+    texts = ["a somewhat longer sentence about nothing at all, and then some more words", "short",
+             "a middling sentence here", "tiny", "another rather long sentence that goes on for a while", "mid one"]
+    enc = tok(texts, max_length=24, padding="max_length", truncation=True, return_tensors="pt")
+    inputs = {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
+    widths = []
+    real_features = classification.features
+
+    def spy(model, batch, pooling):
+        widths.append(batch["input_ids"].shape[1])
+        return real_features(model, batch, pooling)
+
+    monkeypatch.setattr(classification, "features", spy)
+    got = pooled_features(model, inputs, batch_size=2, pooling="mean")
+    lengths = sorted(int(n) for n in enc["attention_mask"].sum(1))
+    assert widths == [max(lengths[i:i + 2]) for i in range(0, 6, 2)]  # short batches stay short
+    monkeypatch.setattr(classification, "features", real_features)
+    alone = torch.cat([pooled_features(model, select(inputs, slice(i, i + 1), trim=False), batch_size=1,
+                                       pooling="mean") for i in range(6)])
+    assert torch.allclose(got, alone, atol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def text_bench(tmp_path_factory):
     root = tmp_path_factory.mktemp("text-bench")

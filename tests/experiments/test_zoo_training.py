@@ -4,7 +4,7 @@ so a cached zoo stays what a fresh build makes (the zoo fingerprint does not mov
 import pytest
 import torch
 
-from featcal.experiments.zoo.train import optimizer
+from featcal.experiments.zoo.train import FinetuneSettings, optimizer, step_rows, trainable_parameters
 
 
 def _trained(make_optimizer) -> list[torch.Tensor]:
@@ -39,3 +39,45 @@ def test_zoo_optimizer_is_the_per_tensor_loop_bit_for_bit(kind):
 def test_unknown_optimizer_is_refused():
     with pytest.raises(ValueError, match="unknown optimizer 'lion'"):
         optimizer([torch.nn.Parameter(torch.zeros(2))], 1e-3, 0.0, "lion")
+
+
+def test_ungrouped_steps_draw_as_the_zoos_always_did():
+    """length_groups 0 keeps one randint per step, so the vision zoos' and text-tiny's batches are unchanged."""
+    settings = FinetuneSettings(steps=5, batch_size=4, lr=1e-3)
+    g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    rows = step_rows(20, settings, g1)
+    for _ in range(5):
+        assert torch.equal(next(rows), torch.randint(0, 20, (4,), generator=g2))
+
+
+def test_length_groups_put_short_texts_together_and_keep_every_draw():
+    lengths = torch.tensor([3, 40, 5, 38, 4, 39, 6, 41] * 4)
+    grouped = FinetuneSettings(steps=8, batch_size=4, lr=1e-3, length_groups=4)
+    g, g_ref = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)
+    rows = step_rows(len(lengths), grouped, g, lengths)
+    steps = [next(rows) for _ in range(4)]
+    drawn = torch.randint(0, len(lengths), (16,), generator=g_ref)  # the same draws, in another grouping
+    assert sorted(torch.cat(steps).tolist()) == sorted(drawn.tolist())
+    widths = sorted(int(lengths[s].max()) for s in steps)
+    ungrouped = sorted(int(lengths[drawn[i:i + 4]].max()) for i in range(0, 16, 4))
+    assert sum(widths) < sum(ungrouped)  # short rows share steps: narrower trimmed batches
+    with pytest.raises(ValueError, match="needs each example's length"):
+        next(step_rows(len(lengths), grouped, g))
+
+
+def test_frozen_blocks_leave_the_embeddings_and_lower_blocks_at_the_base():
+    import transformers
+
+    cfg = transformers.BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=3, num_attention_heads=2,
+                                  intermediate_size=32)
+    model = transformers.BertModel(cfg)
+    params = trainable_parameters(model, 2)
+    names = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert names and all(n.startswith("encoder.layer.2.") for n in names)
+    assert len(params) == len(names)
+    everything = trainable_parameters(model, -1)
+    assert not any(p is q for p in everything for q in model.pooler.parameters())
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == {
+        n for n, _ in model.named_parameters() if not n.startswith("pooler.")}
+    with pytest.raises(ValueError, match="frozen_blocks must be -1"):
+        trainable_parameters(model, 3)

@@ -9,6 +9,8 @@ The zoo, `featcal bench` and the baselines score through here; the accuracy itse
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 import torch
 
@@ -19,11 +21,32 @@ from featcal.evaluation.metrics import accuracy as top1_accuracy
 
 @torch.no_grad()
 def pooled_features(model, inputs: Inputs, batch_size: int = 256, pooling: str = "pooler") -> torch.Tensor:
-    """Pooled features for every example: CLIP's post-layernormed class token, or a masked token mean."""
+    """Pooled features for every example, in the inputs' order: CLIP's post-layernormed class token, or a
+    masked token mean. Text is read shortest first, so each batch is trimmed to its own longest text (on the text
+    zoo's test sets a third fewer token positions than batches in stored order; masked positions change nothing,
+    the features differ by float round-off only)."""
     model.eval()
     n = num_examples(inputs)
-    return torch.cat([features(model, batch_of(inputs, i, min(i + batch_size, n)), pooling)
-                      for i in range(0, n, batch_size)])
+    order = _by_length(inputs)
+    if order is not None:
+        inputs = {k: v[order] for k, v in inputs.items()}
+    out = torch.cat([features(model, batch_of(inputs, i, min(i + batch_size, n)), pooling)
+                     for i in range(0, n, batch_size)])
+    if order is None:
+        return out
+    return torch.empty_like(out).index_copy_(0, order, out)
+
+
+def _by_length(inputs: Inputs) -> torch.Tensor | None:
+    """Text rows ordered by their last unmasked position (stable), or None where there is nothing to sort."""
+    if not isinstance(inputs, Mapping):
+        return None
+    mask = inputs.get("attention_mask")
+    if mask is None or mask.ndim != 2 or not len(mask) or not all(len(v) == len(mask) for v in inputs.values()):
+        return None
+    positions = torch.arange(1, mask.shape[1] + 1)
+    last = (mask.ne(0) * positions).amax(1)
+    return torch.sort(last, stable=True).indices
 
 
 def fit_linear_probe(features: torch.Tensor, labels: np.ndarray | torch.Tensor, n_classes: int,

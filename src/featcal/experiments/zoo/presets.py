@@ -138,13 +138,15 @@ PRESETS: dict[str, AnyPreset] = {
         # experts 92.9, the paper's 48 < 67.5 < 90 (all-example probes: 74.0 < 75.4 < 89.5, no room)
         probe_shots=4,
     ),
-    # The issue's probe: 150 steps of AdamW 3e-5, batch 32, 48 tokens: 0.61-0.66 s a step on 2 cores,
-    # about 13 minutes for the eight experts. Heads: 8 examples per class, logits 20·cos.
+    # Experts: blocks 2-5 (embeddings and blocks 0-1 frozen), 80 steps of AdamW 6e-5, batch 32 grouped by length,
+    # 48 tokens; until 2026-12-07 the whole encoder, 150 steps of 3e-5 (0.65-1.05 s a step on 2 cores, 13-20 minutes
+    # for the eight): `make demo` in 20 minutes (issue 53; docs/bench-text.md). Heads: 8 examples per class, 20·cos.
     "text": TextZooPreset(
         name="text",
         tasks=("sentences_en", "reviews_en", "reviews_nl", "reviews_fr", "hedges", "tweets", "topics", "languages"),
         train=1500, calibration=256, test=400, max_length=48,
-        finetune=FinetuneSettings(steps=150, batch_size=32, lr=3e-5, warmup=15, weight_decay=0.01),
+        finetune=FinetuneSettings(steps=80, batch_size=32, lr=6e-5, warmup=8, weight_decay=0.01, frozen_blocks=2,
+                                  length_groups=8),
         # the authors' 300 WUDI steps cost ~29 T multiply-accumulates on MiniLM's 36 Linears with 8 experts
         # (tens of minutes on 2 cores); 100 keeps the demo's bench in minutes
         wudi_steps=100,

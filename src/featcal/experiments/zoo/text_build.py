@@ -39,7 +39,7 @@ from featcal.experiments.zoo.text_sources import (
     model_path,
 )
 from featcal.experiments.zoo.text_tasks import TEXT_TASKS, split_examples, task_examples
-from featcal.experiments.zoo.train import few_shot_rows, frozen_head_steps, optimizer
+from featcal.experiments.zoo.train import few_shot_rows, frozen_head_steps, optimizer, trainable_parameters
 from featcal.io.write.report import peak_rss_mb
 
 log = logging.getLogger(__name__)
@@ -62,16 +62,18 @@ def as_inputs(stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def finetune_text(model, head: torch.nn.Module, inputs: Inputs, labels: torch.Tensor, settings, seed: int,
                   desc: str, progress: bool) -> float:
-    """Fine-tune the whole encoder in place through a FROZEN head (mean pooling); return the last loss."""
+    """Fine-tune the encoder in place through a FROZEN head (mean pooling), the embeddings and the first
+    `settings.frozen_blocks` blocks left at the base; return the last loss."""
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)  # dropout
     for p in head.parameters():
         p.requires_grad_(False)
-    params = [p for n, p in model.named_parameters() if not n.startswith("pooler.")]  # unused by mean pooling
+    params = trainable_parameters(model, settings.frozen_blocks)
     opt = optimizer(params, settings.lr, settings.weight_decay)
     return frozen_head_steps(
         model, opt, params, num_examples(inputs), settings, g, desc, progress,
         lambda idx: torch.nn.functional.cross_entropy(head(features(model, select(inputs, idx), "mean")), labels[idx]),
+        lengths=inputs["attention_mask"].sum(1) if settings.length_groups else None,
     )
 
 
