@@ -23,8 +23,8 @@ import json
 import torch
 
 from featcal.blocks.adapters import adapter_for
-from featcal.calibration import context
-from featcal.calibration.api import calibrate
+from featcal.calibration.engine import context
+from featcal.calibration.front.api import calibrate
 from featcal.config import FeatCalConfig
 from featcal.evaluation.features import batches as _batches
 from featcal.experiments.zoo.store import Zoo

@@ -158,7 +158,7 @@ def one_process_group(backend: str, device: str = "cpu"):
     """
     import torch.distributed as dist
 
-    from featcal.calibration import distributed
+    from featcal.calibration.maths import distributed
 
     if backend == "nccl":
         torch.cuda.set_device(torch.device(device).index or 0)
@@ -181,7 +181,7 @@ def warm_up(model, data: dict, device: str) -> None:
     """One small forward and the lazy imports calibrate() triggers, so neither is timed."""
     import importlib
 
-    for name in ("featcal.calibration.api", "featcal.calibration.engine", "featcal.io.read.param_sources",
+    for name in ("featcal.calibration.front.api", "featcal.calibration.engine.driver", "featcal.io.read.param_sources",
                  "transformers.conversion_mapping", "transformers.core_model_loading"):
         importlib.import_module(name)
     first = next(iter(data.values()))[0]

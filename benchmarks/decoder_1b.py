@@ -26,7 +26,7 @@ Then, each in a fresh process (its own peak RSS: ru_maxrss, taken under a small 
     featcal calibrate ... --no-resume                            (float32 chains; then --chain-dtype bfloat16)
 
 and reports, per calibrate run: wall time against the arithmetic the run must do (experiments/bench/cost.py's
-count, calibration/cost.py) at this machine's measured float32 / float64 matrix-product rates; peak RSS against
+count, calibration/planning/cost.py) at this machine's measured float32 / float64 matrix-product rates; peak RSS against
 `featcal plan`'s estimate (goal: within ±15 %); peak RSS against the floor of one merged model + one block per
 expert + statistics + chains (+ the process baseline, inputs and chain contexts; goal: ≤ 1.3×).
 --compare also times `featcal.calibrate()` with the experts streamed from their files against the experts
@@ -292,7 +292,7 @@ def gemm_rates(threads: int) -> dict[str, float]:
 
 def accounting(config, base_file: Path) -> dict:
     """The planner's bytes of a block and of the model (float32) against the file's own tensors (its header)."""
-    from featcal.calibration.planner import model_shape
+    from featcal.calibration.planning.planner import model_shape
 
     header_len = struct.unpack("<Q", base_file.open("rb").read(8))[0]
     with base_file.open("rb") as f:
@@ -330,8 +330,8 @@ def plan_figures(stdout: str) -> dict[str, float]:
 
 def calibrate_run(args, work: Path, dirs: dict, data: dict, chain: str, rates: dict) -> dict:
     """`featcal plan` then `featcal calibrate` with the same arguments; the measured figures against both."""
-    from featcal.calibration import cost
-    from featcal.calibration.planner import model_shape
+    from featcal.calibration.planning import cost
+    from featcal.calibration.planning.planner import model_shape
     from featcal.config import FeatCalConfig
     from featcal.experiments.bench.cost import run_macs
     from featcal.io.read.models import load_config
@@ -393,7 +393,7 @@ def api_run(spec: dict) -> dict:
     experts = dict(spec["experts"])
     if spec["mode"] == "memory":  # as stored: bfloat16 (streamed: copied into the template block by block)
         experts = {t: T.AutoModelForCausalLM.from_pretrained(p, dtype=torch.bfloat16).eval() for t, p in experts.items()}
-    if spec["mode"] == "resident":  # float32, the merged model's dtype: used in place (calibration/expert_placement.py)
+    if spec["mode"] == "resident":  # float32, the merged model's dtype: used in place (calibration/engine/expert_placement.py)
         experts = {t: T.AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval() for t, p in experts.items()}
     cfg = FeatCalConfig(num_calibration_examples=spec["examples"], chain_dtype=spec["chain"], resume=False)
     t = time.perf_counter()

@@ -93,7 +93,7 @@ def check_group(backend: str, device: str) -> dict:
     """A one-rank group of `backend` starts and its all-reduce / broadcast work on the rank's device."""
     import torch.distributed as dist
 
-    from featcal.calibration.distributed import RankGroup
+    from featcal.calibration.maths.distributed import RankGroup
 
     if not dist.is_available():
         fail("torch.distributed is not available in this torch build")

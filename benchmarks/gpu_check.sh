@@ -78,7 +78,7 @@ step speed "$T_SPEED" "$PYTHON" benchmarks/calibration_speed.py --preset "$SIZE"
   --examples "$EXAMPLES" --batch-size "$BATCH" --repeats "$REPEATS" --threads "$THREADS" --device "$DEVICE" \
   --offload-blocks --process-group "$BACKEND" --skip-straightforward --out "$OUT/speed.json"
 # the resident path (issue #40): experts loaded on the device, no offloading; featcal.json-style placement
-# "resident" (calibration/expert_placement.py). Its wall time against the offloaded speed step above.
+# "resident" (calibration/engine/expert_placement.py). Its wall time against the offloaded speed step above.
 step resident "$T_RESIDENT" "$PYTHON" benchmarks/calibration_speed.py --preset "$SIZE" --tasks "$TASKS" \
   --examples "$EXAMPLES" --batch-size "$BATCH" --repeats "$REPEATS" --threads "$THREADS" --device "$DEVICE" \
   --expert-source device --skip-straightforward --out "$OUT/resident.json"

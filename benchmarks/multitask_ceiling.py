@@ -55,7 +55,7 @@ def train_jointly(base, heads, train, steps: int, per_task: int, lr: float, warm
 
 def calibrate_toward(zoo, loaded, target, calib: int) -> dict:
     """FeatCal from TA 0.3 toward one model for every task; accuracy before and after."""
-    from featcal.calibration.api import calibrate
+    from featcal.calibration.front.api import calibrate
     from featcal.config import FeatCalConfig
     from featcal.evaluation.features import batches as _batches
     from featcal.experiments.bench.metrics import gap_closed

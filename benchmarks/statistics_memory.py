@@ -18,7 +18,7 @@ import sys
 
 import transformers as T
 
-from featcal.calibration.planner import estimate, fmt, model_shape, statistics_parts
+from featcal.calibration.planning.planner import estimate, fmt, model_shape, statistics_parts
 from featcal.config import FeatCalConfig
 
 

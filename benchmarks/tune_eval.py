@@ -22,7 +22,7 @@ import json
 import numpy as np
 import torch
 
-from featcal.calibration.api import calibrate
+from featcal.calibration.front.api import calibrate
 from featcal.config import FeatCalConfig
 from featcal.evaluation.classification import accuracy
 from featcal.evaluation.features import batches as _batches

@@ -54,7 +54,7 @@ def llama(tmp_path_factory):
 @pytest.fixture
 def no_calibration_work(monkeypatch):
     """Fail the test if the pipeline gets as far as loading a model or preprocessing data."""
-    import featcal.calibration.pipeline as pipeline
+    import featcal.calibration.front.pipeline as pipeline
 
     def boom(*a, **k):
         raise AssertionError("calibration work started before the input was validated")

@@ -54,7 +54,7 @@ def __getattr__(name: str):
 
         return merge
     if name == "calibrate":
-        from featcal.calibration.api import calibrate
+        from featcal.calibration.front.api import calibrate
 
         return calibrate
     if name == "evaluate":
@@ -70,7 +70,7 @@ def __getattr__(name: str):
 
         return plan
     if name == "CalibrationResult":
-        from featcal.calibration.result import CalibrationResult
+        from featcal.calibration.core.result import CalibrationResult
 
         return CalibrationResult
     raise AttributeError(f"module 'featcal' has no attribute {name!r}")

@@ -78,7 +78,7 @@ def test_code_outside_every_area_changes_no_key(frozen, tmp_path, rel):
 
 
 def test_calibration_code_changes_only_calibrations_and_their_evals(frozen, tmp_path):
-    changed = _changed(frozen, "featcal/calibration/core.py", tmp_path)
+    changed = _changed(frozen, "featcal/calibration/core/setting.py", tmp_path)
     every = _all_keys(frozen[1], tmp_path)
     calibrations = _names(every, "calibrate:")
     assert calibrations and changed == calibrations | {f"eval:{c.split(':', 1)[1]}" for c in calibrations}

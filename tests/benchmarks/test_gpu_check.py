@@ -25,7 +25,7 @@ def _gpu_check():
 
 
 def test_equality_dry_run_on_tiny_clip_goes_through_a_gloo_group(monkeypatch):
-    from featcal.calibration.distributed import RankGroup
+    from featcal.calibration.maths.distributed import RankGroup
 
     gc = _gpu_check()
     calls = []

@@ -211,7 +211,7 @@ def test_context_replay_check_catches_per_block_masks():
     """Independently of the adapter's own guard, a block-1 call that differs from the replay is caught."""
     from featcal.blocks.adapters import StructuralAdapter
     from featcal.blocks.structure import Stack
-    from featcal.calibration.replay import check_context_replay
+    from featcal.calibration.engine.replay import check_context_replay
 
     cfg = T.Qwen2Config(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2, use_sliding_window=True, sliding_window=2, max_window_layers=1)

@@ -220,7 +220,7 @@ def test_sliding_window_layers_get_their_own_masks_in_calibration():
 def test_what_runs_between_blocks_is_refused_at_the_first_batch():
     """A model that changes the hidden states between two blocks is refused by the replay check, not calibrated."""
     from featcal.blocks.adapters import StructuralAdapter
-    from featcal.calibration.engine import check_context_replay
+    from featcal.calibration.engine.driver import check_context_replay
     from featcal.errors import FeatCalError
 
     model = tiny("llama")
@@ -256,7 +256,7 @@ def test_unsupported_types_are_refused_from_the_config_in_under_a_second(model_t
 
 def test_calibrate_refuses_an_unsupported_checkpoint_before_loading_weights(tmp_path, capsys, monkeypatch):
     """featcal calibrate on a Mamba family: one line naming the recurrent layers, no model loaded, under a second."""
-    from featcal.calibration import pipeline
+    from featcal.calibration.front import pipeline
     from tests.builders.guarantees import calibrate_argv, cli, one_line_error
 
     model = T.MambaForCausalLM(T.MambaConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2, state_size=4))
@@ -389,7 +389,7 @@ def test_featcal_json_records_what_the_blocks_keep_merged(tmp_path, capsys):
 @pytest.mark.parametrize("model_type", ["gpt2", "qwen3_moe", "bart", "gemma2"])
 def test_the_planner_sizes_new_families_from_their_configs(model_type):
     """featcal plan reads shapes from a meta-device model: Conv1D widths as in×out, experts not counted as Linears."""
-    from featcal.calibration.planner import model_shape
+    from featcal.calibration.planning.planner import model_shape
 
     shape = model_shape(T.AutoConfig.for_model(model_type), 64)  # a config naming no architecture: AutoModel
     assert shape.param_count > 0 and all(s.blocks for s in shape.stacks)

@@ -21,8 +21,8 @@ from featcal import FeatCalConfig, calibrate
 from featcal.blocks.adapters import StructuralAdapter, adapter_for
 from featcal.blocks.capture import capture_block_input
 from featcal.blocks.discovery import calibrated_modules
-from featcal.calibration import solver
-from featcal.calibration.replay import check_context_replay
+from featcal.calibration.engine.replay import check_context_replay
+from featcal.calibration.maths import solver
 from featcal.errors import FeatCalError
 from tests.builders.gguf_files import write_gemma3_gguf
 from tests.builders.reference_featcal import max_abs_diff, padding_change_effect
@@ -197,7 +197,7 @@ def test_replaying_block_0_context_would_be_caught(monkeypatch):
     data = {t: [padded_ids(seed=i)] for i, t in enumerate(experts)}
     want = dense_featcal(merged, base, experts, data, FeatCalConfig())
     monkeypatch.setattr(StructuralAdapter, "block_kwargs", lambda self, stack, layer, ctx: {**ctx["shared"], **ctx["by_type"][SLIDING]})
-    monkeypatch.setattr("featcal.calibration.engine.check_context_replay", lambda *a, **k: None)  # past the guard
+    monkeypatch.setattr("featcal.calibration.engine.driver.check_context_replay", lambda *a, **k: None)  # past the guard
     wrong = calibrate(merged, base=base, experts=experts, calibration=data, progress=False).model
     diff, where = max_abs_diff(wrong, want)
     assert diff > 1e-3 and where.startswith("model.layers.1."), (diff, where)

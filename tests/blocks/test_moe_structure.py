@@ -17,7 +17,7 @@ from torch import nn
 from featcal import calibrate
 from featcal.blocks import catalog
 from featcal.blocks.discovery import OTHER, ROUTED_EXPERTS, ROUTER, calibrated_modules, kept_merged
-from featcal.calibration.hooks import ExpertRecorder
+from featcal.calibration.engine.hooks import ExpertRecorder
 from featcal.errors import FeatCalError
 from tests.blocks.test_families import batches
 from tests.builders.tiny import family_of

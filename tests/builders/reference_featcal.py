@@ -319,7 +319,7 @@ class Crash(KeyboardInterrupt):
 def killed_after(monkeypatch, block: int) -> Iterator[None]:
     """Inside: a calibration dies (Crash) right after block `block`'s resume checkpoint is committed.
     After: calibrations run to their end again."""
-    from featcal.calibration import resume
+    from featcal.calibration.resume import store as resume
 
     def crash(k: int) -> None:
         if k == block:

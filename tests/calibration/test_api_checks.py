@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from featcal import FeatCalConfig, calibrate
-from featcal.calibration import engine
+from featcal.calibration.engine import driver as engine
 from featcal.errors import CalibrationDataError, CheckpointError
 from tests.builders.tiny import perturbed, sample_inputs, tiny_model
 
@@ -64,8 +64,8 @@ def test_calibrate_returns_a_typed_result_and_return_result_only_warns_once(monk
     import json
     import warnings
 
-    from featcal.calibration import api
-    from featcal.calibration.result import CalibrationResult, DriftRow
+    from featcal.calibration.core.result import CalibrationResult, DriftRow
+    from featcal.calibration.front import api
 
     base, experts = _family("clip")
     merged = perturbed(base, 3)

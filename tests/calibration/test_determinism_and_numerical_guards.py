@@ -15,9 +15,9 @@ import pytest
 import torch
 import yaml
 
-import featcal.calibration.pipeline as calibration_pipeline
+import featcal.calibration.front.pipeline as calibration_pipeline
 from featcal import FeatCalConfig, calibrate
-from featcal.calibration import solver
+from featcal.calibration.maths import solver
 from featcal.config import CALIBRATED_MERGE_METHODS
 from featcal.io.read.models import load_model
 from featcal.merging import available_methods

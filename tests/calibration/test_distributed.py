@@ -6,9 +6,9 @@ import pytest
 import torch
 import transformers as T
 
-from featcal.calibration.distributed import RankGroup, _sum_tensors
-from featcal.calibration.resume import CREATED, KILL_ENV, default_resume_dir
-from featcal.calibration.statistics import TaskSums
+from featcal.calibration.maths.distributed import RankGroup, _sum_tensors
+from featcal.calibration.maths.statistics import TaskSums
+from featcal.calibration.resume.store import CREATED, KILL_ENV, default_resume_dir
 from featcal.cli.main import main
 from featcal.errors import CalibrationDataError
 from tests.builders.distributed import max_param_diff, ranked_argv, torchrun

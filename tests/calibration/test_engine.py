@@ -278,8 +278,8 @@ def test_tensor_batches_are_the_main_input():
 def test_teacher_form_equals_the_fold_and_the_dense_reference(kind, alpha, monkeypatch):
     """The teacher term summed in the pass (W_t applied to the merged input) gives what folding C_t W_tᵀ
     in at the end of the task gives; the engine picks it by token count, both are exact."""
-    from featcal.calibration import context
-    from featcal.calibration.statistics import TaskSums
+    from featcal.calibration.engine import context
+    from featcal.calibration.maths.statistics import TaskSums
 
     base, experts, merged = noisy_family(kind)
     data = family_data(kind, experts)

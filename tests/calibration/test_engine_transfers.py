@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import featcal.calibration.context as context
+import featcal.calibration.engine.context as context
 from featcal import calibrate
-from featcal.calibration.drift import DriftSums
+from featcal.calibration.maths.drift import DriftSums
 from tests.builders.reference_featcal import family_data, noisy_family
 
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from featcal import FeatCalConfig
-from featcal.calibration import core
-from featcal.calibration.engine import SearchHooks
-from featcal.calibration.expert_tape import ExpertTape
+from featcal.calibration.core import setting as core
+from featcal.calibration.engine.driver import SearchHooks
+from featcal.calibration.engine.expert_tape import ExpertTape
 from tests.builders.reference_featcal import family_data, max_abs_diff, noisy_family, ta_merge
 
 

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from featcal import FeatCalConfig, calibrate
-from featcal.calibration import solver
+from featcal.calibration.maths import solver
 from tests.builders.reference_featcal import family_data, max_abs_diff, noisy_family
 
 D = torch.float64

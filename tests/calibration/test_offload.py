@@ -9,10 +9,10 @@ import torch
 
 from featcal import FeatCalConfig, calibrate
 from featcal.blocks.adapters import adapter_for
-from featcal.calibration.chains import ChainStore
-from featcal.calibration.engine import FeatCalEngine
-from featcal.calibration.param_names import stem_param_names
-from featcal.calibration.placement import Placement, stem_parts
+from featcal.calibration.engine.chains import ChainStore
+from featcal.calibration.engine.driver import FeatCalEngine
+from featcal.calibration.engine.param_names import stem_param_names
+from featcal.calibration.engine.placement import Placement, stem_parts
 from featcal.cli.main import main
 from featcal.errors import ConfigError
 from tests.builders.pipeline_family import clip_family

@@ -1,5 +1,5 @@
 """block_statistics="sequential_one_pass" (issue 19): the sequential variant's statistics with one block forward
-per batch and side, every forward paused at each stage while it is solved (calibration/one_pass.py)."""
+per batch and side, every forward paused at each stage while it is solved (calibration/engine/one_pass.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import torch
 
 from featcal import FeatCalConfig, calibrate
 from featcal.blocks.adapters import adapter_for
-from featcal.calibration import engine as engine_mod
-from featcal.calibration.context import BlockContext
+from featcal.calibration.engine import driver as engine_mod
+from featcal.calibration.engine.context import BlockContext
 from tests.builders.reference_featcal import family_data, max_abs_diff, noisy_family
 
 SEQUENTIAL = FeatCalConfig(block_statistics="sequential")
@@ -86,7 +86,7 @@ def test_one_pass_drift_record_says_where_before_was_measured():
 def test_an_error_part_way_unwinds_every_paused_forward(monkeypatch):
     """A solve failing at a later stage leaves no forward paused (each is thrown out, not left to the garbage
     collector while the error is handled) and no hook on the model."""
-    from featcal.calibration import one_pass
+    from featcal.calibration.engine import one_pass
 
     base, experts, merged = noisy_family("clip")
     data = family_data("clip", experts)

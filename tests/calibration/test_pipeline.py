@@ -9,7 +9,7 @@ import torch
 import transformers as T
 
 from featcal import FeatCalConfig
-from featcal.calibration.pipeline import CalibrateRequest, calibrate_to_dir
+from featcal.calibration.front.pipeline import CalibrateRequest, calibrate_to_dir
 from featcal.config import RunOptions
 from featcal.errors import CalibrationDataError, CheckpointError, ConfigError, OutputExistsError
 from tests.builders.pipeline_family import t5_family

@@ -9,8 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from featcal.calibration import cost, fit, planner
-from featcal.calibration.planner import BlockShape, ModelShape, StackShape, estimate, model_shape, shape_of
+from featcal.calibration.planning import cost, fit, planner
+from featcal.calibration.planning.planner import (
+    BlockShape,
+    ModelShape,
+    StackShape,
+    estimate,
+    model_shape,
+    shape_of,
+)
 from featcal.cli.main import main
 from featcal.config import FeatCalConfig
 from featcal.experiments.bench.cost import block_macs
@@ -121,7 +128,7 @@ def _shape(blocks: int = 4, hidden: int = 64, inter: int = 256, tokens: int = 32
 
 
 def test_token_macs_agree_with_the_bench_count():
-    """calibration/cost.py counts any block from its Linears; for a CLIP-style block it is the bench's count."""
+    """calibration/planning/cost.py counts any block from its Linears; for a CLIP-style block it is the bench's count."""
     for hidden, inter, tokens in ((768, 3072, 50), (64, 256, 32), (1024, 4096, 257)):
         block = _shape(1, hidden, inter, tokens).stacks[0].blocks[0]
         forward, stats = cost.token_macs(block, tokens, hidden)
@@ -141,7 +148,7 @@ def test_resident_device_plan_puts_models_and_chains_on_the_device():
     assert {c.phase for c in plan.device_components} == {"run"}
     assert device["chains"] == cpu["chains"] and device["statistics"] == cpu["statistics"]
     assert device["merged model"] == cpu["merged model"] and device["expert template"] == cpu["expert template"]
-    assert device["expert template"] < device["merged model"]  # stems and one block (calibration/template.py)
+    assert device["expert template"] < device["merged model"]  # stems and one block (calibration/engine/template.py)
     assert planner.READ_AHEAD not in device and host[planner.READ_AHEAD] == cpu[planner.READ_AHEAD]
     assert plan.device_total == sum(device.values())
     options = dict(planner.alternatives(_shape(), tasks=4, config=cfg, baseline_bytes=0))

@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers as T
 
-from featcal.calibration.planner import BlockShape, ModelShape, StackShape, estimate, parse_size
+from featcal.calibration.planning.planner import BlockShape, ModelShape, StackShape, estimate, parse_size
 from featcal.cli.main import main
 from featcal.config import FeatCalConfig
 from featcal.errors import ConfigError
@@ -143,8 +143,8 @@ def test_offload_plan_moves_the_block_transients_to_the_device():
 
 def test_stem_count_is_what_offloading_moves():
     from featcal.blocks.adapters import adapter_for
-    from featcal.calibration.param_names import stem_param_names
-    from featcal.calibration.planner import model_shape
+    from featcal.calibration.engine.param_names import stem_param_names
+    from featcal.calibration.planning.planner import model_shape
     from tests.builders.tiny import tiny_config, tiny_model
 
     for kind in ("clip", "t5", "llama"):
@@ -174,7 +174,7 @@ def test_plan_cli_reports_device_memory_when_offloading(tmp_path, capsys):
 
 def test_one_pass_plan_holds_every_batch_paused():
     """block_statistics sequential_one_pass holds every batch's two paused block forwards and an expert block per
-    task (calibration/one_pass.py); the planner counts them, on the device when offloading."""
+    task (calibration/engine/one_pass.py); the planner counts them, on the device when offloading."""
     cfg = FeatCalConfig(num_calibration_examples=256, calibration_batch_size=16)
     one = cfg.model_copy(update={"block_statistics": "sequential_one_pass"})
     plain = {c.name: c.bytes for c in estimate(_shape(), tasks=8, config=cfg, baseline_bytes=0).components}
@@ -191,9 +191,9 @@ def test_one_pass_plan_holds_every_batch_paused():
 
 
 def test_the_reader_holds_one_block_of_every_expert():
-    """calibration/prefetch.py reads the next block of every expert while a block computes: the plan counts one
+    """calibration/engine/prefetch.py reads the next block of every expert while a block computes: the plan counts one
     block per task, on the host also when offloading."""
-    from featcal.calibration.planner import READ_AHEAD
+    from featcal.calibration.planning.planner import READ_AHEAD
 
     cfg = FeatCalConfig(num_calibration_examples=16, calibration_batch_size=16)
     block = max(b.param_count for s in _shape().stacks for b in s.blocks)

@@ -1,4 +1,4 @@
-"""The experts' next blocks read on a background thread (calibration/prefetch.py, issue #40): the same model bit
+"""The experts' next blocks read on a background thread (calibration/engine/prefetch.py, issue #40): the same model bit
 for bit as reading each block when it is needed, NaN found as a block is read (before that block is solved) with
 the pre-scan's message, a reader failure raised in the main thread as the same one-line error, resume intact."""
 
@@ -13,8 +13,9 @@ from safetensors.torch import load_file, save_file
 
 from featcal import FeatCalConfig
 from featcal.blocks.adapters import adapter_for
-from featcal.calibration import engine, prefetch
-from featcal.calibration.core import calibrate_setting
+from featcal.calibration.core.setting import calibrate_setting
+from featcal.calibration.engine import driver as engine
+from featcal.calibration.engine import prefetch
 from featcal.errors import CheckpointError
 from featcal.io.read.sources import UnmappedReader
 from tests.builders.reference_featcal import Crash, family_data, killed_after, noisy_family

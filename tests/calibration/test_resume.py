@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from featcal import FeatCalConfig, calibrate
-from featcal.calibration import resume
-from featcal.calibration.resume import KILL_ENV, ResumeStateError, ResumeStore, default_resume_dir
+from featcal.calibration.resume import store as resume
+from featcal.calibration.resume.store import KILL_ENV, ResumeStateError, ResumeStore, default_resume_dir
 from featcal.cli.main import main
 from featcal.errors import ConfigError
 from tests.builders.data_fixtures import save_image_processor, write_png_folder

@@ -9,7 +9,7 @@ import torch
 from featcal import FeatCalConfig, calibrate
 from featcal.blocks.adapters import adapter_for
 from featcal.blocks.discovery import calibrated_modules
-from featcal.calibration import gather
+from featcal.calibration.engine import gather
 from tests.builders.reference_featcal import family_data, max_abs_diff, noisy_family, reference_calibrate
 
 SEQUENTIAL = FeatCalConfig(block_statistics="sequential")

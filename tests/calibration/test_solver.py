@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from featcal.calibration import solver
+from featcal.calibration.maths import solver
 
 F64 = torch.float64
 

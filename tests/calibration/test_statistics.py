@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from featcal.calibration.statistics import NormalisedSums, TaskSums
+from featcal.calibration.maths.statistics import NormalisedSums, TaskSums
 from featcal.errors import CalibrationDataError
 
 F64 = torch.float64
@@ -121,7 +121,7 @@ def test_cross_form_equals_output_form():
 def test_block_plan_groups_shared_inputs_and_picks_the_cheaper_form():
     from featcal.blocks.adapters import adapter_for
     from featcal.blocks.discovery import calibrated_modules
-    from featcal.calibration.hooks import ExpertRecorder, plan_block
+    from featcal.calibration.engine.hooks import ExpertRecorder, plan_block
     from tests.builders import tiny
 
     model = tiny.tiny_model("clip")
@@ -147,7 +147,7 @@ def test_engine_keeps_one_task_of_raw_sums_alive_at_a_time(monkeypatch):
     import weakref
 
     from featcal import FeatCalConfig, calibrate
-    from featcal.calibration import gather
+    from featcal.calibration.engine import gather
     from tests.builders.reference_featcal import family_data, noisy_family
 
     live: set[int] = set()

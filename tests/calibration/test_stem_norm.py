@@ -105,7 +105,7 @@ def test_a_resumed_run_restores_the_stem_norm_with_block_0(tmp_path, monkeypatch
 
 
 def test_the_option_is_validated_off_by_default_and_keeps_old_resume_digests():
-    from featcal.calibration.resume import config_digest
+    from featcal.calibration.resume.store import config_digest
 
     assert FeatCalConfig().calibrate_stem_norm is False
     with pytest.raises(ConfigError, match="calibrate_stem_norm"):

@@ -1,4 +1,4 @@
-"""The lean expert template (calibration/template.py): its blocks hold no storage except the one being calibrated,
+"""The lean expert template (calibration/engine/template.py): its blocks hold no storage except the one being calibrated,
 and the calibrated model is the one a full copy of the merged model as template gives, bit for bit."""
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ import torch
 
 from featcal import FeatCalConfig
 from featcal.blocks.adapters import adapter_for
-from featcal.calibration import core, engine
-from featcal.calibration.template import block_storage, expert_template
+from featcal.calibration.core import setting as core
+from featcal.calibration.engine import driver as engine
+from featcal.calibration.engine.template import block_storage, expert_template
 from tests.builders.reference_featcal import family_data, noisy_family
 
 

@@ -1,12 +1,12 @@
-"""`featcal plan`'s time: a short measured probe of this machine (calibration/time_estimate.py) or the stated
-throughput (calibration/cost.py), and which one the estimate used."""
+"""`featcal plan`'s time: a short measured probe of this machine (calibration/planning/time_estimate.py) or the stated
+throughput (calibration/planning/cost.py), and which one the estimate used."""
 
 from __future__ import annotations
 
 import pytest
 
-from featcal.calibration import cost, time_estimate
-from featcal.calibration.planner import BlockShape, ModelShape, StackShape
+from featcal.calibration.planning import cost, time_estimate
+from featcal.calibration.planning.planner import BlockShape, ModelShape, StackShape
 from featcal.config import FeatCalConfig
 from tests.builders.guarantees import cli, one_line_error, plan_argv
 from tests.builders.pipeline_family import bert_family

@@ -14,7 +14,8 @@ import yaml
 
 from featcal import FeatCalConfig, calibrate
 from featcal.blocks.adapters import adapter_for
-from featcal.calibration import core, tuning
+from featcal.calibration import tuning
+from featcal.calibration.core import setting as core
 from featcal.cli.main import main
 from featcal.config import parse
 from featcal.errors import CalibrationDataError, ConfigError

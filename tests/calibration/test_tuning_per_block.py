@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from featcal import FeatCalConfig, calibrate
-from featcal.calibration import core
-from featcal.calibration.block_tuning import LADDERS, BlockTuning
-from featcal.calibration.engine import SearchHooks
+from featcal.calibration.core import setting as core
+from featcal.calibration.engine.block_tuning import LADDERS, BlockTuning
+from featcal.calibration.engine.driver import SearchHooks
 from featcal.errors import ConfigError
 from tests.builders.reference_featcal import family_data, max_abs_diff, noisy_family, ta_merge
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from featcal import FeatCalConfig, calibrate
-from featcal.calibration import core, tuning
+from featcal.calibration import tuning
+from featcal.calibration.core import setting as core
 from featcal.calibration.tuning.split import resolve_screen, screen_split, split_calibration
 from tests.builders.reference_featcal import family_data, max_abs_diff, noisy_family, ta_merge
 
@@ -137,7 +138,7 @@ def test_nothing_computed_for_one_starting_merge_is_reused_for_another(clip, mon
 
 
 def test_the_plan_prices_a_tuned_run_with_and_without_the_screen():
-    from featcal.calibration.time_estimate import tune_line
+    from featcal.calibration.planning.time_estimate import tune_line
 
     at256 = FeatCalConfig(tune=True, num_calibration_examples=256, tune_screen="auto")
     assert FeatCalConfig(tune=True).tune_screen == "off"  # the default until the real-weights benches compare them

@@ -18,7 +18,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-import featcal.calibration.pipeline as pipeline
+import featcal.calibration.front.pipeline as pipeline
 from featcal import FeatCalConfig, MergeConfig, merge
 from featcal.config import MAX_SEED, parse
 from featcal.errors import ConfigError
@@ -129,7 +129,7 @@ def test_calibrate_refuses_a_broken_family(clip, tmp_path, capsys, no_calibratio
 
 
 def test_calibrate_refuses_nan_in_an_expert_as_it_reads_it(clip, tmp_path, capsys):
-    """Streamed experts are checked as each block is read (calibration/prefetch.py), not scanned before any
+    """Streamed experts are checked as each block is read (calibration/engine/prefetch.py), not scanned before any
     work (issue #40): the run stops with the one-line error naming the expert, its folder and the parameter,
     and writes nothing."""
     fam = copy_family(clip, tmp_path / "fam")

@@ -9,7 +9,7 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from featcal.calibration.data_summary import task_data_line, task_data_lines
+from featcal.calibration.front.data_summary import task_data_line, task_data_lines
 from featcal.data import sample_indices
 from tests.builders.data_fixtures import sentences
 from tests.builders.guarantees import calibrate_argv, cli, plan_argv

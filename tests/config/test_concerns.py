@@ -121,8 +121,8 @@ def test_one_strictness_rule_for_every_option_model(model, required, field):
 
 
 def test_one_max_length_default():
-    from featcal.calibration.api import calibrate
-    from featcal.calibration.pipeline import CalibrateRequest
+    from featcal.calibration.front.api import calibrate
+    from featcal.calibration.front.pipeline import CalibrateRequest
     from featcal.merging.api import MergeRequest, merge
 
     assert RunOptions().max_length == DEFAULT_MAX_LENGTH

@@ -26,7 +26,7 @@ import yaml
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
-import featcal.calibration.pipeline as pipeline
+import featcal.calibration.front.pipeline as pipeline
 from featcal import FeatCalConfig, MergeConfig, merge
 from featcal.cli.run_cmd import resolve_paths
 from featcal.config import load_run_file, parse

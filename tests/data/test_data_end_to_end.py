@@ -22,8 +22,8 @@ import yaml
 from transformers import AutoTokenizer, CLIPImageProcessor
 
 import featcal
-import featcal.calibration.core as core
-import featcal.calibration.pipeline as pipeline
+import featcal.calibration.core.setting as core
+import featcal.calibration.front.pipeline as pipeline
 from featcal import FeatCalConfig, MergeConfig
 from featcal.data import read_examples, sample_indices
 from featcal.errors import CalibrationDataError

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from featcal.calibration import pipeline
+from featcal.calibration.front import pipeline
 from tests.builders.data_fixtures import conversations, save_chat_tokenizer, write_jsonl
 from tests.builders.guarantees import calibrate_argv, cli, one_line_error, plan_argv
 from tests.builders.pipeline_family import llama_family

@@ -137,7 +137,7 @@ def test_clip_reproduce_end_to_end_then_resume(clip_hub, tmp_path, capsys, monke
         raise AssertionError("a stage present in DIR was recomputed")
 
     monkeypatch.setattr("featcal.merging.api.merge", refuse)
-    monkeypatch.setattr("featcal.calibration.api.calibrate", refuse)
+    monkeypatch.setattr("featcal.calibration.front.api.calibrate", refuse)
     monkeypatch.setattr("featcal.experiments.reproduce.clip.evaluate_zero_shot", refuse)
     rc, _, err = _run(capsys, *_clip_args(clip_hub, out))
     assert rc == 0, err

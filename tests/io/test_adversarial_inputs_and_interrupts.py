@@ -403,7 +403,7 @@ def test_a_grown_expert_merges_and_calibrates_when_vocab_size_equals_the_hidden_
                    progress=False)
     assert merged["model.embed_tokens.weight"].shape == (40, 32)
     assert merged["model.layers.0.self_attn.q_proj.weight"].shape == (32, 32)
-    from featcal.calibration.api import calibrate
+    from featcal.calibration.front.api import calibrate
 
     ids = torch.randint(0, 32, (4, 6), generator=torch.Generator().manual_seed(0))
     model = T.LlamaForCausalLM.from_pretrained(tmp_path / "m")
@@ -491,7 +491,7 @@ def test_tune_options_without_tune_are_refused(llama, llama_merged, tmp_path, ca
 ])
 def test_a_head_that_cannot_score_is_refused_before_any_model_loads(llama, llama_merged, tmp_path, capsys,
                                                                      monkeypatch, head, message):
-    import featcal.calibration.pipeline as pipeline
+    import featcal.calibration.front.pipeline as pipeline
 
     def no_work(*args, **kwargs):
         raise AssertionError("a model was loaded before the head was checked")
@@ -562,7 +562,7 @@ def resume_run(llama, tmp_path):
     """A finished calibration whose resume state is kept (every block checkpointed), and how to rerun it."""
     import transformers as T
 
-    from featcal.calibration.api import calibrate
+    from featcal.calibration.front.api import calibrate
     from featcal.config import FeatCalConfig
 
     merged = T.LlamaForCausalLM.from_pretrained(llama["base"])
@@ -586,7 +586,7 @@ def _edit_state(state, change):
 
 
 def test_a_state_without_generations_is_refused(resume_run):
-    from featcal.calibration.resume import ResumeStateError
+    from featcal.calibration.resume.store import ResumeStateError
 
     state, rerun = resume_run
     _edit_state(state, lambda d: d.pop("generations"))
@@ -596,7 +596,7 @@ def test_a_state_without_generations_is_refused(resume_run):
 
 def test_a_state_claiming_more_finished_blocks_than_the_model_has_is_refused(resume_run):
     """Six blocks done on a two-block model, or one done but continuing after the second: never skipped."""
-    from featcal.calibration.resume import ResumeStateError
+    from featcal.calibration.resume.store import ResumeStateError
 
     state, rerun = resume_run
     gen = json.loads((state / "state.json").read_text())["generations"][-1]
@@ -616,7 +616,7 @@ def test_a_state_claiming_more_finished_blocks_than_the_model_has_is_refused(res
 
 @pytest.mark.parametrize("target", ["block", "chain", "index"])
 def test_a_truncated_resume_file_is_named(resume_run, target):
-    from featcal.calibration.resume import ResumeStateError
+    from featcal.calibration.resume.store import ResumeStateError
 
     state, rerun = resume_run
     chains = state / json.loads((state / "state.json").read_text())["generations"][-1]["chains"]
@@ -772,7 +772,7 @@ def test_a_spill_dir_from_a_run_file_is_gone_after_a_killed_run_is_rerun(llama, 
 
     import yaml
 
-    from featcal.calibration.resume import KILL_ENV
+    from featcal.calibration.resume.store import KILL_ENV
 
     _, calib = llama_merged
     run = {"merge": {"base": str(llama["base"]), "experts": {"a": str(llama["full"])}},
@@ -793,7 +793,7 @@ def test_a_spill_dir_from_a_run_file_is_gone_after_a_killed_run_is_rerun(llama, 
 
 
 def test_a_users_spill_dir_is_kept_after_a_killed_run_is_rerun(llama, llama_merged, tmp_path):
-    from featcal.calibration.chains import ChainStore
+    from featcal.calibration.engine.chains import ChainStore
 
     spill = tmp_path / "mine"
     spill.mkdir()
@@ -805,7 +805,7 @@ def test_a_users_spill_dir_is_kept_after_a_killed_run_is_rerun(llama, llama_merg
 
 def test_a_merged_dir_whose_weights_transformers_cannot_find_is_refused_before_loading(llama, tmp_path, capsys,
                                                                                       monkeypatch):
-    import featcal.calibration.pipeline as pipeline
+    import featcal.calibration.front.pipeline as pipeline
 
     merged = tmp_path / "merged"
     merge(llama["base"], {"a": llama["full"]}, out=merged, progress=False)

@@ -10,8 +10,8 @@ import torch
 
 import featcal.io.read.family as front_door
 from featcal import FeatCalConfig
-from featcal.calibration.api import calibrate
-from featcal.calibration.pipeline import CalibrateRequest, check_calibration_inputs
+from featcal.calibration.front.api import calibrate
+from featcal.calibration.front.pipeline import CalibrateRequest, check_calibration_inputs
 from featcal.errors import CheckpointError
 from featcal.io.read.checkpoint import CheckpointReader
 from featcal.io.read.family import open_family, open_input

@@ -112,7 +112,7 @@ def test_gguf_base_and_expert_calibrate(family, tmp_path, capsys, monkeypatch):
     assert report["inputs"]["base"]["dequantised_from_gguf"] and report["inputs"]["experts"]["a"]["dequantised_from_gguf"]
     assert "base.gguf" in report["inputs"]["base"]["sha256"]
     # the header checks read no values: the base GGUF is dequantised for the NaN/Inf scan and for calibration only,
-    # the expert's for calibration only (checked as its blocks are read, calibration/prefetch.py)
+    # the expert's for calibration only (checked as its blocks are read, calibration/engine/prefetch.py)
     assert sorted(loads) == ["base.gguf", "base.gguf", "model.gguf"]
     before, after = load_file(merged / "model.safetensors"), load_file(tmp_path / "cal" / "model.safetensors")
     assert any(not torch.equal(before[k], after[k]) for k in before if "layers.0.self_attn" in k)

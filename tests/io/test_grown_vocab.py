@@ -141,7 +141,7 @@ def test_grown_rows_disagreeing_within_an_expert_refused(grown, tmp_path):
 
 def test_grown_vocab_merge_then_calibrate(grown, tmp_path):
     """A grown merge calibrates toward experts with 110, 120 and 100 rows (rows they lack: the merge's)."""
-    from featcal.calibration.pipeline import CalibrateRequest, calibrate_to_dir
+    from featcal.calibration.front.pipeline import CalibrateRequest, calibrate_to_dir
 
     root, base, experts = grown
     merged_dir = tmp_path / "merged"

@@ -112,7 +112,7 @@ def test_lora_expert_calibrates(family, tmp_path):
     merged_dir = tmp_path / "merged"
     merge(base, experts, "task_arithmetic", scaling=0.4, out=merged_dir, progress=False)
     data = token_batches(experts)
-    from featcal.calibration.api import calibrate
+    from featcal.calibration.front.api import calibrate
 
     model = T.LlamaForCausalLM.from_pretrained(merged_dir)
     calibrated = calibrate(model, base=str(base), experts={t: str(d) for t, d in experts.items()},

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from featcal.calibration.resume import CREATED, KILL_ENV, default_resume_dir
+from featcal.calibration.resume.store import CREATED, KILL_ENV, default_resume_dir
 from featcal.cli.main import main
 from featcal.io.write import atomic
 from featcal.io.write.atomic import OutputWriteError, _host_tag, atomic_output_dir

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from featcal import FeatCalConfig, merge
 from featcal.blocks.heads import LinearHead
-from featcal.calibration.pipeline import CalibrateRequest, calibrate_to_dir
+from featcal.calibration.front.pipeline import CalibrateRequest, calibrate_to_dir
 from featcal.cli.main import main
 from featcal.config import OutputOptions
 from featcal.errors import ConfigError

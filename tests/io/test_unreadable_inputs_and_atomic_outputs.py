@@ -20,8 +20,8 @@ import yaml
 import featcal.merging.api as merge_api
 import featcal.merging.writer as writer
 from featcal import merge
-from featcal.calibration.engine import FeatCalEngine
-from featcal.calibration.resume import default_resume_dir
+from featcal.calibration.engine.driver import FeatCalEngine
+from featcal.calibration.resume.store import default_resume_dir
 from featcal.io.process import interrupts
 from featcal.io.write import atomic
 from featcal.io.write.atomic import OutputWriteError, atomic_output_dir

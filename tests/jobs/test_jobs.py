@@ -13,8 +13,8 @@ import yaml
 
 import featcal
 from featcal import jobs
-from featcal.calibration import cost, fit, planner
-from featcal.calibration.planner import fmt
+from featcal.calibration.planning import cost, fit, planner
+from featcal.calibration.planning.planner import fmt
 from featcal.config import FeatCalConfig, RunOptions
 from featcal.errors import ConfigError
 from tests.builders.guarantees import cli

@@ -5,8 +5,8 @@ dependency). Packages sit on floors; a module may import its own package or a pa
 floor, never one above it or one beside it on the same floor (merging and calibration stand side by
 side and neither imports the other). And no file-level import circle exists anywhere.
 
-The same rule holds inside experiments/, io/ and blocks/, each with a floor table of its own parts (issue 52), and no
-two packages (nor two `registry` modules) share a name.
+The same rule holds inside experiments/, io/, blocks/ and calibration/, each with a floor table of its own parts
+(issue 52), and no two packages (nor two `registry` modules) share a name.
 """
 
 from __future__ import annotations
@@ -43,6 +43,18 @@ BLOCK_FLOORS: dict[str, int] = {
     "structure": 1, "discovery": 1,
     "probe": 2, "support": 2,
     "adapters": 3, "catalog": 3,
+}
+# inside calibration/ (issue 52): the pure math (statistics, their sums over ranks, drift sums, closed-form solves)
+# and the resume checkpoints, then the block engine, then one calibration at one setting (core: with its input
+# checks and result), then the label-free search that calibrates candidates through it, then the plan (whose
+# time estimate counts the search's calibrations) and the front (featcal.calibrate, calibrate_to_dir)
+CALIBRATION_FLOORS: dict[str, int] = {
+    "": 0,
+    "maths": 1, "resume": 1,
+    "engine": 2,
+    "core": 3,
+    "tuning": 4,
+    "planning": 5, "front": 5,
 }
 
 
@@ -183,6 +195,11 @@ def test_blocks_keep_their_own_floors():
     assert floor_violations(graph, "featcal", BLOCK_FLOORS, sub="blocks") == []
 
 
+def test_calibration_keeps_its_own_floors():
+    graph = import_graph(PACKAGE_DIR, "featcal")
+    assert floor_violations(graph, "featcal", CALIBRATION_FLOORS, sub="calibration") == []
+
+
 def test_no_import_circle():
     assert circles(import_graph(PACKAGE_DIR, "featcal")) == []
 
@@ -192,10 +209,11 @@ def test_every_part_has_a_floor():
     assert parts <= set(FLOORS), sorted(parts - set(FLOORS))
 
 
-def test_every_part_of_io_blocks_and_experiments_has_a_floor():
+def test_every_part_of_io_blocks_calibration_and_experiments_has_a_floor():
     """A new sub-package (or, in blocks/, a new module) gets a floor before it is checked against the others."""
     modules = module_files(PACKAGE_DIR, "featcal")
-    for sub, floors in (("io", IO_FLOORS), ("blocks", BLOCK_FLOORS), ("experiments", EXPERIMENT_FLOORS)):
+    for sub, floors in (("io", IO_FLOORS), ("blocks", BLOCK_FLOORS), ("calibration", CALIBRATION_FLOORS),
+                        ("experiments", EXPERIMENT_FLOORS)):
         parts = {_part(m, "featcal", 2).partition(".")[2] for m in modules if _part(m, "featcal", 1) == sub}
         assert parts <= set(floors), (sub, sorted(parts - set(floors)))
 

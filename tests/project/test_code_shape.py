@@ -22,7 +22,7 @@ MAX_PARAMS = 8  # positional-only, ordinary and keyword-only; self / cls, *args 
 # the public entry points: featcal.merge / calibrate / evaluate / run / plan may take their options as keywords
 ENTRY_POINTS = {
     "merging/api.py:merge",
-    "calibration/api.py:calibrate",
+    "calibration/front/api.py:calibrate",
     "evaluation/api.py:evaluate",
     "jobs/run_job.py:run_file",
     "jobs/plan_job.py:plan",
@@ -39,15 +39,15 @@ LONG_ALLOWED = {
 PARAMS_ALLOWED = {
     # the in-memory calibration chain, featcal.calibrate's keywords passed down level by level; its request object
     # is the next step (one for calibrate_models, calibrate_setting, the search and the per-block search)
-    "calibration/in_memory.py:calibrate_models": "featcal.calibrate's keywords, one level down; request not built yet",
-    "calibration/core.py:calibrate_setting": "the same keywords at one setting; request not built yet",
+    "calibration/front/in_memory.py:calibrate_models": "featcal.calibrate's keywords, one level down; request not built yet",
+    "calibration/core/setting.py:calibrate_setting": "the same keywords at one setting; request not built yet",
     "calibration/tuning/run.py:calibrate_tuned": "the search's entry, the same keywords; request not built yet",
     "calibration/tuning/per_block.py:calibrate_per_block": "the per-block search, likewise",
-    "calibration/task_data.py:resolve_calibration": "featcal.calibrate's data keywords, to go through the request",
+    "calibration/front/task_data.py:resolve_calibration": "featcal.calibrate's data keywords, to go through the request",
     # numerical and planning code another engineer is profiling: not touched this session
-    "calibration/solver.py:linear_weight_bias": "the closed-form solve's arguments (numerical code, not touched)",
-    "calibration/planner.py:_offloaded": "the planner's memory pricing (being profiled, not touched)",
-    "calibration/fit.py:plan_report": "the planner's report, beside its memory pricing; not reached yet",
+    "calibration/maths/solver.py:linear_weight_bias": "the closed-form solve's arguments (numerical code, not touched)",
+    "calibration/planning/planner.py:_offloaded": "the planner's memory pricing (being profiled, not touched)",
+    "calibration/planning/fit.py:plan_report": "the planner's report, beside its memory pricing; not reached yet",
     # the lower floors' doors
     "io/read/family.py:open_family": "the checkpoint door's read options; an options object is the next step",
     "data/calibration.py:load_calibration_batches": "the older data loader behind the door; not reached yet",

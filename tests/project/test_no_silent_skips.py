@@ -17,7 +17,7 @@ def own_module_skips(text: str) -> list[str]:
 
 def test_the_pattern_finds_an_own_module_skip():
     assert own_module_skips('x = pytest.importorskip("test_pipeline_support")') == ["test_pipeline_support"]
-    assert own_module_skips("pytest.importorskip('featcal.calibration.pipeline')") == ["featcal.calibration.pipeline"]
+    assert own_module_skips("pytest.importorskip('featcal.calibration.front.pipeline')") == ["featcal.calibration.front.pipeline"]
     assert own_module_skips('pytest.importorskip("gguf")') == []
 
 

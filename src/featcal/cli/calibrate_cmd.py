@@ -46,9 +46,9 @@ def end_to_end_line(e2e: dict) -> str:
 
 
 def print_data_lines(report: dict) -> None:
-    """Per task, the examples and tokens the calibration read and how (calibration/data_summary.py), from
+    """Per task, the examples and tokens the calibration read and how (calibration/front/data_summary.py), from
     featcal.json's record of each task's data."""
-    from featcal.calibration.data_summary import task_data_lines
+    from featcal.calibration.front.data_summary import task_data_lines
 
     records = (report.get("inputs") or {}).get("calibration") or {}
     for line in task_data_lines(records, (report.get("params") or {}).get("max_length")):
@@ -67,7 +67,7 @@ def write_drift_figure(report: dict, out: str) -> Path:
 
 def run(args: argparse.Namespace) -> int:
     from featcal import jobs
-    from featcal.calibration.distributed import init_from_env
+    from featcal.calibration.maths.distributed import init_from_env
 
     if args.plot:  # before any work: the figure needs matplotlib
         from featcal.io.process.extras import require

@@ -90,7 +90,7 @@ def interrupted_message(args: argparse.Namespace, exc: KeyboardInterrupt) -> str
     if getattr(args, "command", None) in ("calibrate", "run") and getattr(args, "cfg_resume", True):
         state = getattr(args, "cfg_resume_dir", None)
         if state is None and out:
-            from featcal.calibration.resume import default_resume_dir
+            from featcal.calibration.resume.store import default_resume_dir
 
             state = default_resume_dir(out)
         kept = f" in {state}" if state else " beside the output"

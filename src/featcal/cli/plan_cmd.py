@@ -1,11 +1,11 @@
 """`featcal plan`: the peak memory a `featcal calibrate` with the same arguments would need, before any work.
 
 Also behind `featcal calibrate --dry-run` (print and stop) and `--max-memory SIZE` (refuse to start a
-run whose estimate exceeds SIZE, listing the options that would fit). See calibration/planner.py.
+run whose estimate exceeds SIZE, listing the options that would fit). See calibration/planning/planner.py.
 
 `featcal plan --config CONFIG --tasks N` plans from a model's config alone (a config.json, a folder holding
-one, or a hub id; no weights, no data), with the run's time at a stated throughput (calibration/cost.py) and
-what fits on each kind of machine (`--target`, calibration/fit.py).
+one, or a hub id; no weights, no data), with the run's time at a stated throughput (calibration/planning/cost.py) and
+what fits on each kind of machine (`--target`, calibration/planning/fit.py).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def check_plan(args: argparse.Namespace, config: FeatCalConfig, show: bool, chec
 
     `check_device=False` plans for a device this machine may lack."""
     from featcal import jobs
-    from featcal.calibration.planner import fmt
+    from featcal.calibration.planning.planner import fmt
 
     result = jobs.plan(plan_request(args, config, check_device=check_device, estimate_time=False,
                                     summarise_data=show))
@@ -115,7 +115,7 @@ def register(subparsers) -> None:
     g.add_argument("--device-memory", default=None, metavar="SIZE", help="the targets' device memory (e.g. 48GiB)")
     g.add_argument("--host-memory", default=None, metavar="SIZE", help="the targets' host memory (e.g. 256GiB)")
     g.add_argument("--flops", type=float, default=None, metavar="FLOP/S",
-                   help="sustained float32 FLOP/s to estimate time at, instead of the stated one (calibration/cost.py)")
+                   help="sustained float32 FLOP/s to estimate time at, instead of the stated one (calibration/planning/cost.py)")
     g.add_argument("--time-from", choices=("probe", "stated"), default=None,
                    help="the run's time from a short measured probe of this machine (about 1 s; the default for a "
                    "run on this machine), or at the stated throughput of its device kind (the default with --config)")

@@ -8,8 +8,8 @@ otherwise passed on untouched. `CalibrationSet.check()` is what may run before a
 calibrate, run and merge check with it); `.load()` returns the batches and what featcal.json records of each
 task, reusing what the check opened, drew and preprocessed (data/calibration.py `SourcePlan`).
 
-Behind featcal calibrate / run / plan (calibration/pipeline.py), `featcal.calibrate`'s data
-(calibration/task_data.py) and the RegMean merges' data (merging/calibration_data.py).
+Behind featcal calibrate / run / plan (calibration/front/pipeline.py), `featcal.calibrate`'s data
+(calibration/front/task_data.py) and the RegMean merges' data (merging/calibration_data.py).
 """
 
 from __future__ import annotations

@@ -3,15 +3,15 @@
     calibrate(CalibrateRequest(merged, base, experts, calibration, out, config=..., options=..., outputs=...))
         -> CalibratedCheckpoint (.out, .report: its featcal.json, .result: the CalibrationResult, .main)
 
-The work is calibration/pipeline.py's `calibrate_to_dir`, the one writer of a calibrated folder: it sits on the
-calibration floor because `featcal.calibrate(..., out=)` (calibration/api.py) writes the same folder and may not
+The work is calibration/front/pipeline.py's `calibrate_to_dir`, the one writer of a calibrated folder: it sits on the
+calibration floor because `featcal.calibrate(..., out=)` (calibration/front/api.py) writes the same folder and may not
 import this floor; here is the use case the CLI and run files call, one frozen request in, one typed result out.
 """
 
 from __future__ import annotations
 
-from featcal.calibration import pipeline  # looked up at each call: a test may replace calibrate_to_dir
-from featcal.calibration.pipeline import CalibratedCheckpoint, CalibrateRequest
+from featcal.calibration.front import pipeline  # looked up at each call: a test may replace calibrate_to_dir
+from featcal.calibration.front.pipeline import CalibratedCheckpoint, CalibrateRequest
 
 __all__ = ["CalibrateRequest", "CalibratedCheckpoint", "calibrate"]
 

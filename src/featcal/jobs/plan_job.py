@@ -4,7 +4,7 @@ Two ways to plan. From a run's inputs, as `featcal calibrate` takes them (base, 
 out): every check the run makes before its work, then the memory plan from the merge's config.json, what each
 task's data gives, the time (measured by a short probe of this machine, or at a stated throughput) and, for each
 target, what fits there. From a model's config alone (`model_config`, `tasks`): no weights, no data; the same plan
-at a stated throughput, and what fits on each target (all of them by default). See calibration/planner.py
+at a stated throughput, and what fits on each target (all of them by default). See calibration/planning/planner.py
 (memory), cost.py and time_estimate.py (time), fit.py (targets).
 """
 
@@ -19,9 +19,9 @@ from featcal.config import FeatCalConfig, RunOptions
 from featcal.errors import ConfigError
 
 if TYPE_CHECKING:  # torch-free at import: the CLI's help imports this module's command without torch
-    from featcal.calibration import cost
-    from featcal.calibration.fit import Fit
-    from featcal.calibration.planner import MemoryPlan
+    from featcal.calibration.planning import cost
+    from featcal.calibration.planning.fit import Fit
+    from featcal.calibration.planning.planner import MemoryPlan
 
 __all__ = ["PlanRequest", "PlanResult", "plan"]
 
@@ -145,7 +145,7 @@ def _check(r: PlanRequest) -> None:
 
 
 def _size(value: Size | None) -> int | None:
-    from featcal.calibration.planner import parse_size
+    from featcal.calibration.planning.planner import parse_size
 
     return parse_size(value) if isinstance(value, str) else value
 
@@ -157,7 +157,7 @@ def _world(r: PlanRequest) -> int:
 def _measure(r: PlanRequest) -> bool:
     """Whether the time comes from a measured probe of this machine: time_from, by default a probe for a run on
     this machine (checkpoints given, its device here, no flops) and the stated throughput for model_config."""
-    from featcal.calibration.time_estimate import can_probe
+    from featcal.calibration.planning.time_estimate import can_probe
 
     rates = [f"--{f}" for f in ("flops", "flops64") if getattr(r, f) is not None]
     if r.time_from == "probe":
@@ -173,22 +173,22 @@ def _measure(r: PlanRequest) -> bool:
 
 
 def _targets(r: PlanRequest, default: tuple[str, ...]) -> list:
-    from featcal.calibration import fit
+    from featcal.calibration.planning import fit
 
     return [fit.target(name, device_bytes=_size(r.device_memory), host_bytes=_size(r.host_memory), f32=r.flops,
                        f64=r.flops64) for name in (r.targets or default)]
 
 
 def _stated(r: PlanRequest) -> cost.Throughput:
-    from featcal.calibration import cost
+    from featcal.calibration.planning import cost
 
     return cost.with_rates(cost.throughput_for(r.config.device), r.flops, r.flops64)
 
 
 def _plan_from_checkpoints(r: PlanRequest) -> PlanResult:
-    from featcal.calibration import fit
-    from featcal.calibration.planner import plan_for_checkpoint, render
-    from featcal.calibration.time_estimate import render_run_time, run_time
+    from featcal.calibration.planning import fit
+    from featcal.calibration.planning.planner import plan_for_checkpoint, render
+    from featcal.calibration.planning.time_estimate import render_run_time, run_time
 
     limit = _size(r.max_memory)
     measure = r.estimate_time and _measure(r)
@@ -200,7 +200,7 @@ def _plan_from_checkpoints(r: PlanRequest) -> PlanResult:
     parts = [render(memory, options, limit)]
     data = _data(r, checked) if r.summarise_data else {}
     if data:
-        from featcal.calibration.data_summary import task_data_lines
+        from featcal.calibration.front.data_summary import task_data_lines
 
         parts.append("\n".join(task_data_lines(data, r.options.max_length)))
     blocks, time = [], None
@@ -222,7 +222,7 @@ def _check_inputs(r: PlanRequest):
     """Every check the run makes before its work (task names, options, output, checkpoints' headers, each task's
     data as the run draws and tokenises it, the head files), so a plan that returns is a run that starts; the NaN
     scan, which reads all weights, is left."""
-    from featcal.calibration.pipeline import CalibrateRequest, check_calibration_inputs, feature_width
+    from featcal.calibration.front.pipeline import CalibrateRequest, check_calibration_inputs, feature_width
     from featcal.calibration.tuning import load_heads
     from featcal.io.read.models import load_config
 
@@ -237,23 +237,23 @@ def _check_inputs(r: PlanRequest):
 
 def _data(r: PlanRequest, checked) -> dict:
     """Per task, the examples and tokens its data gives the run and how it is read, read now as the run will read
-    it (calibration/data_summary.py)."""
-    from featcal.calibration.data_summary import read_task_data
+    it (calibration/front/data_summary.py)."""
+    from featcal.calibration.front.data_summary import read_task_data
 
     return read_task_data(checked.data)
 
 
 def _plan_from_config(r: PlanRequest) -> PlanResult:
-    import featcal.calibration.pipeline  # noqa: F401  (what calibrate imports: the measured baseline sees it too)
-    from featcal.calibration import fit
+    import featcal.calibration.front.pipeline  # noqa: F401  (what calibrate imports: the measured baseline sees it too)
+    from featcal.calibration.planning import fit
 
     limit = _size(r.max_memory)
     measure = r.estimate_time and _measure(r)
     targets = _targets(r, tuple(fit.TARGETS))
     tp = _stated(r)
     if measure:  # time_from "probe": this machine's rates, for the plan and its targets' times
-        from featcal.calibration import time_estimate
-        from featcal.calibration.planner import model_shape
+        from featcal.calibration.planning import time_estimate
+        from featcal.calibration.planning.planner import model_shape
         from featcal.io.read.models import load_config
 
         shape = model_shape(load_config(r.model_config), r.options.max_length)

@@ -181,7 +181,7 @@ def execute(run: RunConfig, *, progress: bool = True) -> Path:
         _merge(run, out, run.run_options(), progress)
         return out
 
-    from featcal.calibration.pipeline import calibrate_to_dir, check_calibration_inputs, feature_width
+    from featcal.calibration.front.pipeline import calibrate_to_dir, check_calibration_inputs, feature_width
     from featcal.calibration.tuning import load_heads
 
     featcal_config = run.calibrate.featcal_config()
@@ -217,7 +217,7 @@ def _calibrate_request(run: RunConfig, merged: str | Path | None, base: str, exp
                        out: str | Path, progress: bool, merge_scaling: float | None = None):
     """The run's `calibrate:` section as a CalibrateRequest, check_finite off (the run's merge scans its inputs; a
     `merged:` run turns it on)."""
-    from featcal.calibration.pipeline import CalibrateRequest
+    from featcal.calibration.front.pipeline import CalibrateRequest
     from featcal.config import OutputOptions
 
     return CalibrateRequest(
@@ -240,7 +240,7 @@ def _base_config(base: str):
 
 def _calibrate_existing(run: RunConfig, *, progress: bool) -> Path:
     """A `merged:` run: calibrate that merge into `out` (the calibration checks it like featcal calibrate)."""
-    from featcal.calibration.pipeline import calibrate_to_dir
+    from featcal.calibration.front.pipeline import calibrate_to_dir
 
     merged = run.merged
     refuse_output_over_inputs(run.out, {"merged model": merged.path})

@@ -2,7 +2,7 @@
 
 Per Linear and task, G_t = E_w[x xᵀ] over the tokens of task t's calibration data at that Linear's
 input, with token weights w: padding (attention_mask 0) weighs 0, exactly as in FeatCal, because both
-accumulate with featcal.calibration.statistics.GramSums (here one per Linear, summed in float64) and
+accumulate with featcal.calibration.maths.statistics.GramSums (here one per Linear, summed in float64) and
 both take their token weights from the architecture's FeatCal adapter (`Adapter.module_mask`).
 Means rather than sums, as in the reference code, so tasks with more tokens do not outweigh the
 others. The merge sums are additive over tasks, so experts are visited one at a time and only

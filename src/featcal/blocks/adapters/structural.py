@@ -8,7 +8,7 @@
   each block's own call is recorded while the model runs with its blocks passing their input through (no
   block computes), the calls are checked identical within a type, and each block gets its type's. Either
   way the engine checks once, on one batch, that every block is called as it would replay
-  (calibration/engine.py, `check_context_replay`): an architecture calling its blocks otherwise is refused.
+  (calibration/engine/driver.py, `check_context_replay`): an architecture calling its blocks otherwise is refused.
 - An encoder-decoder's decoder is teacher-forced with `decoder_input_ids` (else `labels` shifted right,
   else one decoder start token); its cross-attention reads the encoder's output after the encoder's final
   norm, each side's own (blocks/probe.py finds that norm). The decoder modules reading the encoder's output

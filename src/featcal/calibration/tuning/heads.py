@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from featcal.blocks.heads import load_head
-from featcal.calibration.distributed import current_group
+from featcal.calibration.maths.distributed import current_group
 from featcal.calibration.tuning.features import Head
 from featcal.calibration.tuning.search import MAX_MERGE_SCALING
 from featcal.config import FeatCalConfig

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from featcal.calibration.inputs import adapter_reader
+from featcal.calibration.core.inputs import adapter_reader
 from featcal.calibration.tuning.search import MAX_MERGE_SCALING
 from featcal.config import (
     TASK_VECTOR_METHODS as TASK_VECTOR_METHODS,  # the method table's, importable here as before

@@ -11,11 +11,11 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from featcal.blocks.adapters import adapter_for
-from featcal.calibration import core
-from featcal.calibration.block_tuning import BLOCK_CANDIDATES, BLOCK_KNOBS, BlockTuning
-from featcal.calibration.engine import SearchHooks
-from featcal.calibration.inputs import as_model, check_base_for_rho, check_tasks, normalise_batches
-from featcal.calibration.result import BlockTuningRecord, CalibrationResult
+from featcal.calibration.core import setting as core
+from featcal.calibration.core.inputs import as_model, check_base_for_rho, check_tasks, normalise_batches
+from featcal.calibration.core.result import BlockTuningRecord, CalibrationResult
+from featcal.calibration.engine.block_tuning import BLOCK_CANDIDATES, BLOCK_KNOBS, BlockTuning
+from featcal.calibration.engine.driver import SearchHooks
 from featcal.calibration.tuning.search import resolve_fixed
 from featcal.calibration.tuning.split import fewest_held_out, folds_record, split_calibration
 from featcal.config import FeatCalConfig

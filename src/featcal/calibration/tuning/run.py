@@ -12,10 +12,8 @@ import torch
 from torch import nn
 
 from featcal.blocks.adapters import Adapter, adapter_for
-from featcal.calibration import core
-from featcal.calibration.engine import SearchHooks
-from featcal.calibration.expert_tape import ExpertTape
-from featcal.calibration.inputs import (
+from featcal.calibration.core import setting as core
+from featcal.calibration.core.inputs import (
     adapter_reader,
     as_model,
     check_base_for_rho,
@@ -23,7 +21,9 @@ from featcal.calibration.inputs import (
     normalise_batches,
     resolve_device,
 )
-from featcal.calibration.result import CalibrationResult, TunedCandidate, TuningRecord
+from featcal.calibration.core.result import CalibrationResult, TunedCandidate, TuningRecord
+from featcal.calibration.engine.driver import SearchHooks
+from featcal.calibration.engine.expert_tape import ExpertTape
 from featcal.calibration.tuning import record as records
 from featcal.calibration.tuning import search as rules
 from featcal.calibration.tuning.features import NEXT_TOKEN, Head, Reference, expert_reference, has_lm_head

@@ -13,8 +13,8 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from featcal.calibration.block_tuning import BLOCK_CANDIDATES, LADDERS
-from featcal.calibration.result import TunedSetting, TuningComparison
+from featcal.calibration.core.result import TunedSetting, TuningComparison
+from featcal.calibration.engine.block_tuning import BLOCK_CANDIDATES, LADDERS
 from featcal.calibration.tuning.score import Score
 from featcal.calibration.tuning.split import (
     AUTO_SOFT_MAX_HELD,

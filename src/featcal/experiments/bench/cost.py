@@ -5,7 +5,7 @@ expert over the calibration data. The method as specified (docs/method.md §3) d
 token, whatever the implementation: it runs the expert block once, the merged block twice (as merged,
 to record the modules' inputs, then calibrated, to propagate), and accumulates, per distinct module
 input, its Gram xs·xsᵀ and a cross moment with the expert side. featcal's statistics (see
-calibration/statistics.py and blocks/grams.py) take each Gram's block-upper triangle only
+calibration/maths/statistics.py and blocks/grams.py) take each Gram's block-upper triangle only
 (`gram_chunks`) and each cross moment in the cheaper of its two exact forms: in×in (xs·xeᵀ, then ·Wtᵀ)
 or in×out (xs·yeᵀ from the expert's output) — fc2's is in×out. Counting multiply-accumulates of a
 pre-norm transformer block gives the ratio below (ViT-B/32 size: about 2.2×; the plain count, full
@@ -14,14 +14,14 @@ products run at a higher rate than a forward's many small operations, so a measu
 below it, but never below 1 (one forward of each model is the floor of any implementation).
 
 The same count for any family, from the block's own Linears, with the whole run's forwards, folds and solves:
-calibration/cost.py (`run_counts`); `run_macs` here sums it for a benchmark's run.
+calibration/planning/cost.py (`run_counts`); `run_macs` here sums it for a benchmark's run.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from featcal.calibration.cost import gram_macs
+from featcal.calibration.planning.cost import gram_macs
 
 
 @dataclass(frozen=True)
@@ -73,10 +73,10 @@ def arithmetic_cost_ratio(model_config, tokens: int | None = None) -> float:
 
 
 def run_macs(shape, *, tasks: int, config) -> dict[str, int]:
-    """Multiply-accumulates of a whole calibration (`shape`: planner.ModelShape; calibration/cost.py's counts
+    """Multiply-accumulates of a whole calibration (`shape`: planner.ModelShape; calibration/planning/cost.py's counts
     summed over blocks): the floor (one merged and one expert forward over every token), the forwards the method
     runs, its float32 statistics, its float64 folds and solves."""
-    from featcal.calibration.cost import run_counts, token_macs
+    from featcal.calibration.planning.cost import run_counts, token_macs
 
     blocks = run_counts(shape, tasks=tasks, config=config)
     floor = sum(2 * token_macs(b, s.tokens, s.hidden)[0] * tasks * config.num_calibration_examples * s.tokens

@@ -274,7 +274,7 @@ def feature_drift(model, experts: Mapping[str, Any], calibration: Mapping[str, S
 def _warm_up(zoo, base, experts: Mapping[str, Any], pools: Mapping[str, Inputs], progress: bool) -> None:
     """One small, untimed merge and calibration, so that lazy imports and first-call allocations are
     not charged to whichever method happens to be timed first."""
-    from featcal.calibration.api import calibrate
+    from featcal.calibration.front.api import calibrate
     from featcal.merging.api import merge
 
     merged = copy.deepcopy(base)
@@ -644,7 +644,7 @@ def _featcal_row(run: _Run, method: str, params: dict[str, Any], merged, n: int,
                  variant: str = "reference") -> tuple[dict, list[float]]:
     """The merge + FeatCal (`variant`, FEATCAL_VARIANTS or a "+" combination) on `n` calibration examples per task, timed against
     its forward floor; (its row, its feature drift per block)."""
-    from featcal.calibration.api import calibrate
+    from featcal.calibration.front.api import calibrate
 
     cfg = run.settings.featcal.model_copy(update={"num_calibration_examples": n, **variant_options(variant)})
     calibration = {t: _batches(head_rows(pools[t], n), cfg.calibration_batch_size) for t in run.tasks}

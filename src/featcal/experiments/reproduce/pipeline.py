@@ -172,7 +172,7 @@ class Pipeline(ABC):
         return path
 
     def _write_calibrated(self, merged_dir: Path, tmp: Path) -> None:
-        from featcal.calibration.api import calibrate
+        from featcal.calibration.front.api import calibrate
 
         data_timer = Timer()
         calibration = {t.name: self.calibration_batches(t) for t in self.setting.tasks}

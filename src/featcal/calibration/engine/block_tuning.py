@@ -26,11 +26,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from featcal.blocks.capture import hidden_of
-from featcal.calibration import solves
-from featcal.calibration.context import BlockContext
-from featcal.calibration.drift import DriftSums
-from featcal.calibration.gather import BlockDrift, GatherPass
-from featcal.calibration.statistics import NormalisedSums, TaskSums, blend_alpha
+from featcal.calibration.engine.context import BlockContext
+from featcal.calibration.engine.gather import BlockDrift, GatherPass
+from featcal.calibration.maths import solves
+from featcal.calibration.maths.drift import DriftSums
+from featcal.calibration.maths.statistics import NormalisedSums, TaskSums, blend_alpha
 
 log = logging.getLogger("featcal.calibration")
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 if TYPE_CHECKING:
-    from featcal.calibration.resume import ResumeStore
+    from featcal.calibration.resume.store import ResumeStore
 
 
 class _AsMapping(Mapping[str, Any]):

@@ -15,8 +15,8 @@ from torch import nn
 
 from featcal.blocks.discovery import Calibrated
 from featcal.blocks.linear import weight_of
-from featcal.calibration import solver
-from featcal.calibration.statistics import LinearNormalised, NormalisedSums, NormNormalised
+from featcal.calibration.maths import solver
+from featcal.calibration.maths.statistics import LinearNormalised, NormalisedSums, NormNormalised
 from featcal.config import FeatCalConfig
 
 log = logging.getLogger("featcal.calibration")

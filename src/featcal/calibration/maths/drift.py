@@ -2,14 +2,14 @@
 
 hm is the merged side's activation and he expert t's on task t's inputs; token weights are 1, padding 0
 (docs/method.md §4). Per block the engine records it "before" (the block as merged) and "after" (the block
-calibrated), both from forwards the method runs anyway (engine.py).
+calibrated), both from forwards the method runs anyway (engine/driver.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from featcal.calibration.distributed import RankGroup
+from featcal.calibration.maths.distributed import RankGroup
 
 
 class DriftSums:

@@ -26,7 +26,7 @@ from torch import nn
 from featcal.blocks.grams import WeightFn, flat_tokens, select_tokens
 from featcal.blocks.linear import features
 from featcal.blocks.norms import NormForm, normalise
-from featcal.calibration.statistics import TaskSums
+from featcal.calibration.maths.statistics import TaskSums
 from featcal.errors import FeatCalError
 
 KindFn = Callable[[str], tuple]  # module name -> what its token weights depend on

@@ -1,7 +1,7 @@
 """What every calibration checks and prepares before any work: the device, the merged model, the
 calibration batches (normalised and checked against the model) and the task names. The checkpoints are opened
-and checked by the front door (io/read/family.py). Shared by a single calibration (core.py) and the
-hyperparameter search (tuning.py).
+and checked by the front door (io/read/family.py). Shared by a single calibration (core/setting.py) and the
+hyperparameter search (tuning/).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from featcal.blocks.adapters import Adapter
-from featcal.calibration import resume as resume_mod
+from featcal.calibration.resume import store as resume_mod
 from featcal.config import FeatCalConfig
 from featcal.errors import CalibrationDataError, ConfigError
 from featcal.io.read import models as io_models  # looked up at call time (tests watch load_model)

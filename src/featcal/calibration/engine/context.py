@@ -7,7 +7,7 @@ step needs (moving a batch, loading an expert's parameters, advancing a chain, l
 norms outside the blocks (outer_norms.py) work through these two, never through the engine.
 
 Chains are keyed (side, task, batch): "m" the merged model's chain hm(t), "e" expert t's he(t), "r" the
-merge as merged followed end to end on each task's first batch (engine.py).
+merge as merged followed end to end on each task's first batch (engine/driver.py).
 """
 
 from __future__ import annotations
@@ -23,15 +23,15 @@ from featcal.blocks.capture import hidden_of
 from featcal.blocks.discovery import Calibrated, calibrated_modules
 from featcal.blocks.linear import features, weight_of
 from featcal.blocks.structure import Stack
-from featcal.calibration import solves
-from featcal.calibration.chains import ChainStore
-from featcal.calibration.distributed import RankGroup
-from featcal.calibration.drift import DriftSums
-from featcal.calibration.expert_placement import point_into
-from featcal.calibration.param_names import block_param_names
-from featcal.calibration.placement import Placement
-from featcal.calibration.prefetch import BlockReader, checked_reads
-from featcal.calibration.statistics import NormalisedSums
+from featcal.calibration.engine.chains import ChainStore
+from featcal.calibration.engine.expert_placement import point_into
+from featcal.calibration.engine.param_names import block_param_names
+from featcal.calibration.engine.placement import Placement
+from featcal.calibration.engine.prefetch import BlockReader, checked_reads
+from featcal.calibration.maths import solves
+from featcal.calibration.maths.distributed import RankGroup
+from featcal.calibration.maths.drift import DriftSums
+from featcal.calibration.maths.statistics import NormalisedSums
 from featcal.config import FeatCalConfig
 from featcal.data.batch import Batch
 from featcal.io.read.param_sources import ParamSource, copy_into

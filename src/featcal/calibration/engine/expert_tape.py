@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from featcal.calibration.chains import map_tensors
+from featcal.calibration.engine.chains import map_tensors
 
 log = logging.getLogger("featcal.calibration")
 

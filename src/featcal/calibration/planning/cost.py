@@ -1,6 +1,6 @@
 """What a calibration computes and moves, per block, counted from the model's shape; a time at a stated throughput.
 
-The counts follow the engine (engine.py) for `block_statistics` "as_merged", the default: per block and task,
+The counts follow the engine (engine/driver.py) for `block_statistics` "as_merged", the default: per block and task,
 every batch of the task runs through the expert's block (its statistics recorded), through the merged block as
 merged (the merged statistics folded in), and through the calibrated block (propagation); one batch per task
 also runs through the block as merged on the reference chain (the end-to-end drift), and one batch through the
@@ -27,8 +27,8 @@ import math
 from dataclasses import dataclass, replace
 
 from featcal.blocks.grams import gram_chunks
-from featcal.calibration.chains import DTYPES
-from featcal.calibration.context import TEACHER_FORM_TOKENS_PER_INPUT
+from featcal.calibration.engine.chains import DTYPES
+from featcal.calibration.engine.context import TEACHER_FORM_TOKENS_PER_INPUT
 from featcal.config import FeatCalConfig
 
 _OUTPUT_PROJECTIONS = {"out_proj", "o_proj", "o", "wo"}  # read the attention output, not the block input

@@ -17,11 +17,7 @@ from torch import nn
 
 from featcal.blocks.adapters import Adapter, adapter_for
 from featcal.blocks.structure import Stack
-from featcal.calibration import expert_placement
-from featcal.calibration import resume as resume_mod
-from featcal.calibration.distributed import RankGroup, current_group
-from featcal.calibration.engine import EngineOptions, EngineResult, ExpertReads, FeatCalEngine, SearchHooks
-from featcal.calibration.inputs import (
+from featcal.calibration.core.inputs import (
     ModelLike,
     as_model,
     check_base_for_rho,
@@ -32,10 +28,20 @@ from featcal.calibration.inputs import (
     normalise_batches,
     resolve_device,
 )
-from featcal.calibration.param_names import needed_param_names
-from featcal.calibration.placement import Placement
-from featcal.calibration.result import CalibrationResult, DriftRow
-from featcal.calibration.template import expert_template
+from featcal.calibration.core.result import CalibrationResult, DriftRow
+from featcal.calibration.engine import expert_placement
+from featcal.calibration.engine.driver import (
+    EngineOptions,
+    EngineResult,
+    ExpertReads,
+    FeatCalEngine,
+    SearchHooks,
+)
+from featcal.calibration.engine.param_names import needed_param_names
+from featcal.calibration.engine.placement import Placement
+from featcal.calibration.engine.template import expert_template
+from featcal.calibration.maths.distributed import RankGroup, current_group
+from featcal.calibration.resume import store as resume_mod
 from featcal.config import FeatCalConfig
 from featcal.data.batch import Batch
 from featcal.io.read.family import InputFamily, open_family

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from featcal.calibration.statistics import TaskSums
+from featcal.calibration.maths.statistics import TaskSums
 from featcal.errors import CalibrationDataError, FeatCalError
 
 log = logging.getLogger("featcal.calibration")

@@ -23,11 +23,11 @@ import torch
 
 from featcal.blocks.capture import hidden_of
 from featcal.blocks.discovery import Calibrated
-from featcal.calibration.context import BlockContext
-from featcal.calibration.drift import DriftSums
-from featcal.calibration.expert_tape import TapeEntry
-from featcal.calibration.hooks import ExpertRecorder, MergedFolder, StopAfter, group_inputs, plan_block
-from featcal.calibration.statistics import NormalisedSums, TaskSums
+from featcal.calibration.engine.context import BlockContext
+from featcal.calibration.engine.expert_tape import TapeEntry
+from featcal.calibration.engine.hooks import ExpertRecorder, MergedFolder, StopAfter, group_inputs, plan_block
+from featcal.calibration.maths.drift import DriftSums
+from featcal.calibration.maths.statistics import NormalisedSums, TaskSums
 from featcal.data.batch import Batch
 from featcal.errors import FeatCalError
 

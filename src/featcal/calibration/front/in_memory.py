@@ -1,7 +1,7 @@
 """Calibrate models or checkpoints the caller holds, from data in memory or sources read here: what
 `featcal.calibrate` does without `out=` (api.py), and what the pipeline runs on the merge it loaded before it
 writes the folder (pipeline.py). Checks the request, reads the data (task_data.py), then runs one calibration
-(core.py) or the label-free hyperparameter search (tuning/); writes nothing."""
+(core/setting.py) or the label-free hyperparameter search (tuning/); writes nothing."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from featcal.calibration import core, tuning
-from featcal.calibration.inputs import ModelLike
-from featcal.calibration.result import CalibrationResult
-from featcal.calibration.task_data import resolve_calibration
+from featcal.calibration import tuning
+from featcal.calibration.core import setting as core
+from featcal.calibration.core.inputs import ModelLike
+from featcal.calibration.core.result import CalibrationResult
+from featcal.calibration.front.task_data import resolve_calibration
 from featcal.config import DEFAULT_MAX_LENGTH, FeatCalConfig, check_expert_kinds, run_options
 from featcal.errors import ConfigError
 

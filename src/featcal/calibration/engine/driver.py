@@ -19,7 +19,7 @@ For each stack (one for encoders and decoders, two for T5) the engine
 With `offload_blocks` (placement.py) the models and chains stay on the host: the stems go to the
 device for step 1, block l of both models for step 2, and each batch's chain entries as they are used.
 
-Resume (resume.py): after every `checkpoint_every`-th block and after the last one, the blocks
+Resume (resume/store.py): after every `checkpoint_every`-th block and after the last one, the blocks
 calibrated since the previous checkpoint and all chains are committed.
 
 Drift record per block (drift.py): mean over valid tokens of ‖hm − he‖² / ‖he‖² (token weights 1, padding
@@ -50,18 +50,18 @@ from tqdm.auto import tqdm
 from featcal.blocks.adapters import Adapter
 from featcal.blocks.discovery import ROUTED_EXPERTS, kept_merged
 from featcal.blocks.structure import Stack
-from featcal.calibration import block_tuning, gather, one_pass, outer_norms
-from featcal.calibration.block_tuning import BlockTuning
-from featcal.calibration.context import ExpertReads, RunContext  # ExpertReads: re-exported
-from featcal.calibration.distributed import RankGroup, current_group
-from featcal.calibration.drift import DriftSums
-from featcal.calibration.expert_tape import ExpertTape
-from featcal.calibration.param_names import block_param_names, stem_param_names
-from featcal.calibration.placement import Placement
-from featcal.calibration.prefetch import BlockReader
-from featcal.calibration.replay import check_context_replay
-from featcal.calibration.resume import Position, ResumeStateError, ResumeStore, common_position
-from featcal.calibration.template import block_storage
+from featcal.calibration.engine import block_tuning, gather, one_pass, outer_norms
+from featcal.calibration.engine.block_tuning import BlockTuning
+from featcal.calibration.engine.context import ExpertReads, RunContext  # ExpertReads: re-exported
+from featcal.calibration.engine.expert_tape import ExpertTape
+from featcal.calibration.engine.param_names import block_param_names, stem_param_names
+from featcal.calibration.engine.placement import Placement
+from featcal.calibration.engine.prefetch import BlockReader
+from featcal.calibration.engine.replay import check_context_replay
+from featcal.calibration.engine.template import block_storage
+from featcal.calibration.maths.distributed import RankGroup, current_group
+from featcal.calibration.maths.drift import DriftSums
+from featcal.calibration.resume.store import Position, ResumeStateError, ResumeStore, common_position
 from featcal.config import FeatCalConfig
 from featcal.data.batch import Batch
 from featcal.io.process import host_allocator, interrupts

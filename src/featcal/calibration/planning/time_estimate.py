@@ -1,6 +1,6 @@
 """The time a calibration would take on this machine, from a short measured probe.
 
-calibration/cost.py counts what a run computes (per block: forwards, statistics, fold and solves, bytes
+calibration/planning/cost.py counts what a run computes (per block: forwards, statistics, fold and solves, bytes
 read) and turns the counts into seconds at a Throughput. Its stated throughputs describe kinds of machines
 (a CPU server, a 24 GB card, an 80 GB card); `measure` replaces them by what this machine does now: it
 times, for about half a second, float32 products shaped as the run's largest block Linear on one batch
@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from featcal.calibration import cost
+from featcal.calibration.planning import cost
 from featcal.config import FeatCalConfig
 
 PROBE_SECONDS = 0.5  # the whole probe, both parts
@@ -119,8 +119,8 @@ def run_time(source, *, tasks: int, config: FeatCalConfig, max_length: int, meas
              throughput: cost.Throughput | None = None) -> tuple[list[cost.BlockCounts], cost.TimeEstimate]:
     """The run's per-block counts and time: from a probe of this machine (`measure`), or at `throughput` (the stated
     one of config.device when None). `source`: the merged checkpoint or a config."""
-    from featcal.calibration.fit import file_bytes
-    from featcal.calibration.planner import model_shape
+    from featcal.calibration.planning.fit import file_bytes
+    from featcal.calibration.planning.planner import model_shape
     from featcal.io.read.models import load_config
 
     model_config = load_config(source)

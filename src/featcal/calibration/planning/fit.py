@@ -15,8 +15,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from featcal.calibration import cost
-from featcal.calibration.planner import (
+from featcal.calibration.planning import cost
+from featcal.calibration.planning.planner import (
     MemoryPlan,
     ModelShape,
     alternatives,

@@ -19,7 +19,7 @@ batch's activations and chain entries). The host then holds no statistics, ancho
 
 With --device cuda and no offloading the models and chains live on the device for the whole run: the
 device holds what the host would (two models, chains, one block's transients: the "run" phase), and the
-host holds, at its peak, both models as loaded before they move (core.py copies the template on the host).
+host holds, at its peak, both models as loaded before they move (core/setting.py copies the template on the host).
 
 The shapes come from the model built on the meta device from its config (`model_shape`, what `featcal plan`
 uses, with or without checkpoints: `plan_for_config` needs nothing but the config), or from a loaded model
@@ -44,9 +44,9 @@ from torch import nn
 from featcal.blocks.adapters import adapter_for
 from featcal.blocks.discovery import calibrated_modules
 from featcal.blocks.support import check_config
-from featcal.calibration.chains import DTYPES
-from featcal.calibration.cost import input_groups
-from featcal.calibration.placement import stem_parts
+from featcal.calibration.engine.chains import DTYPES
+from featcal.calibration.engine.placement import stem_parts
+from featcal.calibration.planning.cost import input_groups
 from featcal.config import DEFAULT_MAX_LENGTH, FeatCalConfig
 from featcal.errors import ConfigError
 from featcal.io.read.models import load_config
@@ -306,7 +306,7 @@ _LOADED = ("merged model", "expert template")  # on the host too until they move
 def _resident(comps: list[Component], chains_all: int, settings: dict) -> MemoryPlan:
     """The plan of a run on an accelerator without offloading: both models, the chains and one block's
     transients on the device for the whole run (phase "run"); on the host, the models as loaded, before they move
-    (core.py copies the template on the host, then placement.setup moves both), the inputs, the experts' blocks
+    (core/setting.py copies the template on the host, then placement.setup moves both), the inputs, the experts' blocks
     read ahead (copied into the device template in place, one tensor at a time) and the baseline."""
     host = [c for c in comps if c.name in _ON_HOST + _LOADED]
     device = [Component(c.name, c.bytes, c.detail, "run") for c in comps if c.name not in _ON_HOST]
@@ -316,7 +316,7 @@ def _resident(comps: list[Component], chains_all: int, settings: dict) -> Memory
 def _one_pass_parts(config: FeatCalConfig, tasks: int, local_batches: int, act: int, block_params: int,
                     phase: str = "") -> list[Component]:
     """block_statistics sequential_one_pass holds every batch's paused block forwards (both sides) at once, and
-    a copy of the expert's block per task (calibration/one_pass.py); nothing for the other modes."""
+    a copy of the expert's block per task (calibration/engine/one_pass.py); nothing for the other modes."""
     if config.block_statistics != "sequential_one_pass":
         return []
     return [

@@ -18,7 +18,7 @@ from torch import nn
 from featcal.blocks.adapters import Adapter
 from featcal.blocks.capture import hidden_of, split_call
 from featcal.blocks.structure import Stack
-from featcal.calibration.placement import Placement
+from featcal.calibration.engine.placement import Placement
 from featcal.errors import FeatCalError
 
 

@@ -1,4 +1,4 @@
-"""`featcal.calibrate`: the public entry point. Checks the request, then runs one calibration (core.py)
+"""`featcal.calibrate`: the public entry point. Checks the request, then runs one calibration (core/setting.py)
 or the label-free hyperparameter search (tuning/); either way a CalibrationResult comes back (result.py).
 
 The arguments of `calibrate` in full:
@@ -48,9 +48,9 @@ import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from featcal.calibration.in_memory import calibrate_models, checked_config
-from featcal.calibration.inputs import ModelLike, adapter_reader, resolve_device
-from featcal.calibration.result import CalibrationResult
+from featcal.calibration.core.inputs import ModelLike, adapter_reader, resolve_device
+from featcal.calibration.core.result import CalibrationResult
+from featcal.calibration.front.in_memory import calibrate_models, checked_config
 from featcal.config import DEFAULT_MAX_LENGTH, FeatCalConfig, OutputOptions, parse, run_options
 from featcal.errors import ConfigError
 
@@ -111,9 +111,9 @@ def calibrate(
 def _calibrate_into(merged: ModelLike, out: str | os.PathLike, *, base: ModelLike | None,
                     experts: Mapping[str, ModelLike], calibration: Mapping[str, Any], heads: Mapping[str, Any] | None,
                     refused: Mapping[str, bool], **options: Any) -> CalibrationResult:
-    """calibrate(..., out=): the CLI's pipeline (calibration/pipeline.py), which checks everything before any
+    """calibrate(..., out=): the CLI's pipeline (calibration/front/pipeline.py), which checks everything before any
     work, calibrates and writes the folder; refused (ConfigError) for what it cannot name in featcal.json."""
-    from featcal.calibration.pipeline import CalibrateRequest, calibrate_to_dir
+    from featcal.calibration.front.pipeline import CalibrateRequest, calibrate_to_dir
 
     given = [f"{name}=" for name, on in refused.items() if on]
     if given:

@@ -35,12 +35,12 @@ from torch import nn
 
 from featcal.blocks.capture import hidden_of
 from featcal.blocks.discovery import Calibrated
-from featcal.calibration import gather
-from featcal.calibration.context import BlockContext
-from featcal.calibration.drift import DriftSums
-from featcal.calibration.gather import BlockDrift
-from featcal.calibration.hooks import ExpertRecorder, MergedFolder, plan_block
-from featcal.calibration.statistics import TaskSums
+from featcal.calibration.engine import gather
+from featcal.calibration.engine.context import BlockContext
+from featcal.calibration.engine.gather import BlockDrift
+from featcal.calibration.engine.hooks import ExpertRecorder, MergedFolder, plan_block
+from featcal.calibration.maths.drift import DriftSums
+from featcal.calibration.maths.statistics import TaskSums
 from featcal.errors import FeatCalError
 
 try:  # a small C extension (PyPI wheels for every platform torch has); imported where the variant runs

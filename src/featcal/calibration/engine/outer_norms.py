@@ -24,11 +24,11 @@ from torch import nn
 from featcal.blocks.adapters import FinalNorm
 from featcal.blocks.discovery import module_kind
 from featcal.blocks.structure import Stack, get_path
-from featcal.calibration import solves
-from featcal.calibration.context import RunContext
-from featcal.calibration.drift import DriftSums
-from featcal.calibration.hooks import normalised_input
-from featcal.calibration.statistics import NormalisedSums, TaskSums
+from featcal.calibration.engine.context import RunContext
+from featcal.calibration.engine.hooks import normalised_input
+from featcal.calibration.maths import solves
+from featcal.calibration.maths.drift import DriftSums
+from featcal.calibration.maths.statistics import NormalisedSums, TaskSums
 from featcal.data.batch import Batch
 from featcal.errors import FeatCalError
 

@@ -20,11 +20,11 @@ from typing import Any
 import torch
 
 from featcal.blocks.support import check_config
-from featcal.calibration.distributed import RankGroup, current_group
-from featcal.calibration.in_memory import calibrate_models
-from featcal.calibration.inputs import check_variant_packages, resolve_device
-from featcal.calibration.result import CalibrationResult
-from featcal.calibration.resume import default_resume_dir, discard_on_error
+from featcal.calibration.core.inputs import check_variant_packages, resolve_device
+from featcal.calibration.core.result import CalibrationResult
+from featcal.calibration.front.in_memory import calibrate_models
+from featcal.calibration.maths.distributed import RankGroup, current_group
+from featcal.calibration.resume.store import default_resume_dir, discard_on_error
 from featcal.calibration.tuning import load_heads, merge_scaling_from_report
 from featcal.config import (
     FeatCalConfig,
